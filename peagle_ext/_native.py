@@ -1,0 +1,53 @@
+"""Loads the native module peagle_ext._C with a readable error when it cannot be used.
+
+The guard compares the torch this process imports with the torch the extension was built
+against (written to _build_info.json by CMake), because a mismatch otherwise surfaces as an
+"undefined symbol" trace from the dynamic loader.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+_REBUILD = "rebuild it with: pip install --no-build-isolation -e .  (or `pip install --no-build-isolation .`)"
+
+
+def _load():
+    info_path = _HERE / "_build_info.json"
+    built = None
+    if info_path.exists():
+        built = json.loads(info_path.read_text())
+        if built.get("torch_version") != torch.__version__:
+            raise ImportError(
+                f"peagle_ext was built against torch {built.get('torch_version')} but this process "
+                f"imports torch {torch.__version__}; the compiled ops are not ABI compatible. {_REBUILD}")
+    try:
+        from . import _C  # noqa: F401  (registers torch.ops.peagle.*)
+    except ImportError as e:
+        if built is None:
+            raise ImportError(f"peagle_ext's native module is not built ({e}). {_REBUILD}") from e
+        raise ImportError(
+            f"peagle_ext's native module failed to load ({e}); it was built against torch "
+            f"{built.get('torch_version')}, this is torch {torch.__version__}. {_REBUILD}") from e
+    return _C
+
+
+_C = _load()
+ops = torch.ops.peagle
+
+
+def build_info() -> dict:
+    """What this build of peagle_ext contains: backends, CUDA archs, torch/CUDA versions."""
+    info = dict(_C.build_info())
+    info["backends"] = [b for b in info["backends"].split(",") if b]
+    info["cuda_archs"] = [a for a in info["cuda_archs"].split(",") if a]
+    info["torch_runtime"] = torch.__version__
+    info["cuda_available"] = torch.cuda.is_available()
+    return info
+
+
+def has_cuda_kernels() -> bool:
+    return "cuda" in build_info()["backends"]
