@@ -45,4 +45,11 @@ TORCH_LIBRARY(peagle, m) {
       "Tensor(a!) input_ids, Tensor(b!) positions, Tensor(c!) hidden, Tensor(d!) is_rejected, Tensor(e!) is_masked, "
       "Tensor(f!) token_indices_to_sample, Tensor(g!) hidden_state_mapping, Tensor(h!) slot_mapping, "
       "Tensor(i!) new_query_start_loc) -> ()");
+  // Test-only, CPU: the CUDA kernel's launch plan and block phases run on the CPU
+  // (csrc/vllm/cpu/parallel_draft_emulation.cpp); vec_bytes 0 = the launcher's choice.
+  m.def(
+      "_parallel_draft_kernel_emulation(Tensor target_token_ids, Tensor target_positions, Tensor next_token_ids, "
+      "Tensor query_start_loc, Tensor? num_rejected_tokens, Tensor target_hidden, Tensor mask_hidden, "
+      "Tensor block_table, int num_spec_tokens, int mask_token_id, int block_size, int max_model_len, "
+      "int vec_bytes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -370,6 +370,44 @@ def test_native_op_checks_too(rng):
 
 
 # ----------------------------------------------------------------------------------------
+# the CUDA kernel's schedule, emulated on the CPU (runs everywhere)
+# ----------------------------------------------------------------------------------------
+EMULATION_CASES = [
+    # B, K, H, dtype, vec_bytes, extra kwargs
+    (1, 3, 4096, torch.bfloat16, 16, {}),           # 512 units per row: 2 rows per block
+    (5, 7, 4096, torch.float32, 16, {}),            # 1024 units per row: 1 row per block
+    (5, 7, 8192, torch.float32, 16, {}),            # 2048 units per row: 2 passes per block
+    (33, 5, 4096, torch.bfloat16, 8, {"general": True, "near_max": True}),
+    (33, 5, 4096, torch.bfloat16, 4, {}),
+    (33, 5, 4096, torch.bfloat16, 2, {}),
+    (17, 4, 4095, torch.bfloat16, 0, {}),           # 2-byte rows
+    (17, 4, 6, torch.bfloat16, 0, {}),              # 12-byte rows -> 4-byte units, 85 rows per block
+    (17, 4, 3, torch.float32, 0, {}),
+    (40, 1, 24, torch.float16, 0, {"general": True}),
+    (3, 10, 16, torch.float32, 16, {"prefill_frac": 1.0, "max_prefill": 3000}),  # 256 rows per block
+    (64, 2, 1, torch.bfloat16, 2, {"general": True}),  # 1 unit per row: 1024 rows per block
+    (9000, 2, 8, torch.float32, 16, {"prefill_frac": 0.0}),  # query_start_loc searched in global memory
+]
+
+
+@pytest.mark.parametrize("B,K,H,dtype,vec_bytes,extra", EMULATION_CASES)
+def test_cuda_kernel_schedule_emulated_on_cpu(rng, B, K, H, dtype, vec_bytes, extra):
+    """The kernel's launch plan + block phases (the code the .cu compiles), run on the CPU."""
+    args, kw = make_batch(rng, B=B, K=K, H=H, dtype=dtype, **extra)
+    want = call(prepare_parallel_draft_inputs, args, kw)
+    got = DraftBatch(*ops._parallel_draft_kernel_emulation(
+        *args.values(), kw["num_spec_tokens"], kw["mask_token_id"], kw["block_size"], kw["max_model_len"],
+        vec_bytes))
+    assert_same(got, want, f"emulated kernel (vec {vec_bytes}): ")
+
+
+def test_cuda_kernel_emulation_rejects_a_unit_that_does_not_divide_rows(rng):
+    args, kw = make_batch(rng, B=2, K=2, H=6, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="vec_bytes"):
+        ops._parallel_draft_kernel_emulation(*args.values(), *kw.values(), 8)
+
+
+# ----------------------------------------------------------------------------------------
 # CUDA
 # ----------------------------------------------------------------------------------------
 CUDA_CASES = [

@@ -136,6 +136,18 @@ struct ParallelDraftParams {
   int32_t mask_token_id;
 };
 
+// The widest copy unit (16, 8, 4 or 2 bytes) that divides a hidden row and aligns the three
+// hidden pointers; 0 if none (cannot happen for 2- and 4-byte element types).
+inline int copy_unit_bytes(const ParallelDraftParams& p) {
+  const int units[] = {16, 8, 4, 2};
+  for (int w : units) {
+    const bool ok = p.hidden_row_bytes % w == 0 && reinterpret_cast<uintptr_t>(p.target_hidden) % w == 0 &&
+                    reinterpret_cast<uintptr_t>(p.mask_hidden) % w == 0 && reinterpret_cast<uintptr_t>(p.hidden) % w == 0;
+    if (ok) return w;
+  }
+  return 0;
+}
+
 // One launch on `stream` (a cudaStream_t passed as void* so this header needs no CUDA
 // include). Returns the cudaError_t of the launch as int (0 = success).
 int launch_parallel_draft(const ParallelDraftParams& p, void* stream);
