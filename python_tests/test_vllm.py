@@ -333,6 +333,25 @@ def test_bad_values_are_checked_on_cpu(rng, case, match):
         call(prepare_parallel_draft_inputs, args, kw)
 
 
+@pytest.mark.parametrize("name", ["target_positions", "next_token_ids", "query_start_loc", "num_rejected_tokens",
+                                  "target_hidden", "mask_hidden", "block_table"])
+def test_device_mismatch_is_named(rng, name):
+    args, kw = _good(rng)
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} must be on cpu"):
+        call(prepare_parallel_draft_inputs, args, kw)
+
+
+def test_meta_tensors_give_shapes(rng):
+    """The fake implementation (torch.compile, meta device) sizes every output."""
+    args, kw = make_batch(rng, B=7, K=4, H=12)
+    t_in = args["target_token_ids"].shape[0]
+    got = DraftBatch(*ops.prepare_parallel_draft_inputs(*[v.to("meta") for v in args.values()], *kw.values()))
+    want = DraftBatch.empty(t_in, 7, 4, 12, dtype=torch.float32)
+    for f in FIELDS:
+        assert getattr(got, f).shape == getattr(want, f).shape and getattr(got, f).dtype == getattr(want, f).dtype
+
+
 def test_bad_out_arguments(rng):
     args, kw = _good(rng)
     t_in = args["target_token_ids"].shape[0]
