@@ -385,6 +385,29 @@ def test_cuda_side_stream_and_second_device_index():
     assert torch.equal(got_anchor.cpu(), expect.anchor)
 
 
+@requires_cuda
+def test_cuda_one_host_sync_and_two_launches_per_depth():
+    """The CUDA op syncs with the host once (to size T): no per-depth round trips."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(5)
+    doc, lm = random_documents(20000, g)
+    d, m = doc.cuda(), lm.cuda()
+    args = (8, 0.7, 0.2, -1, True, 1)
+    ops.cod_sample(d, m, *args)  # warm the allocators
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ops.cod_sample(d, m, *args)
+    names = [e.name for e in prof.events()]
+    launches = sum(name.startswith("cudaLaunchKernel") for name in names)
+    if launches == 0:
+        pytest.skip("the profiler recorded no CUDA runtime calls here")
+    syncs = [name for name in names if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                "cudaEventSynchronize", "cudaStreamWaitEvent")]
+    assert syncs == ["cudaStreamSynchronize"], names
+    assert sum(name.startswith("cudaMemcpy") for name in names) == 1, names
+    assert launches <= 2 * args[0] + 2, names
+
+
 # ---- bad input --------------------------------------------------------------------------------
 def _good(n=50, device="cpu"):
     return torch.zeros(n, dtype=torch.int32, device=device), torch.ones(n, dtype=torch.bool, device=device)
