@@ -369,7 +369,7 @@ def test_n_131072(device):
 
 
 @requires_cuda
-def test_cuda_side_stream_and_second_device_index():
+def test_cuda_runs_on_the_current_stream():
     """The op runs on the current stream of the inputs' device."""
     g = torch.Generator().manual_seed(3)
     doc, lm = random_documents(9000, g)
