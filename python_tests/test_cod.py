@@ -140,7 +140,8 @@ def test_cuda_selection_paths(bin_bits, monkeypatch, rng):
         assert_same_layout(sample(doc, lm, "cuda", **kw), sample(doc, lm, **kw))
 
 
-def test_speculators_worked_example():
+@pytest.mark.parametrize("device", devices())
+def test_speculators_worked_example(device):
     """speculators' create_peagle_mask_mod docstring: N=6, one document, all loss-masked.
     Its example layout obeys our rules (and a broken variant does not), and our samples of
     that sequence have the same structure."""
@@ -158,6 +159,7 @@ def test_speculators_worked_example():
     with pytest.raises(AssertionError):
         check_rules_with_sizes(broken, doc, lm, [6, 4, 2, 1])
 
+    doc, lm = doc.to(device), lm.to(device)
     for seed in range(50):
         layout = cod_sample(doc, lm, num_depths=4, down_sample_ratio=1.0, down_sample_ratio_min=0.0, seed=seed)
         check_layout_rules(layout, doc, lm, num_depths=4, down_sample_ratio=1.0, down_sample_ratio_min=0.0)
