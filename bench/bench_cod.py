@@ -2,7 +2,8 @@
 
 pytest-benchmark:  PYTHONPATH=. python -m pytest bench/bench_cod.py --benchmark-only
 table + JSON:      PYTHONPATH=. python bench/bench_cod.py [--sizes 4096,32768] [--reps 50]
-                   (writes $OUT/bench_cod.json, or ./bench_out/bench_cod.json)
+                   (writes $OUT/bench_cod.json, or ./bench_out/bench_cod.json; QUICK=1 in the
+                   environment: N = 4K and 32K only, fewer repetitions)
 
 The baseline restates speculators' generate_cod_sample_indices (models/peagle/data.py):
 positions with loss form the seed set (optionally a random subset of max_anchors), and each
@@ -119,8 +120,8 @@ def test_bench_cod(benchmark, n, device, impl):
 
 
 # ---- table + JSON ---------------------------------------------------------------------------
-def time_ms(fn, device: str, reps: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
+def time_ms(fn, device: str, reps: int) -> float:
+    for _ in range(5 if device == "cuda" else 1):
         fn()
     times = []
     if device == "cuda":
@@ -141,9 +142,10 @@ def time_ms(fn, device: str, reps: int, warmup: int = 5) -> float:
 
 
 def main():
+    quick = os.environ.get("QUICK", "0") == "1"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--sizes", default="4096,32768" if quick else ",".join(map(str, SIZES)))
+    ap.add_argument("--reps", type=int, default=20 if quick else 50)
     ap.add_argument("--devices", default=",".join(_devices()))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
