@@ -29,7 +29,7 @@ fi
 if have tests; then
   t0=$(date +%s)
   files=$(ls python_tests/test_{cod,attention,loss,vllm}.py 2>/dev/null)
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -ra -x --junitxml="$OUT/junit.xml" $files > "$OUT/tests.log" 2>&1
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -ra --timeout=180 --junitxml="$OUT/junit.xml" $files > "$OUT/tests.log" 2>&1
   rc=$?; note "tests: rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/tests.log")"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30 | tee -a "$summary"
 fi
