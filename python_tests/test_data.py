@@ -465,6 +465,13 @@ def test_resolve_and_load_verifier(tiny_dir, tmp_path):
     model, tok = D.load_verifier(str(tiny_dir))
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tok.chat_template == CHATML
+    m16, _ = D.load_verifier(str(tiny_dir), dtype=torch.bfloat16)
+    row = D.PackedSequence(torch.tensor([5, 6, 7, 0]), torch.tensor([0, 0, 0, -1], dtype=torch.int32),
+                           torch.tensor([0, 1, 1, 0], dtype=torch.bool))
+    aux, last = D.verifier_hidden_states(m16, row, [1, 2])
+    assert aux.dtype == last.dtype == torch.bfloat16
+    aux32, last32 = D.verifier_hidden_states(model, row, [1, 2])
+    torch.testing.assert_close(last.float(), last32, rtol=0.05, atol=0.05)
 
     with pytest.raises(D.DataError, match="not found"):
         D.resolve_verifier_path(str(tmp_path / "nope"))
