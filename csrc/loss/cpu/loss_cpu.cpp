@@ -138,7 +138,9 @@ void rows_cpu_typed(RowsChunk& c) {
   // -1: row not counted; else 1 when the two argmaxes agree. Counted serially below.
   std::vector<int8_t> agree(static_cast<size_t>(rows), -1);
 
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  // Rows are independent; a task gets at least ~64K logits so small chunks run inline.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(vocab, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* d = draft + r * vocab;
       const scalar_t* t = target + r * vocab;
