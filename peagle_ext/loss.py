@@ -139,7 +139,7 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
     if t:
         wf = weight if weight.dtype.is_floating_point else None
         flags += [(~torch.isfinite(wf)).any() if wf is not None else torch.zeros((), dtype=torch.bool, device=device),
-                  (weight < 0).any(), depth.min() < 0, depth.max() >= num_depths]
+                  (weight < 0).any(), depth.min().long() < 0, depth.max().long() >= num_depths]
     if d2t is not None:
         ids = torch.arange(vd, device=device, dtype=torch.int64) + d2t.to(torch.int64)
         sorted_ids = ids.sort().values
