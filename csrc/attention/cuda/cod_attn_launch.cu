@@ -65,7 +65,7 @@ size_t cod_attn_metadata_workspace(int N) {
   size_t scan_bytes = 0;
   cub::DeviceScan::InclusiveScan(nullptr, scan_bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
                                  cuda::MaxOp{}, N);
-  return ((scan_bytes + 255) / 256) * 256 + static_cast<size_t>(N) * sizeof(int32_t);
+  return ((scan_bytes + 255) / 256) * 256 + 2 * ((static_cast<size_t>(N) * sizeof(int32_t) + 255) / 256) * 256;
 }
 
 void cod_attn_metadata_launch(const int32_t* anchor, const int32_t* depth, const int32_t* document_ids, int T, int N,
@@ -79,10 +79,13 @@ void cod_attn_metadata_launch(const int32_t* anchor, const int32_t* depth, const
   cub::DeviceScan::InclusiveScan(nullptr, scan_bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
                                  cuda::MaxOp{}, N);
   const size_t scan_padded = ((scan_bytes + 255) / 256) * 256;
-  int32_t* run_start = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + scan_padded);
+  // flags and run_start are separate buffers (no reliance on an in-place scan)
+  const size_t n_padded = ((static_cast<size_t>(N) * sizeof(int32_t) + 255) / 256) * 256;
+  int32_t* flags = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + scan_padded);
+  int32_t* run_start = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + scan_padded + n_padded);
   if (N > 0) {
-    cuda::run_start_flags_kernel<<<(N + 255) / 256, 256, 0, stream>>>(document_ids, N, run_start);
-    cub::DeviceScan::InclusiveScan(workspace, scan_bytes, run_start, run_start, cuda::MaxOp{}, N, stream);
+    cuda::run_start_flags_kernel<<<(N + 255) / 256, 256, 0, stream>>>(document_ids, N, flags);
+    cub::DeviceScan::InclusiveScan(workspace, scan_bytes, flags, run_start, cuda::MaxOp{}, N, stream);
   }
   cuda::Offsets off;
   for (int e = 0; e <= K; ++e) off.v[e] = depth_offsets[e];
