@@ -221,6 +221,14 @@ def main():
             t = lay.num_tokens
             row = {"N": n, "max_anchors": cap, "T": t}
             row["ours"] = bench_ours(lay)
+            if (n, cap) in ((8192, 1024), (4096, None)):
+                # forward CTA shape A/B (PEAGLE_ATTN_FWD_WARPS): 8 warps x 16 rows vs 4 warps x 16 rows
+                os.environ["PEAGLE_ATTN_FWD_WARPS"] = "4"
+                alt = bench_ours(lay)
+                os.environ.pop("PEAGLE_ATTN_FWD_WARPS")
+                row["ours_fwd4warps"] = {"fwd_ms": alt["fwd_ms"], "fwd_bwd_ms": alt["fwd_bwd_ms"]}
+                print(f"  fwd CTA A/B at N={n} cap={cap}: 8 warps fwd {row['ours']['fwd_ms']:.2f} ms, "
+                      f"4 warps fwd {alt['fwd_ms']:.2f} ms", flush=True)
             pairs = row["ours"]["pairs"]
             o = row["ours"]
             o["fwd_tflops"] = tflops(pairs, o["fwd_ms"])

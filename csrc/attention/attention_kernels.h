@@ -37,6 +37,7 @@ struct CodAttnParams {
   int T = 0, N = 0, Hq = 0, Hkv = 0, D = 0, K = 0, group = 1;
   int symmetric = 1, use_sink = 0;
   float scale = 1.f, scale_log2 = 1.f;
+  int fwd_warps = 8;  // forward CTA size: 8 or 4 warps (env PEAGLE_ATTN_FWD_WARPS, read by the glue)
   int depth_offsets[kMaxChain + 1] = {};
 };
 

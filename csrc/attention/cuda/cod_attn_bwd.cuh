@@ -45,12 +45,13 @@ struct DqConfig {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kTileBytes = (2 * kBM * D + 4 * BN * D) * 2;  // Q, dO + 2 stages of K, V
   static constexpr int kSmemBytes = kTileBytes + (7 * kBM + 8 * NWARPS) * 4;
+  static constexpr int chain_bytes(int K) { return NWARPS * 16 * K * 8; }
 };
 
 template <int D, typename T, int NWARPS, int BN>
 __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAttnParams p, const TileMap tm) {
   using Cfg = DqConfig<D, NWARPS, BN>;
-  constexpr int BM = Cfg::kBM, NT = Cfg::kThreads, EPL = D / 32;
+  constexpr int BM = Cfg::kBM, NT = Cfg::kThreads;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sdO = sQ + BM * D;
@@ -60,6 +61,8 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
   float* s_lse2 = reinterpret_cast<float*>(s_meta + 5 * BM);
   float* s_delta = s_lse2 + BM;
   int* s_red = reinterpret_cast<int*>(s_delta + BM);
+  float* s_chain_s = reinterpret_cast<float*>(s_red + 8 * NWARPS);
+  int* s_chain_c = reinterpret_cast<int*>(s_chain_s + NWARPS * 16 * p.K);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -94,9 +97,7 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
   cp_async_wait<0>();
   __syncthreads();
 
-  uint32_t qf[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[kk], sQa, 16 * warp, kk, lane);
+  // Q and dO fragments are re-read from shared memory per key block (registers go to dQ, S, dP).
   float dq[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
@@ -105,52 +106,43 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
   const float dlt[2] = {s_delta[16 * warp + g], s_delta[16 * warp + g + 8]};
   const float sl2 = p.scale_log2;
 
-  // ---- chain keys
+  // ---- chain keys: lanes take (row, slot) pairs: ds = p * (dO.v_c - delta), then the quad
+  // owning a row adds ds * k_c to its dQ columns.
   if (tk.any_chain) {
+    const int K = p.K;
+    float* cs = s_chain_s + warp * 16 * K;
+    int* ci = s_chain_c + warp * 16 * K;
     const T* kb = static_cast<const T*>(p.k) + int64_t(hk) * D;
     const T* vb = static_cast<const T*>(p.v) + int64_t(hk) * D;
 #pragma unroll 1
-    for (int rl = 0; rl < 16; ++rl) {
+    for (int pi = lane; pi < 16 * K; pi += 32) {
+      const int rl = pi / K, e = pi - rl * K;
       const int row = 16 * warp + rl;
-      if (row >= qt.rows) break;
-      const int64_t i = qt.row0 + row;
-      float qv[EPL], dov[EPL];
-#pragma unroll
-      for (int x = 0; x < EPL; ++x) {
-        qv[x] = static_cast<float>(sQ[swz_elem<D>(row, lane * EPL + x)]);
-        dov[x] = static_cast<float>(sdO[swz_elem<D>(row, lane * EPL + x)]);
+      const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+      float ds = 0.f;
+      if (c >= 0) {
+        const float sv = dot_smem_global<D, T>(sQ, row, kb + int64_t(c) * kld);
+        const float dp = dot_smem_global<D, T>(sdO, row, vb + int64_t(c) * kld);
+        ds = fast_exp2(sv * sl2 - s_lse2[row]) * (dp - s_delta[row]);
       }
-      const float row_lse2 = s_lse2[row], row_delta = s_delta[row];
-#pragma unroll 1
-      for (int e = 0; e < p.K; ++e) {
-        const int c = p.chain[i * p.K + e];
+      cs[pi] = ds;
+      ci[pi] = c;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int rl = g + 8 * r;
+#pragma unroll 2
+      for (int e = 0; e < K; ++e) {
+        const int c = ci[rl * K + e];
         if (c < 0) continue;
-        float kv[EPL], vv[EPL];
-        load_floats<EPL>(kb + int64_t(c) * kld + lane * EPL, kv);
-        load_floats<EPL>(vb + int64_t(c) * kld + lane * EPL, vv);
-        float s = 0.f, dp = 0.f;
+        const float ds = cs[rl * K + e];
+        const T* kr = kb + int64_t(c) * kld + 2 * t;
 #pragma unroll
-        for (int x = 0; x < EPL; ++x) {
-          s += qv[x] * kv[x];
-          dp += dov[x] * vv[x];
-        }
-        s = warp_sum(s);
-        dp = warp_sum(dp);
-        const float ds = fast_exp2(s * sl2 - row_lse2) * (dp - row_delta);
-        if (g == (rl & 7)) {
-          const T* kr = kb + int64_t(c) * kld + 2 * t;
-          const int slot = rl >> 3;
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            const float2 kk2 = Pack<T>::unpack(*reinterpret_cast<const uint32_t*>(kr + 8 * n));
-            if (slot == 0) {
-              dq[n][0] += ds * kk2.x;
-              dq[n][1] += ds * kk2.y;
-            } else {
-              dq[n][2] += ds * kk2.x;
-              dq[n][3] += ds * kk2.y;
-            }
-          }
+        for (int n = 0; n < D / 8; ++n) {
+          const float2 kv = Pack<T>::unpack(__ldg(reinterpret_cast<const unsigned int*>(kr + 8 * n)));
+          dq[n][2 * r] = fmaf(ds, kv.x, dq[n][2 * r]);
+          dq[n][2 * r + 1] = fmaf(ds, kv.y, dq[n][2 * r + 1]);
         }
       }
     }
@@ -178,14 +170,15 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
       for (int x = 0; x < 4; ++x) s[n][x] = dpv[n][x] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t dof[4];
+      uint32_t qfk[4], dof[4];
+      frag_a<D>(qfk, sQa, 16 * warp, kk, lane);
       frag_a<D>(dof, sdOa, 16 * warp, kk, lane);
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t bf[4];
         frag_b_nk<D>(bf, kt, 16 * np, kk, lane);
-        mma16816<T>(s[2 * np], qf[kk], bf[0], bf[1]);
-        mma16816<T>(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+        mma16816<T>(s[2 * np], qfk, bf[0], bf[1]);
+        mma16816<T>(s[2 * np + 1], qfk, bf[2], bf[3]);
         frag_b_nk<D>(bf, vt, 16 * np, kk, lane);
         mma16816<T>(dpv[2 * np], dof, bf[0], bf[1]);
         mma16816<T>(dpv[2 * np + 1], dof, bf[2], bf[3]);
@@ -542,10 +535,10 @@ cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
     TileMap tm;
     const int ntiles = make_tile_map(p, Cfg::kBM, tm);
     auto kernel = cod_attn_dq_kernel<D, T, DQ_WARPS, 64>;
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes)) !=
-        cudaSuccess)
+    const int smem = Cfg::kSmemBytes + Cfg::chain_bytes(p.K);
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
       return err;
-    kernel<<<dim3(ntiles, p.Hq), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, tm);
+    kernel<<<dim3(ntiles, p.Hq), Cfg::kThreads, smem, stream>>>(p, tm);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.N > 0) {

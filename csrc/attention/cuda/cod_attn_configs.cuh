@@ -18,8 +18,11 @@ struct AttnConfig<128> {
   static constexpr int kFwdWarps = 8, kFwdBN = 64, kDqWarps = 4, kDkvBMQ = 32;
 };
 
+// p.fwd_warps (PEAGLE_ATTN_FWD_WARPS, default 8) picks 8 warps (BM=128, one CTA per SM) or
+// 4 warps (BM=64, two CTAs per SM overlap each other's prologue/epilogue): tune on the GPU.
 template <int D, typename T>
 cudaError_t run_fwd(const CodAttnParams& p, cudaStream_t s) {
+  if (p.fwd_warps == 4) return launch_fwd<D, T, 4, AttnConfig<D>::kFwdBN>(p, s);
   return launch_fwd<D, T, AttnConfig<D>::kFwdWarps, AttnConfig<D>::kFwdBN>(p, s);
 }
 template <int D, typename T>

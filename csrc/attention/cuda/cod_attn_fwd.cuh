@@ -20,18 +20,22 @@ struct FwdConfig {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kTileBytes = (kBM * D + 4 * BN * D) * 2;  // Q + 2 stages of K and V
   static constexpr int kSmemBytes = kTileBytes + (5 * kBM + 8 * NWARPS) * 4;
+  // + chain scores and key rows: NWARPS * 16 * K floats and ints (K known at launch)
+  static constexpr int chain_bytes(int K) { return NWARPS * 16 * K * 8; }
 };
 
 template <int D, typename T, int NWARPS, int BN>
 __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodAttnParams p, const TileMap tm) {
   using Cfg = FwdConfig<D, NWARPS, BN>;
-  constexpr int BM = Cfg::kBM, NT = Cfg::kThreads, EPL = D / 32;
+  constexpr int BM = Cfg::kBM, NT = Cfg::kThreads;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + BM * D;      // [2][BN][D]
   T* sV = sK + 2 * BN * D;  // [2][BN][D]
   int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);
   int* s_red = s_meta + 5 * BM;
+  float* s_chain_s = reinterpret_cast<float*>(s_red + 8 * NWARPS);
+  int* s_chain_c = reinterpret_cast<int*>(s_chain_s + NWARPS * 16 * p.K);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -68,49 +72,47 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
   const RowRanges rr[2] = {row_ranges<BM>(s_meta, 16 * warp + g), row_ranges<BM>(s_meta, 16 * warp + g + 8)};
   const float sl2 = p.scale_log2;
 
-  // ---- chain keys: per row, the warp computes q.k_c (lanes split D); the quad owning the row
-  // folds it into its softmax state and accumulates p * v_c on its own output columns.
+  // ---- chain keys (<= K per row, arbitrary rows of k/v). Lanes take (row, slot) pairs and
+  // compute whole dot products (independent 16-byte loads, no shuffles); then the quad owning a
+  // row starts its softmax state from that row's chain scores and accumulates p * v_c.
   if (tk.any_chain) {
+    const int K = p.K;
+    float* cs = s_chain_s + warp * 16 * K;
+    int* ci = s_chain_c + warp * 16 * K;
     const T* kb = static_cast<const T*>(p.k) + int64_t(hk) * D;
     const T* vb = static_cast<const T*>(p.v) + int64_t(hk) * D;
 #pragma unroll 1
-    for (int rl = 0; rl < 16; ++rl) {
+    for (int pi = lane; pi < 16 * K; pi += 32) {
+      const int rl = pi / K, e = pi - rl * K;
       const int row = 16 * warp + rl;
-      if (row >= qt.rows) break;
-      const int64_t i = qt.row0 + row;
-      float qv[EPL];
+      const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+      cs[pi] = c >= 0 ? dot_smem_global<D, T>(sQ, row, kb + int64_t(c) * kld) * sl2 : -INFINITY;
+      ci[pi] = c;
+    }
+    __syncwarp();
 #pragma unroll
-      for (int x = 0; x < EPL; ++x) qv[x] = static_cast<float>(sQ[swz_elem<D>(row, lane * EPL + x)]);
-#pragma unroll 1
-      for (int e = 0; e < p.K; ++e) {
-        const int c = p.chain[i * p.K + e];
+    for (int r = 0; r < 2; ++r) {
+      const int rl = g + 8 * r;
+      float mc = -INFINITY;
+      for (int e = 0; e < K; ++e) mc = fmaxf(mc, cs[rl * K + e]);
+      if (mc == -INFINITY) continue;
+      float lc = 0.f;
+#pragma unroll 2
+      for (int e = 0; e < K; ++e) {
+        const int c = ci[rl * K + e];
         if (c < 0) continue;
-        float kv[EPL];
-        load_floats<EPL>(kb + int64_t(c) * kld + lane * EPL, kv);
-        float s = 0.f;
+        const float pv = fast_exp2(cs[rl * K + e] - mc);
+        lc += pv;
+        const T* vr = vb + int64_t(c) * kld + 2 * t;
 #pragma unroll
-        for (int x = 0; x < EPL; ++x) s += qv[x] * kv[x];
-        s = warp_sum(s) * sl2;
-        if (g == (rl & 7)) {
-          const T* vr = vb + int64_t(c) * kld + 2 * t;
-          auto fold = [&](auto slot_c) {
-            constexpr int slot = decltype(slot_c)::value;
-            const float m_new = fmaxf(m[slot], s);
-            const float alpha = fast_exp2(m[slot] - m_new);
-            const float pv = fast_exp2(s - m_new);
-            l[slot] = l[slot] * alpha + (t == 0 ? pv : 0.f);
-            m[slot] = m_new;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-              const float2 vv = Pack<T>::unpack(*reinterpret_cast<const uint32_t*>(vr + 8 * n));
-              acc[n][2 * slot] = acc[n][2 * slot] * alpha + pv * vv.x;
-              acc[n][2 * slot + 1] = acc[n][2 * slot + 1] * alpha + pv * vv.y;
-            }
-          };
-          if (rl < 8) fold(std::integral_constant<int, 0>{});
-          else fold(std::integral_constant<int, 1>{});
+        for (int n = 0; n < D / 8; ++n) {
+          const float2 vv = Pack<T>::unpack(__ldg(reinterpret_cast<const unsigned int*>(vr + 8 * n)));
+          acc[n][2 * r] = fmaf(pv, vv.x, acc[n][2 * r]);
+          acc[n][2 * r + 1] = fmaf(pv, vv.y, acc[n][2 * r + 1]);
         }
       }
+      m[r] = mc;
+      l[r] = t == 0 ? lc : 0.f;  // l is a per-thread partial, summed over the quad at the end
     }
   }
 
@@ -223,9 +225,10 @@ cudaError_t launch_fwd(const CodAttnParams& p, cudaStream_t stream) {
   const int ntiles = make_tile_map(p, Cfg::kBM, tm);
   if (ntiles == 0 || p.Hq == 0) return cudaSuccess;
   auto kernel = cod_attn_fwd_kernel<D, T, NWARPS, BN>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  const int smem = Cfg::kSmemBytes + Cfg::chain_bytes(p.K);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<dim3(ntiles, p.Hq), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, tm);
+  kernel<<<dim3(ntiles, p.Hq), Cfg::kThreads, smem, stream>>>(p, tm);
   return cudaGetLastError();
 }
 

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "attention/attention_host.h"
 #include "attention/attention_kernels.h"
@@ -21,6 +22,12 @@ void check_aligned(const char* name, const at::Tensor& t) {
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "cod_attention: ", what, " launch failed: ", cudaGetErrorString(err));
+}
+
+// Read per call (cheap), so a benchmark can compare both forward configurations in one process.
+int fwd_warps_from_env() {
+  const char* v = std::getenv("PEAGLE_ATTN_FWD_WARPS");
+  return (v != nullptr && std::atoi(v) == 4) ? 4 : 8;
 }
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -59,6 +66,7 @@ CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Te
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   for (int64_t e = 0; e <= s.K; ++e) p.depth_offsets[e] = static_cast<int>(depth_offsets[e]);
+  p.fwd_warps = fwd_warps_from_env();
   return p;
 }
 

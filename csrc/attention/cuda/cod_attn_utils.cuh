@@ -196,3 +196,38 @@ __device__ __forceinline__ void store_floats(T* p, const float (&in)[EPL]) {
 }
 
 }  // namespace peagle::attention::cuda
+
+namespace peagle::attention::cuda {
+
+// sum of the 8 products of two 16-byte vectors of halfwords.
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  const float2 a0 = Pack<T>::unpack(a.x), a1 = Pack<T>::unpack(a.y), a2 = Pack<T>::unpack(a.z),
+               a3 = Pack<T>::unpack(a.w);
+  const float2 b0 = Pack<T>::unpack(b.x), b1 = Pack<T>::unpack(b.y), b2 = Pack<T>::unpack(b.z),
+               b3 = Pack<T>::unpack(b.w);
+  float s = a0.x * b0.x;
+  s = fmaf(a0.y, b0.y, s);
+  s = fmaf(a1.x, b1.x, s);
+  s = fmaf(a1.y, b1.y, s);
+  s = fmaf(a2.x, b2.x, s);
+  s = fmaf(a2.y, b2.y, s);
+  s = fmaf(a3.x, b3.x, s);
+  return fmaf(a3.y, b3.y, s);
+}
+
+// Dot product of row `row` of a swizzled shared tile with a global row (16-byte aligned).
+template <int D, typename T>
+__device__ __forceinline__ float dot_smem_global(const T* tile, int row, const T* grow) {
+  const uint4* g = reinterpret_cast<const uint4*>(grow);
+  float s = 0.f;
+#pragma unroll
+  for (int ch = 0; ch < D / 8; ++ch) {
+    const uint4 gv = __ldg(g + ch);
+    const uint4 sv = *reinterpret_cast<const uint4*>(tile + row * D + ((ch ^ (row & 7)) << 3));
+    s += dot8<T>(sv, gv);
+  }
+  return s;
+}
+
+}  // namespace peagle::attention::cuda
