@@ -285,8 +285,16 @@ def test_bad_inputs(rng):
         cod_attention(q, k, v, unsorted)
     assert t > 0
     if HAS_CUDA:
-        with pytest.raises(ValueError, match="device"):
-            cod_attention(q.cuda(), k.cuda(), v.cuda(), lay)
+        qb, kb, vb = (x.cuda().bfloat16() for x in (q, k, v))
+        q64, k64, v64 = (x.repeat(1, 1, 8).cuda().bfloat16() for x in (q, k, v))
+        with pytest.raises(ValueError, match="layout must be on q's device"):
+            cod_attention(q64, k64, v64, lay)
+        with pytest.raises(TypeError, match="q must have dtype"):
+            cod_attention(q.cuda(), k.cuda(), v.cuda(), lay.to("cuda"))
+        with pytest.raises(ValueError, match="head dim 8 is not supported on CUDA"):
+            cod_attention(qb, kb, vb, lay.to("cuda"))
+        with pytest.raises(ValueError, match="k must be on"):
+            cod_attention(qb, kb.cpu(), vb, lay.to("cuda"))
 
 
 def test_cpu_moderate_size_is_fast(rng):
@@ -316,7 +324,8 @@ GPU_SCENARIOS = [
 
 def _gpu_case(dtype, d, cross, scen, seed_extra=0):
     name, n, hq, hkv, window, sink, max_anchors, k_depths, max_doc, pad = scen
-    g = torch.Generator().manual_seed(hash((str(dtype), d, cross, name, seed_extra)) % (2**31))
+    import zlib
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}-{d}-{cross}-{name}-{seed_extra}".encode()))
     lay = make_layout(g, n, cross=cross, num_depths=k_depths, max_anchors=max_anchors, max_doc_len=max_doc,
                       pad_tail=pad, device="cuda")
     q, k, v, ctx = make_inputs(g, lay, hq, hkv, d, dtype, "cuda", cross)
