@@ -149,6 +149,7 @@ CPU_CASES = [
     (130, True, 6, 2, 2, 1, 8, None, 8, 0),
     (130, True, 1, 0, 8, 1, 8, 15, 5, 7),
     (70, False, 3, 5, 2, 1, 64, None, 8, 2),      # D 64
+    (50, True, 4, 2, 2, 1, 128, None, 4, 0),      # D 128, cross
 ]
 
 
@@ -237,6 +238,34 @@ def test_opcheck_and_compile(rng):
     torch.library.opcheck(ops.cod_attention_metadata,
                           (lay.anchor, lay.depth, lay.document_ids, lay.depth_offsets, False, 5, 1),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph(rng):
+    """With metadata built outside, the op traces as one graph (fake impls + registered autograd)."""
+    lay = make_layout(rng, 100, max_doc_len=40)
+    meta = cod_attention_metadata(lay, window=9, sink=2)
+    q, k, v, _ = make_inputs(rng, lay, 4, 2, 16, torch.float32, "cpu", False)
+
+    def f(q, k, v):
+        return (cod_attention(q, k, v, lay, window=9, sink=2, metadata=meta) * 2).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    a = compiled(q, k, v)
+    ga = torch.autograd.grad(a, [q, k, v])
+    b = f(q, k, v)
+    gb = torch.autograd.grad(b, [q, k, v])
+    assert torch.allclose(a, b)
+    assert all(torch.allclose(x, y) for x, y in zip(ga, gb))
+
+
+def test_metadata_argument_mismatch(rng):
+    lay = make_layout(rng, 60, max_doc_len=30)
+    q, k, v, _ = make_inputs(rng, lay, 2, 1, 8, torch.float32, "cpu", False, requires_grad=False)
+    meta = cod_attention_metadata(lay, window=5, sink=2)
+    with pytest.raises(ValueError, match="another layout or mode"):
+        cod_attention(q, k, v, lay, metadata=meta)  # built with a sink, called without window
+    out = cod_attention(q, k, v, lay, window=5, sink=2, metadata=meta)
+    assert torch.allclose(out, cod_attention(q, k, v, lay, window=5, sink=2))
 
 
 # ---------------------------------------------------------------- bad inputs
