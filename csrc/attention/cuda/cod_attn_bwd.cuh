@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int h = blockIdx.y, hk = h / p.group;
-  const QTile qt = find_query_tile(p, tm, blockIdx.x, BM);
+  const QTile qt = find_query_tile(p, tm, gridDim.x - 1 - blockIdx.x, BM);
   const TileKeys tk = setup_query_tile<BM, NT, BN>(p, qt, s_meta, s_red, tid);
   if (tid < BM) {
     const bool in = tid < qt.rows;
@@ -234,7 +234,7 @@ template <int D, int BMQ>
 struct DkvConfig {
   static constexpr int kBN = 64;  // keys per CTA (16 per warp)
   static constexpr int kThreads = 128;
-  static constexpr int kMetaFields = 8;  // lo, hi, slo, shi, valid, lse2, delta, covers-block
+  static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
   static constexpr int kTileBytes = (2 * kBN * D + 4 * BMQ * D) * 2;  // K, V + 2 stages of Q, dO
   static constexpr int kSmemBytes = kTileBytes + (2 * kMetaFields * BMQ + 4 * kMaxChain + 2 * kMaxChain + 1) * 4;
 };
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
   const uint32_t sKa = smem_u32(sK), sVa = smem_u32(sV), sQa = smem_u32(sQ), sdOa = smem_u32(sdO);
   constexpr uint32_t kStageBytes = BMQ * D * 2;
 
-  // Issues the copies of iteration `it` into `stage` (Q, dO via cp.async; row metadata stored).
+  // Issues the async copies of iteration `it` (Q, dO, row metadata) into `stage`.
   auto issue = [&](int it, int stage) {
     const int h = hk * p.group + it / total_blocks;
     const int rem = it % total_blocks;
@@ -315,30 +315,18 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
     load_tile<BMQ, D, NT>(sQa + stage * kStageBytes, static_cast<const T*>(p.q) + int64_t(h) * D, qld, i0, iend, tid);
     load_tile<BMQ, D, NT>(sdOa + stage * kStageBytes, static_cast<const T*>(p.dout) + int64_t(h) * D, qld, i0, iend,
                           tid);
-    if (tid < BMQ) {
-      int* m = s_meta + stage * MF * BMQ;
-      const int64_t i = i0 + tid;
-      const bool in = i < iend;
-      int lo = 0, hi = 0, slo = 0, shi = 0, valid = 0;
-      if (in) {
-        lo = p.ranges[kLo * T_ + i];
-        hi = p.ranges[kHi * T_ + i];
-        if (p.use_sink) {
-          slo = p.ranges[kSinkLo * T_ + i];
-          shi = p.ranges[kSinkHi * T_ + i];
-        }
-        valid = p.ranges[kValid * T_ + i];
-      }
-      m[0 * BMQ + tid] = lo;
-      m[1 * BMQ + tid] = hi;
-      m[2 * BMQ + tid] = slo;
-      m[3 * BMQ + tid] = shi;
-      m[4 * BMQ + tid] = valid;
-      const float l2 = valid ? p.lse[int64_t(h) * T_ + i] * kLog2e : INFINITY;
-      const float dl = valid ? p.delta[int64_t(h) * T_ + i] : 0.f;
-      m[5 * BMQ + tid] = __float_as_int(l2);
-      m[6 * BMQ + tid] = __float_as_int(dl);
-      m[7 * BMQ + tid] = (!valid || (lo <= j0 && j0 + BN <= hi)) ? 1 : 0;
+    // Row metadata by 4-byte cp.async as well, so no warp stalls on global loads here; rows
+    // past the run are zero-filled, i.e. invalid (and never read as valid).
+    const uint32_t m = smem_u32(s_meta + stage * MF * BMQ);
+    for (int x = tid; x < MF * BMQ; x += NT) {
+      const int field = x / BMQ, r = x - field * BMQ;
+      const int64_t i = int64_t(i0) + r;
+      bool ok = i < iend && (p.use_sink || (field != kSinkLo && field != kSinkHi));
+      const void* src;
+      if (field < kNumRangeFields) src = p.ranges + field * T_ + (ok ? i : 0);
+      else if (field == 5) src = p.lse + int64_t(h) * T_ + (ok ? i : 0);
+      else src = p.delta + int64_t(h) * T_ + (ok ? i : 0);
+      cp_async4(m + x * 4, src, ok);
     }
   };
 
@@ -387,8 +375,10 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
         mma16816<T>(dpt[2 * np + 1], va, bf[2], bf[3]);
       }
     }
-    bool cov = m[7 * BMQ + lane] != 0;
-    if (BMQ > 32) cov = cov && m[7 * BMQ + (lane + 32) % BMQ] != 0;
+    // the block is "full" when every valid query row's window range covers all 64 keys
+    auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
+    bool cov = covers(lane);
+    if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
     const bool full = __all_sync(0xffffffffu, cov);
     // P^T (stored in st) and dS^T (stored in dpt)
 #pragma unroll
@@ -402,7 +392,8 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
           const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
           ok = r.allows(j, INT_MAX);
         }
-        const float l2 = __int_as_float(m[5 * BMQ + qc]);
+        const bool valid = m[4 * BMQ + qc] != 0;
+        const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
         const float dl = __int_as_float(m[6 * BMQ + qc]);
         const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
         st[n][x] = pv;

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int h = blockIdx.y, hk = h / p.group;
-  const QTile qt = find_query_tile(p, tm, blockIdx.x, BM);
+  const QTile qt = find_query_tile(p, tm, gridDim.x - 1 - blockIdx.x, BM);
   const TileKeys tk = setup_query_tile<BM, NT, BN>(p, qt, s_meta, s_red, tid);
 
   const int64_t qld = int64_t(p.Hq) * D, kld = int64_t(p.Hkv) * D;

@@ -8,6 +8,8 @@
 
 namespace peagle::attention::cuda {
 
+// Kernels visit tiles in reverse (gridDim.x - 1 - blockIdx.x): within a depth the last tiles have
+// the highest anchors and so the longest key ranges, and starting them first shortens the tail.
 // Query tiles never straddle two depths (within a depth anchors are sorted, so a tile's key
 // range is tight). tile_offsets[e] = first tile of depth e (host-computed from depth_offsets).
 struct TileMap {
