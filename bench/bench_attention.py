@@ -240,9 +240,15 @@ def main():
             o = row["ours"]
             o["fwd_tflops"] = tflops(pairs, o["fwd_ms"])
             o["fwd_bwd_tflops"] = tflops(pairs, o["fwd_bwd_ms"], 3.5)
-            floor_fwd = pairs * 4 * D * HQ / (PEAK_BF16_TFLOPS * 1e12) * 1e3
-            o["fwd_floor_ms"] = floor_fwd
-            o["fwd_bwd_floor_ms"] = floor_fwd * 3.5
+            # floors: tensor-core time of the useful FLOPs vs HBM time of reading q/k/v once and
+            # writing out (fwd; x3 traffic for fwd+bwd); the larger one bounds the kernel
+            flop_fwd = pairs * 4 * D * HQ / (PEAK_BF16_TFLOPS * 1e12) * 1e3
+            bytes_fwd = 2 * D * t * (2 * HQ + 2 * HKV)
+            byte_fwd = bytes_fwd / (PEAK_HBM_TBS * 1e12) * 1e3
+            o["fwd_floor_ms"] = max(flop_fwd, byte_fwd)
+            o["fwd_bwd_floor_ms"] = max(flop_fwd * 3.5, byte_fwd * 3)
+            o["floor_bound"] = "flops" if flop_fwd >= byte_fwd else "bytes"
+            o["fwd_bwd_vs_floor"] = o["fwd_bwd_ms"] / o["fwd_bwd_floor_ms"]
             elapsed = time.time() - t_start
             if t > flex_max_t:
                 row["flex"] = None
@@ -286,8 +292,9 @@ def print_row(r):
     o, f, s = r["ours"], r["flex"], r["sdpa"]
     cap = "none" if r["max_anchors"] is None else r["max_anchors"]
     line = (f"N={r['N']:>6} cap={cap:>5} T={r['T']:>7} | ours meta {o['meta_ms']:6.2f} fwd {o['fwd_ms']:7.2f} "
-            f"f+b {o['fwd_bwd_ms']:7.2f} ms ({o['fwd_tflops']:5.0f}/{o['fwd_bwd_tflops']:5.0f} TF/s, floor "
-            f"{o['fwd_bwd_floor_ms']:.2f} ms, {o['fwd_bwd_mem_mib']:.0f} MiB)")
+            f"f+b {o['fwd_bwd_ms']:7.2f} ms ({o['fwd_tflops']:5.0f}/{o['fwd_bwd_tflops']:5.0f} TF/s, f+b floor "
+            f"{o['fwd_bwd_floor_ms']:.2f} ms [{o['floor_bound']}] = {o['fwd_bwd_vs_floor']:.1f}x floor, "
+            f"{o['fwd_bwd_mem_mib']:.0f} MiB)")
     if f:
         tot_f = f["mask_ms"] + f["fwd_bwd_ms"]
         line += (f" | flex mask {f['mask_ms']:6.1f} fwd {f['fwd_ms']:6.2f} f+b {f['fwd_bwd_ms']:6.2f} ms, "
