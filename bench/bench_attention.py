@@ -145,12 +145,18 @@ def bench_flex(lay, window=None, sink=0):
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if _flex_compiled is None:
+        import torch._dynamo
+        # one compiled graph per (T, grad mode): raise dynamo's recompile limits above our config count
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     t = lay.num_tokens
     q, k, v, go = inputs(t)
     q4, k4, v4, go4 = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, go))
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q4, k4, v4))
-    mm = peagle_mask_mod(lay.anchor, lay.depth, lay.document_ids, window, sink)
+    mm = peagle_mask_mod(lay.anchor.long(), lay.depth.long(), lay.document_ids.long(), window, sink)
 
     def build():
         return create_block_mask(mm, None, None, t, t, device="cuda")
