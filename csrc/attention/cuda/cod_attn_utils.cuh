@@ -173,7 +173,12 @@ __device__ __forceinline__ int warp_max(int x) {
   return x;
 }
 
-__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+// 2^x with the SFU (ex2.approx.ftz): 2^-inf = +0, which the masked-softmax code relies on.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Loads `EPL` consecutive halfwords starting at p (EPL in {2, 4}) as floats.
 template <int EPL, typename T>
