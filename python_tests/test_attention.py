@@ -1,0 +1,548 @@
+"""COD attention vs the dense-mask SDPA reference (peagle_ext.reference), CPU and CUDA.
+
+CPU: forward and every gradient in float64 against reference_cod_attention (tight), float32 /
+bf16 loosely. CUDA (skipped without a GPU): bf16/fp16 kernels against the float64 reference with
+relative L2 error <= 1e-2 on out, dq, dk, dv (+ context grads), for symmetric and cross layouts,
+windows, sinks, GQA 1/4/8, D 64/128, odd sizes; determinism; CUDA-graph capture; large N spot
+checks; metadata equal on both devices. A failing GPU case names its configuration.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, random_documents, requires_cuda
+from peagle_ext.attention import cod_attention, cod_attention_metadata
+from peagle_ext.cod import CodLayout, cod_sample
+from peagle_ext.reference import dense_cod_mask, document_starts, reference_cod_attention
+
+
+# ---------------------------------------------------------------- helpers
+def make_layout(g, n, *, cross=False, num_depths=8, max_anchors=None, max_doc_len=120, pad_tail=0, r=0.7,
+                device="cpu"):
+    doc, lm = random_documents(n, g, max_doc_len=max_doc_len, pad_tail=pad_tail)
+    seed = int(torch.randint(0, 2**31, (1,), generator=g))
+    lay = cod_sample(doc, lm, num_depths=num_depths, down_sample_ratio=r, max_anchors=max_anchors,
+                     depth0="anchors" if cross else "all", seed=seed)
+    return lay.to(device)
+
+
+def make_inputs(g, lay, hq, hkv, d, dtype, device, cross, requires_grad=True):
+    t, n = lay.num_tokens, lay.seq_len
+
+    def rnd(*shape):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        return x.requires_grad_(requires_grad)
+
+    q, k, v = rnd(t, hq, d), rnd(t, hkv, d), rnd(t, hkv, d)
+    ctx = {}
+    if cross:
+        ctx = dict(context_k=rnd(n, hkv, d), context_v=rnd(n, hkv, d))
+    return q, k, v, ctx
+
+
+def run_both(g, lay, q, k, v, ctx, *, window=None, sink=0, scale=None):
+    """(ours, reference) outputs and gradients; the reference runs in float64 on the same device."""
+    ins = [q, k, v] + list(ctx.values())
+    out = cod_attention(q, k, v, lay, window=window, sink=sink, scale=scale, **ctx)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device)
+    grads = torch.autograd.grad(out, ins, go.to(out.dtype)) if out.numel() else [torch.zeros_like(x) for x in ins]
+    ref_ins = [x.detach().double().requires_grad_(True) for x in ins]
+    rctx = dict(zip(ctx.keys(), ref_ins[3:]))
+    ref = reference_cod_attention(*ref_ins[:3], lay, window=window, sink=sink, scale=scale, **rctx)
+    rgrads = torch.autograd.grad(ref, ref_ins, go) if ref.numel() else [torch.zeros_like(x) for x in ref_ins]
+    names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx.keys()]
+    return names, [out] + list(grads), [ref] + list(rgrads)
+
+
+def rel_l2(x, ref):
+    x, ref = x.double(), ref.double()
+    den = ref.norm().item()
+    num = (x - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def assert_close_all(names, ours, refs, *, tol, what, rel=True):
+    """Checks every tensor and reports all of them at once (one GPU run should say exactly
+    which outputs of which configuration are off, and by how much)."""
+    report, bad = [], False
+    for name, a, b in zip(names, ours, refs):
+        if a.shape != b.shape:
+            report.append(f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+            bad = True
+            continue
+        nonfinite = int((~torch.isfinite(a)).sum())
+        if rel:
+            err = rel_l2(a, b) if nonfinite == 0 else float("inf")
+        else:
+            err = (a.double() - b.double()).abs().max().item() if nonfinite == 0 else float("inf")
+        worst = ""
+        if err > tol and nonfinite == 0 and a.numel():
+            diff = (a.double() - b.double()).abs().reshape(a.shape[0], -1).amax(1)
+            worst = f" worst rows {diff.topk(min(3, diff.numel())).indices.tolist()}"
+        report.append(f"{name}: err {err:.2e}{' NONFINITE=' + str(nonfinite) if nonfinite else ''}{worst}")
+        bad |= not (err <= tol)
+    assert not bad, f"{what} (tol {tol:.0e}): " + "; ".join(report)
+
+
+# ---------------------------------------------------------------- metadata
+def _mask_from_metadata(lay, meta, cross):
+    """Dense [T, N+T] count of how often each (query, key) pair is visited: range keys in the
+    first N columns, layout tokens after them (symmetric depth-0 range rows map to tokens 0..N-1)."""
+    t, n = lay.num_tokens, lay.seq_len
+    rg = meta.ranges.cpu().long()
+    ch = meta.chains[0].cpu().long()
+    cnt = torch.zeros(t, n + t, dtype=torch.long)
+    pos = torch.arange(n)
+    for i in range(t):
+        if not rg[4, i]:
+            continue
+        inr = ((pos >= rg[0, i]) & (pos < rg[1, i])) | ((pos >= rg[2, i]) & (pos < rg[3, i]))
+        if not meta.use_sink:
+            inr = (pos >= rg[0, i]) & (pos < rg[1, i])
+        cnt[i, :n] += inr.long()
+        for c in ch[i].tolist():
+            if c >= 0:
+                cnt[i, n + c] += 1
+    if not cross:  # fold the symmetric depth-0 range keys onto their layout rows
+        cnt[:, n:2 * n] += cnt[:, :n]
+        cnt = cnt[:, n:]
+    return cnt
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("window,sink", [(None, 0), (9, 0), (6, 2), (1, 0), (3, 50)])
+def test_metadata_is_the_dense_mask_each_pair_once(rng, cross, window, sink):
+    lay = make_layout(rng, 160, cross=cross, max_doc_len=50, pad_tail=5)
+    meta = cod_attention_metadata(lay, cross=cross, window=window, sink=sink)
+    cnt = _mask_from_metadata(lay, meta, cross)
+    dense = dense_cod_mask(lay, cross=cross, window=window, sink=sink)
+    assert cnt.max() <= 1, "a key is visited twice for one query"
+    assert torch.equal(cnt.bool(), dense)
+    # reverse chain table is the exact inverse of the chain table
+    ch, rch = meta.chains[0].long(), meta.chains[1].long()
+    pairs = {(i, c) for i in range(ch.shape[0]) for c in ch[i].tolist() if c >= 0}
+    rpairs = {(i, c) for c in range(rch.shape[0]) for i in rch[c].tolist() if i >= 0}
+    assert pairs == rpairs
+
+
+def test_metadata_bounds_are_monotone_per_depth(rng):
+    lay = make_layout(rng, 400, max_doc_len=80, pad_tail=9)
+    meta = cod_attention_metadata(lay, window=13, sink=4)
+    o = lay.depth_offsets
+    for e in range(len(o) - 1):
+        seg = meta.ranges[:4, o[e]:o[e + 1]]
+        if seg.shape[1] > 1:
+            assert bool((seg[:, 1:] >= seg[:, :-1]).all()), f"depth {e}: bounds not monotone"
+
+
+# ---------------------------------------------------------------- CPU correctness
+CPU_CASES = [
+    # (n, cross, window, sink, hq, hkv, d, max_anchors, num_depths, pad_tail)
+    (150, False, None, 0, 2, 1, 16, None, 8, 0),
+    (150, False, 7, 0, 4, 1, 8, None, 8, 6),
+    (150, False, 5, 3, 4, 4, 8, None, 6, 4),
+    (150, False, 2, 1, 8, 1, 8, None, 8, 0),      # window <= depth: own depth-0 token via the chain
+    (200, False, None, 0, 2, 2, 16, 20, 8, 10),   # max_anchors
+    (130, True, None, 0, 4, 1, 16, None, 8, 3),
+    (130, True, 6, 2, 2, 1, 8, None, 8, 0),
+    (130, True, 1, 0, 8, 1, 8, 15, 5, 7),
+    (70, False, 3, 5, 2, 1, 64, None, 8, 2),      # D 64
+    (50, True, 4, 2, 2, 1, 128, None, 4, 0),      # D 128, cross
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cpu_float64_matches_reference(rng, case):
+    n, cross, window, sink, hq, hkv, d, max_anchors, k_depths, pad = case
+    lay = make_layout(rng, n, cross=cross, max_anchors=max_anchors, num_depths=k_depths, max_doc_len=60,
+                      pad_tail=pad)
+    q, k, v, ctx = make_inputs(rng, lay, hq, hkv, d, torch.float64, "cpu", cross)
+    names, ours, refs = run_both(rng, lay, q, k, v, ctx, window=window, sink=sink)
+    assert_close_all(names, ours, refs, tol=1e-10, what=f"cpu f64 {case}", rel=False)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("cross", [False, True])
+def test_cpu_low_precision(rng, dtype, tol, cross):
+    lay = make_layout(rng, 120, cross=cross, max_doc_len=50, pad_tail=3)
+    q, k, v, ctx = make_inputs(rng, lay, 4, 2, 32, dtype, "cpu", cross)
+    names, ours, refs = run_both(rng, lay, q, k, v, ctx, window=11, sink=2)
+    assert ours[0].dtype == dtype
+    assert_close_all(names, ours, refs, tol=tol, what=f"cpu {dtype}")
+
+
+def test_cpu_custom_scale(rng):
+    lay = make_layout(rng, 90, max_doc_len=40)
+    q, k, v, ctx = make_inputs(rng, lay, 2, 1, 8, torch.float64, "cpu", False)
+    names, ours, refs = run_both(rng, lay, q, k, v, ctx, scale=0.37)
+    assert_close_all(names, ours, refs, tol=1e-10, what="scale", rel=False)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_single_token_and_tiny(rng, cross):
+    # N = 2 (one seed at most), N < K, and T = 1
+    for n in (1, 2, 3, 5):
+        doc = torch.zeros(n, dtype=torch.int32)
+        lm = torch.ones(n, dtype=torch.bool)
+        lay = cod_sample(doc, lm, num_depths=8, depth0="anchors" if cross else "all", seed=3)
+        if lay.num_tokens == 0:
+            continue
+        q, k, v, ctx = make_inputs(rng, lay, 2, 1, 8, torch.float64, "cpu", cross)
+        names, ours, refs = run_both(rng, lay, q, k, v, ctx, window=2)
+        assert_close_all(names, ours, refs, tol=1e-10, what=f"tiny n={n}", rel=False)
+    lay = CodLayout(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), [0, 1],
+                    torch.zeros(1, dtype=torch.int32))
+    q, k, v, _ = make_inputs(rng, lay, 1, 1, 4, torch.float64, "cpu", False)
+    out = cod_attention(q, k, v, lay)
+    assert torch.allclose(out, v.detach())  # one key: the output is its value
+
+
+def test_padding_rows_are_zero_with_zero_grads(rng):
+    doc = torch.tensor([0] * 10 + [-1] * 5 + [1] * 8 + [-1] * 4, dtype=torch.int32)
+    lm = doc >= 0
+    lay = cod_sample(doc, lm, num_depths=4, seed=5)
+    q, k, v, _ = make_inputs(rng, lay, 2, 2, 8, torch.float64, "cpu", False)
+    out = cod_attention(q, k, v, lay, window=3, sink=1)
+    pad = (doc[lay.anchor.long()] < 0)
+    assert pad.any()
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+    (dq,) = torch.autograd.grad(out.sum(), [q])
+    assert torch.equal(dq[pad], torch.zeros_like(dq[pad]))
+    assert torch.isfinite(dq).all()
+
+
+def test_all_padding_and_empty(rng):
+    doc = torch.full((6,), -1, dtype=torch.int32)
+    lay = cod_sample(doc, torch.zeros(6, dtype=torch.bool), num_depths=3, seed=0)
+    q, k, v, _ = make_inputs(rng, lay, 2, 1, 8, torch.float32, "cpu", False)
+    out = cod_attention(q, k, v, lay)
+    assert torch.equal(out, torch.zeros_like(out))
+    grads = torch.autograd.grad(out.sum(), [q, k, v])
+    assert all(torch.equal(g_, torch.zeros_like(g_)) for g_ in grads)
+    empty = CodLayout(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), [0, 0],
+                      torch.zeros(0, dtype=torch.int32))
+    q, k, v, _ = make_inputs(rng, empty, 2, 1, 8, torch.float32, "cpu", False)
+    assert cod_attention(q, k, v, empty).shape == (0, 2, 8)
+
+
+def test_opcheck_and_compile(rng):
+    from peagle_ext import ops
+    lay = make_layout(rng, 60, max_doc_len=30)
+    meta = cod_attention_metadata(lay, window=5, sink=1)
+    q, k, v, _ = make_inputs(rng, lay, 2, 1, 8, torch.float64, "cpu", False)
+    args = (q, k, v, None, None, meta.ranges, meta.chains, meta.depth_offsets, 0.3, True)
+    torch.library.opcheck(ops.cod_attention_fwd, args, test_utils=("test_schema", "test_faketensor",
+                                                                   "test_autograd_registration"))
+    torch.library.opcheck(ops.cod_attention_metadata,
+                          (lay.anchor, lay.depth, lay.document_ids, lay.depth_offsets, False, 5, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph(rng):
+    """With metadata built outside, the op traces as one graph (fake impls + registered autograd)."""
+    lay = make_layout(rng, 100, max_doc_len=40)
+    meta = cod_attention_metadata(lay, window=9, sink=2)
+    q, k, v, _ = make_inputs(rng, lay, 4, 2, 16, torch.float32, "cpu", False)
+
+    def f(q, k, v):
+        return (cod_attention(q, k, v, lay, window=9, sink=2, metadata=meta) * 2).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    a = compiled(q, k, v)
+    ga = torch.autograd.grad(a, [q, k, v])
+    b = f(q, k, v)
+    gb = torch.autograd.grad(b, [q, k, v])
+    assert torch.allclose(a, b)
+    assert all(torch.allclose(x, y) for x, y in zip(ga, gb))
+
+
+def test_metadata_argument_mismatch(rng):
+    lay = make_layout(rng, 60, max_doc_len=30)
+    q, k, v, _ = make_inputs(rng, lay, 2, 1, 8, torch.float32, "cpu", False, requires_grad=False)
+    meta = cod_attention_metadata(lay, window=5, sink=2)
+    with pytest.raises(ValueError, match="another layout or mode"):
+        cod_attention(q, k, v, lay, metadata=meta)  # built with a sink, called without window
+    out = cod_attention(q, k, v, lay, window=5, sink=2, metadata=meta)
+    assert torch.allclose(out, cod_attention(q, k, v, lay, window=5, sink=2))
+
+
+# ---------------------------------------------------------------- bad inputs
+def test_bad_inputs(rng):
+    lay = make_layout(rng, 50, max_doc_len=30)
+    q, k, v, _ = make_inputs(rng, lay, 4, 2, 8, torch.float32, "cpu", False, requires_grad=False)
+    t = lay.num_tokens
+    with pytest.raises(TypeError, match="q must have dtype"):
+        cod_attention(q.int(), k, v, lay)
+    with pytest.raises(TypeError, match="k must have dtype"):
+        cod_attention(q, k.double(), v, lay)
+    with pytest.raises(ValueError, match="q must have T="):
+        cod_attention(q[:-1], k[:-1], v[:-1], lay)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        cod_attention(q[0], k, v, lay)
+    with pytest.raises(ValueError, match="v must have shape"):
+        cod_attention(q, k, v[:, :1], lay)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        cod_attention(q[:, :3], k, v, lay)
+    with pytest.raises(ValueError, match="k must have shape"):
+        cod_attention(q, k[..., :4], v[..., :4], lay)
+    with pytest.raises(TypeError, match="layout must be"):
+        cod_attention(q, k, v, "layout")
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        cod_attention(q, k, v, lay, window=0)
+    with pytest.raises(ValueError, match="sink must be >= 0"):
+        cod_attention(q, k, v, lay, window=4, sink=-1)
+    with pytest.raises(TypeError, match="scale"):
+        cod_attention(q, k, v, lay, scale=float("nan"))
+    with pytest.raises(ValueError, match="context_k and context_v must be given together"):
+        cod_attention(q, k, v, lay, context_k=k)
+    ck = torch.randn(lay.seq_len + 1, 2, 8)
+    with pytest.raises(ValueError, match="context_k must have shape"):
+        cod_attention(q, k, v, lay, context_k=ck, context_v=ck)
+    cross = make_layout(rng, 50, cross=True, max_doc_len=30)
+    qc, kc, vc, _ = make_inputs(rng, cross, 4, 2, 8, torch.float32, "cpu", False, requires_grad=False)
+    with pytest.raises(ValueError, match="symmetric mode"):
+        cod_attention(qc, kc, vc, cross)  # depth0='anchors' layout without context
+    split = CodLayout(lay.anchor, lay.depth, lay.depth_offsets,
+                      torch.where(torch.arange(lay.seq_len) < 10, 0, lay.document_ids + 100).int().contiguous())
+    split.document_ids[-3:] = 0  # document 0 in two runs
+    with pytest.raises(ValueError, match="contiguous run"):
+        cod_attention(q, k, v, split)
+    unsorted = CodLayout(lay.anchor.flip(0).contiguous(), lay.depth, lay.depth_offsets, lay.document_ids)
+    with pytest.raises(ValueError):
+        cod_attention(q, k, v, unsorted)
+    assert t > 0
+    if HAS_CUDA:
+        qb, kb, vb = (x.cuda().bfloat16() for x in (q, k, v))
+        q64, k64, v64 = (x.repeat(1, 1, 8).cuda().bfloat16() for x in (q, k, v))
+        with pytest.raises(ValueError, match="layout must be on q's device"):
+            cod_attention(q64, k64, v64, lay)
+        with pytest.raises(TypeError, match="q must have dtype"):
+            cod_attention(q.cuda(), k.cuda(), v.cuda(), lay.to("cuda"))
+        with pytest.raises(ValueError, match="head dim 8 is not supported on CUDA"):
+            cod_attention(qb, kb, vb, lay.to("cuda"))
+        with pytest.raises(ValueError, match="k must be on"):
+            cod_attention(qb, kb.cpu(), vb, lay.to("cuda"))
+
+
+def test_cpu_moderate_size_is_fast(rng):
+    """A CPU-training-sized call (T ~ 3K, D 64, 4 heads) stays well under a few seconds."""
+    import time
+    lay = make_layout(rng, 1024, max_doc_len=400)
+    q, k, v, _ = make_inputs(rng, lay, 4, 2, 64, torch.float32, "cpu", False)
+    t0 = time.perf_counter()
+    out = cod_attention(q, k, v, lay, window=256)
+    out.sum().backward()
+    assert time.perf_counter() - t0 < 20.0
+
+
+# ---------------------------------------------------------------- CUDA
+GPU_SCENARIOS = [
+    # (name, n, hq, hkv, window, sink, max_anchors, num_depths, max_doc_len, pad_tail)
+    ("plain-gqa1", 1100, 4, 4, None, 0, None, 8, 300, 0),
+    ("window-gqa4", 1300, 8, 2, 96, 0, None, 8, 500, 17),
+    ("window-sink-gqa8", 1200, 8, 1, 80, 8, None, 8, 700, 5),
+    ("tiny-window", 900, 4, 1, 3, 0, None, 8, 200, 9),        # window <= depth: chain depth-0 keys
+    ("tiny-window-sink", 900, 4, 2, 2, 3, None, 6, 250, 0),
+    ("max-anchors", 1500, 8, 2, None, 0, 60, 8, 400, 33),
+    ("long-doc", 2100, 4, 1, None, 0, None, 8, 2100, 0),     # many full key blocks
+    ("long-doc-window", 2100, 8, 8, 700, 16, None, 8, 2100, 0),
+]
+
+
+def _gpu_case(dtype, d, cross, scen, seed_extra=0):
+    name, n, hq, hkv, window, sink, max_anchors, k_depths, max_doc, pad = scen
+    import zlib
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}-{d}-{cross}-{name}-{seed_extra}".encode()))
+    lay = make_layout(g, n, cross=cross, num_depths=k_depths, max_anchors=max_anchors, max_doc_len=max_doc,
+                      pad_tail=pad, device="cuda")
+    q, k, v, ctx = make_inputs(g, lay, hq, hkv, d, dtype, "cuda", cross)
+    names, ours, refs = run_both(g, lay, q, k, v, ctx, window=window, sink=sink)
+    what = f"cuda {dtype} D={d} cross={cross} {name} T={lay.num_tokens} N={n} Hq={hq} Hkv={hkv} w={window} s={sink}"
+    assert_close_all(names, ours, refs, tol=1e-2, what=what)
+
+
+@requires_cuda
+@pytest.mark.parametrize("scen", GPU_SCENARIOS, ids=lambda s: s[0])
+@pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_matches_reference(dtype, d, cross, scen):
+    _gpu_case(dtype, d, cross, scen)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("window,sink", [(None, 0), (40, 0), (9, 4), (2, 0)])
+def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
+    lay = make_layout(rng, 3000, cross=cross, max_doc_len=500, pad_tail=40)
+    cpu = cod_attention_metadata(lay, cross=cross, window=window, sink=sink)
+    gpu = cod_attention_metadata(lay.to("cuda"), cross=cross, window=window, sink=sink)
+    assert torch.equal(cpu.ranges, gpu.ranges.cpu()), "ranges differ between CPU and CUDA"
+    assert torch.equal(cpu.chains[0], gpu.chains[0].cpu()), "chain table differs between CPU and CUDA"
+    assert torch.equal(cpu.chains[1], gpu.chains[1].cpu()), "reverse chain table differs between CPU and CUDA"
+
+
+@requires_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_matches_cpu_float32(rng, d):
+    """Same algorithm on both devices: CUDA bf16 vs the CPU path in float32 on bf16-rounded inputs."""
+    lay = make_layout(rng, 1500, max_doc_len=600, pad_tail=11)
+    q, k, v, _ = make_inputs(rng, lay, 8, 2, d, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=rng).to("cuda", torch.bfloat16)
+    out = cod_attention(q, k, v, lay.to("cuda"), window=200, sink=4)
+    gq = torch.autograd.grad(out, [q, k, v], go)
+    cq, ck, cv = (x.detach().cpu().float().requires_grad_(True) for x in (q, k, v))
+    cout = cod_attention(cq, ck, cv, lay, window=200, sink=4)
+    cg = torch.autograd.grad(cout, [cq, ck, cv], go.cpu().float())
+    assert_close_all(["out", "dq", "dk", "dv"], [out.cpu()] + [x.cpu() for x in gq], [cout] + list(cg), tol=1e-2,
+                     what=f"cuda vs cpu D={d}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("cross", [False, True])
+def test_cuda_tiny_and_padding(cross):
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 2, 3, 5, 9):  # T = 1, N < K
+        doc = torch.zeros(n, dtype=torch.int32)
+        lay = cod_sample(doc, torch.ones(n, dtype=torch.bool), num_depths=8, depth0="anchors" if cross else "all",
+                         seed=3).to("cuda")
+        if lay.num_tokens == 0:
+            continue
+        for d in (64, 128):
+            q, k, v, ctx = make_inputs(g, lay, 4, 2, d, torch.bfloat16, "cuda", cross)
+            names, ours, refs = run_both(g, lay, q, k, v, ctx, window=2)
+            assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda tiny n={n} D={d} cross={cross}")
+    doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
+    lay = cod_sample(doc, doc >= 0, num_depths=5, depth0="anchors" if cross else "all", seed=2).to("cuda")
+    q, k, v, ctx = make_inputs(g, lay, 4, 1, 64, torch.float16, "cuda", cross)
+    names, ours, refs = run_both(g, lay, q, k, v, ctx, window=6, sink=2)
+    assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda padding cross={cross}")
+    out = cod_attention(q, k, v, lay, window=6, sink=2, **ctx)
+    pad = lay.document_ids[lay.anchor.long()] < 0
+    if pad.any():
+        assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+
+
+@requires_cuda
+def test_cuda_all_padding_gives_zeros():
+    doc = torch.full((300,), -1, dtype=torch.int32)
+    lay = cod_sample(doc, torch.zeros(300, dtype=torch.bool), num_depths=4, seed=0).to("cuda")
+    g = torch.Generator().manual_seed(1)
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False)
+    out = cod_attention(q, k, v, lay)
+    grads = torch.autograd.grad(out.float().sum(), [q, k, v])
+    assert torch.equal(out, torch.zeros_like(out))
+    for gr in grads:
+        assert torch.equal(gr, torch.zeros_like(gr))
+
+
+@requires_cuda
+@pytest.mark.parametrize("cross", [False, True])
+def test_cuda_backward_is_deterministic(cross):
+    g = torch.Generator().manual_seed(5)
+    lay = make_layout(g, 4000, cross=cross, max_doc_len=1500, device="cuda")
+    q, k, v, ctx = make_inputs(g, lay, 8, 2, 128, torch.bfloat16, "cuda", cross)
+    ins = [q, k, v] + list(ctx.values())
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        out = cod_attention(q, k, v, lay, window=512, sink=4, **ctx)
+        runs.append([out] + list(torch.autograd.grad(out, ins, go)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@requires_cuda
+def test_cuda_graph_capture():
+    g = torch.Generator().manual_seed(9)
+    lay = make_layout(g, 2000, max_doc_len=700, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 8, 2, 64, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+
+    def step():
+        out = cod_attention(q, k, v, lay, window=300, sink=2)
+        return [out] + list(torch.autograd.grad(out, [q, k, v], go))
+
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up on the side stream, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, static):
+        assert torch.equal(a, b)
+
+
+def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
+    """Exact float64 outputs and dq for selected query rows (keys from the rules, not the kernel)."""
+    doc = lay.document_ids.long()
+    a, d = lay.anchor.long(), lay.depth.long()
+    starts = document_starts(doc)
+    n = doc.shape[0]
+    group = q.shape[1] // k.shape[1]
+    outs, dqs = [], []
+    for i in rows.tolist():
+        if doc[a[i]] < 0:
+            outs.append(torch.zeros(q.shape[1:], dtype=torch.float64, device=q.device))
+            dqs.append(torch.zeros(q.shape[1:], dtype=torch.float64, device=q.device))
+            continue
+        pos = torch.arange(n, device=q.device)
+        ok = (pos <= a[i]) & (pos >= starts[a[i]])
+        if window is not None:
+            w = pos > a[i] + d[i] - window
+            if sink > 0:
+                w |= (pos - starts[a[i]]) < sink
+            ok &= w
+        keys = set(pos[ok].tolist())
+        chain = ((a == a[i]) & (d <= d[i])).nonzero().flatten().tolist()
+        keys |= set(chain)  # depth-0 rows are rows 0..N-1 (symmetric)
+        idx = torch.tensor(sorted(keys), device=q.device)
+        kk = k[idx].double().repeat_interleave(group, 1)  # [J, Hq, D]
+        vv = v[idx].double().repeat_interleave(group, 1)
+        qi = q[i].double()
+        s = torch.einsum("hd,jhd->hj", qi, kk) * scale
+        p = torch.softmax(s, -1)
+        o = torch.einsum("hj,jhd->hd", p, vv)
+        dp = torch.einsum("hd,jhd->hj", go[i].double(), vv)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        outs.append(o)
+        dqs.append(torch.einsum("hj,jhd->hd", ds, kk) * scale)
+    return torch.stack(outs), torch.stack(dqs)
+
+
+@requires_cuda
+@pytest.mark.parametrize("n,window,max_anchors", [(32768, None, None), (65536, 2048, 1024), (131072, 4096, None)])
+def test_cuda_large_n_spot_checks(n, window, max_anchors):
+    """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
+    the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head."""
+    g = torch.Generator().manual_seed(n)
+    lay = make_layout(g, n, max_anchors=max_anchors, max_doc_len=8192, pad_tail=100, device="cuda")
+    hq, hkv, d = 8, 2, 128
+    q, k, v, _ = make_inputs(g, lay, hq, hkv, d, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    sink = 4 if window else 0
+    out = cod_attention(q, k, v, lay, window=window, sink=sink)
+    dq, dk, dv = torch.autograd.grad(out, [q, k, v], go)
+    for x, name in ((out, "out"), (dq, "dq"), (dk, "dk"), (dv, "dv")):
+        assert torch.isfinite(x).all(), f"{name} has non-finite values"
+    t = lay.num_tokens
+    o = lay.depth_offsets
+    picks = [torch.randint(o[e], o[e + 1], (24,), generator=g) for e in range(len(o) - 1) if o[e + 1] > o[e]]
+    rows = torch.cat(picks + [torch.tensor([0, t - 1])]).unique().to("cuda")
+    ro, rdq = _row_reference(q.detach(), k.detach(), v.detach(), lay, rows, go, window, sink, 1 / math.sqrt(d))
+    assert rel_l2(out[rows], ro) <= 1e-2, f"out rows rel err {rel_l2(out[rows], ro):.2e}"
+    assert rel_l2(dq[rows], rdq) <= 1e-2, f"dq rows rel err {rel_l2(dq[rows], rdq):.2e}"
+    valid = (lay.document_ids[lay.anchor.long()] >= 0)
+    want_dv = (go.double() * valid[:, None, None]).reshape(t, hkv, hq // hkv, d).sum((0, 2))
+    got_dv = dv.double().sum(0)
+    assert rel_l2(got_dv, want_dv) <= 1e-2, f"sum dV identity rel err {rel_l2(got_dv, want_dv):.2e}"
+    dk_sum = dk.double().sum(0).norm().item()
+    dk_scale = dk.double().norm().item()
+    assert dk_sum <= 0.05 * dk_scale, f"sum dK identity: |sum| {dk_sum:.3e} vs |dK| {dk_scale:.3e}"
