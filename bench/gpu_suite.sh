@@ -27,11 +27,14 @@ if have build || ! python3 -c "import peagle_ext" 2>/dev/null; then
 fi
 
 if have tests; then
-  t0=$(date +%s)
-  files=$(ls python_tests/test_{cod,attention,loss,vllm}.py 2>/dev/null)
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -ra --timeout=180 --junitxml="$OUT/junit.xml" $files > "$OUT/tests.log" 2>&1
-  rc=$?; note "tests: rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/tests.log")"; [ $rc -eq 0 ] || status=1
-  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30 | tee -a "$summary"
+  # one pytest process per file: a crash in one op's tests must not hide the others' results
+  for f in ${TEST_FILES:-python_tests/test_cod.py python_tests/test_attention.py python_tests/test_loss.py python_tests/test_vllm.py}; do
+    [ -f "$f" ] || continue
+    t0=$(date +%s); name=$(basename "$f" .py)
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -ra --timeout=180 --junitxml="$OUT/junit_$name.xml" $f > "$OUT/$name.log" 2>&1
+    rc=$?; note "$name: rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/$name.log")"; [ $rc -eq 0 ] || status=1
+    grep -E "^(FAILED|ERROR)|Fatal Python error|File .*python_tests" "$OUT/$name.log" | head -20 | tee -a "$summary"
+  done
 fi
 
 if have bench; then
