@@ -38,7 +38,7 @@ if have tests; then
 fi
 
 if have bench; then
-  for b in bench/bench_cod.py bench/bench_attention.py bench/bench_loss.py bench/bench_vllm.py; do
+  for b in ${BENCH_FILES:-bench/bench_cod.py bench/bench_attention.py bench/bench_loss.py bench/bench_vllm.py}; do
     [ -f "$b" ] || continue
     t0=$(date +%s)
     name=$(basename "$b" .py)
