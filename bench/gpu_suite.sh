@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
+# The H200 image sets CXX=/opt/gcc/bin/g++; ops built with it segfault on every op error
+# (tools/diag_exceptions2.sh found it; setup.py now checks it). Use the system compiler.
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++; fi
 phases=${*:-build tests bench}
 status=0
 summary="$OUT/summary.txt"
