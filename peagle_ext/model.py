@@ -25,6 +25,7 @@ keys are exactly "stream positions <= its anchor" plus its own chain, i.e. the c
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -749,21 +750,31 @@ class PEagleDraftModel(nn.Module):
                           "loss_sum": float(loss_sum.detach()), "num_tokens": layout.num_tokens}
 
     def forward_backward(self, example, layout: CodLayout | None = None, *, seed: int | None = None,
-                         segments: int = 1, loss_scale: float | None = None) -> dict:
+                         segments: int = 1, loss_scale: float | None = None,
+                         autocast_dtype: torch.dtype | None = None) -> dict:
         """Forward + backward of `loss_sum * loss_scale` (default 1 / weight, i.e. the mean),
         accumulating into .grad. segments > 1 = sequence partition: the layout runs in that many
-        anchor-range segments with exact gradients (module docstring). Returns the metrics."""
+        anchor-range segments with exact gradients (module docstring). autocast_dtype: forward
+        passes run under torch.autocast with it (backward outside). Returns the metrics."""
+        self._amp_dtype = autocast_dtype
         if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
             raise ValueError(f"segments must be an int >= 1, got {segments!r}")
         n = example.input_ids.shape[0]
         layout = self.sample_layout(example, seed=seed) if layout is None else layout
         self._check_layout(layout, n)
         if segments == 1:
-            loss_sum, m = self._forward_sum(example, layout, None)
+            with self._amp():
+                loss_sum, m = self._forward_sum(example, layout, None)
             scale = loss_scale if loss_scale is not None else (1.0 / m["weight"] if m["weight"] > 0 else 0.0)
             (loss_sum * scale).backward()
             return m
         return self._partitioned(example, layout, segments, loss_scale)
+
+    def _amp(self):
+        dt = getattr(self, "_amp_dtype", None)
+        if dt is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.fc.weight.device.type, dtype=dt)
 
     def _partitioned(self, example, layout: CodLayout, segments: int, loss_scale):
         o = self.options
@@ -776,10 +787,11 @@ class PEagleDraftModel(nn.Module):
         tgt = self._target_normed(example)
         weight_all = example.loss_mask.to(dev)[(layout.anchor.long() + layout.depth.long())].float()
         scale = loss_scale if loss_scale is not None else (1.0 / float(weight_all.sum()) if float(weight_all.sum()) > 0 else 0.0)
-        l0 = self._layer0_rows(example)
         stream = self._stream_tokens(example, dev)
         symmetric = o.attention == "symmetric"
-        h_stream, kvs = self._run(stream, l0, collect_kv=True, last_full=symmetric)
+        with self._amp():
+            l0 = self._layer0_rows(example)
+            h_stream, kvs = self._run(stream, l0, collect_kv=True, last_full=symmetric)
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kvs]
         total_sum = 0.0
         wsum_all = 0.0
@@ -788,8 +800,8 @@ class PEagleDraftModel(nn.Module):
         roots, grads = [], []
         if symmetric:
             # depth 0 = the stream itself; its loss joins the final backward through the stream
-            s_lay = stream.layout
-            s_sum, s_w, c, t = self._loss_terms(h_stream, s_lay, example, tgt)
+            with self._amp():
+                s_sum, s_w, c, t = self._loss_terms(h_stream, stream.layout, example, tgt)
             roots.append(s_sum * scale)
             grads.append(None)
             total_sum += float(s_sum.detach())
@@ -801,8 +813,9 @@ class PEagleDraftModel(nn.Module):
             keep = torch.ones_like(layout.depth, dtype=torch.bool)
         for sub in _segment_layouts(layout, keep, segments):
             tok = self._tokens(sub, self._layout_rows(sub))
-            h, _ = self._run(tok, self._layer0_rows(example), contexts=leaves)
-            s_sum, s_w, c, t = self._loss_terms(h, sub, example, tgt)
+            with self._amp():
+                h, _ = self._run(tok, self._layer0_rows(example), contexts=leaves)
+                s_sum, s_w, c, t = self._loss_terms(h, sub, example, tgt)
             (s_sum * scale).backward()
             total_sum += float(s_sum.detach())
             wsum_all += float(s_w)
