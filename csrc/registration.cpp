@@ -20,6 +20,22 @@ TORCH_LIBRARY(peagle, m) {
 
   // ---- COD attention (csrc/attention) -----------------------------------------------
   // [attention schemas]
+  // Metadata of a CodLayout (csrc/attention/attention_common.h): ranges int32 [5, T] (window
+  // range lo/hi, sink range lo/hi, valid), chains int32 [2, T, K]: [0] own-chain key rows of each
+  // query (-1 none), [1] the reverse map. window -1 = none. O(T) + O(T K log T), no host sync.
+  m.def(
+      "cod_attention_metadata(Tensor anchor, Tensor depth, Tensor document_ids, int[] depth_offsets, "
+      "bool cross, int window, int sink) -> (Tensor ranges, Tensor chains)");
+  // q [T, Hq, D], k/v [T, Hkv, D], context_k/v [N, Hkv, D] (cross mode) -> out [T, Hq, D] and
+  // lse [Hq, T] (float32; float64 for float64 inputs; natural log; +inf on rows without keys).
+  m.def(
+      "cod_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? context_k, Tensor? context_v, Tensor ranges, "
+      "Tensor chains, int[] depth_offsets, float scale, bool use_sink) -> (Tensor out, Tensor lse)");
+  // -> dq, dk, dv, dcontext_k, dcontext_v (the last two [0, Hkv, D] in symmetric mode). Deterministic.
+  m.def(
+      "cod_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? context_k, Tensor? context_v, "
+      "Tensor out, Tensor lse, Tensor ranges, Tensor chains, int[] depth_offsets, float scale, "
+      "bool use_sink) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dcontext_k, Tensor dcontext_v)");
 
   // ---- fused linear KL / CE loss (csrc/loss) ------------------------------------------
   // [loss schemas]
