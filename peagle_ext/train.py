@@ -61,6 +61,7 @@ class TrainSettings:
     aux_layer_ids: list[int] | None = None
     norm_before_residual: bool = False
     train_lm_head: bool = False
+    train_embeddings: str = "all"  # all | mask | none
     # COD sampling / attention
     down_sample_ratio: float = 0.7
     down_sample_ratio_min: float = 0.2
@@ -123,13 +124,17 @@ class TrainSettings:
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TrainError("--device cuda was asked for but torch sees no CUDA GPU (use --device cpu)")
-        PEagleOptions(self.down_sample_ratio, self.down_sample_ratio_min, self.max_anchors, self.attention,
-                      self.window, self.sink, self.loss, self.train_lm_head).validate(self.num_depths)
+        try:
+            self.options().validate(self.num_depths)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         return self
 
     def options(self) -> PEagleOptions:
-        return PEagleOptions(self.down_sample_ratio, self.down_sample_ratio_min, self.max_anchors, self.attention,
-                             self.window, self.sink, self.loss, self.train_lm_head)
+        return PEagleOptions(down_sample_ratio=self.down_sample_ratio, down_sample_ratio_min=self.down_sample_ratio_min,
+                             max_anchors=self.max_anchors, attention=self.attention, window=self.window,
+                             sink=self.sink, loss_kind=self.loss, train_lm_head=self.train_lm_head,
+                             train_embeddings=self.train_embeddings)
 
     def autocast_dtype(self) -> torch.dtype | None:
         """bf16 autocast (fp32 master weights) on GPU, and on CPUs with native bf16 matmuls."""
@@ -152,7 +157,7 @@ def _cpu_has_bf16() -> bool:
 # these settings shape the model or the data stream: a resume must use the checkpoint's values
 _RESUME_FIXED = ("verifier", "data", "num_conversations", "val_fraction", "seq_len", "num_layers", "num_depths",
                  "layer_type", "draft_vocab_size", "mask_token_id", "aux_layer_ids", "batch_size", "grad_accum",
-                 "seed", "attention", "train_lm_head", "norm_before_residual")
+                 "seed", "attention", "train_lm_head", "train_embeddings", "norm_before_residual")
 
 
 def load_config_file(path: str) -> dict:

@@ -209,6 +209,26 @@ def test_mask_token_rules(rng):
     assert grown.mask_hidden.grad.abs().sum() > 0
 
 
+def test_mask_only_embedding_training(rng, tmp_path):
+    """train_embeddings="mask": only the MASK row learns, and checkpoints carry it in embed_tokens."""
+    m = make_model(rng, num_layers=1, k=3, options=PEagleOptions(train_embeddings="mask"))
+    assert not m.embed_tokens.weight.requires_grad and m.mask_embed.requires_grad
+    assert torch.equal(m.mask_embed.detach(), m.embed_tokens.weight[V].detach())
+    ex = make_example(rng)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
+    before = m.embed_tokens.weight.detach().clone()
+    m(ex, m.sample_layout(ex, seed=2))[0].backward()
+    opt.step()
+    assert torch.equal(m.embed_tokens.weight.detach(), before)
+    assert not torch.equal(m.mask_embed.detach(), before[V])
+    sd = m.checkpoint_state_dict()
+    assert "mask_embed" not in sd and torch.equal(sd["embed_tokens.weight"][V], m.mask_embed.detach())
+    assert torch.equal(sd["embed_tokens.weight"][:V], before[:V])
+    m.save_pretrained(tmp_path)
+    m2 = PEagleDraftModel.from_pretrained(tmp_path, options=PEagleOptions(train_embeddings="mask"))
+    assert torch.equal(m2.mask_embed.detach(), m.mask_embed.detach())
+
+
 def test_vocab_mapping_and_restricted_kl(rng):
     counts = torch.zeros(V, dtype=torch.long)
     counts[[5, 9, 200, 17]] = torch.tensor([10, 30, 30, 1])
