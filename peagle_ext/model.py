@@ -522,7 +522,9 @@ class PEagleDraftModel(nn.Module):
             if norm_eps is not None:
                 self.verifier_norm_eps = float(norm_eps)
             if init_from_verifier:
+                # the draft head starts as the verifier's head on the verifier's normed scale
                 self.lm_head.weight.copy_(lm_head_weight.detach()[ids].float())
+                self.norm.weight.copy_(norm_weight.detach().float())
                 if embed_weight is not None:
                     v = embed_weight.shape[0]
                     rows = self.embed_tokens.weight.shape[0]

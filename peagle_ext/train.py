@@ -596,7 +596,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay,
-                            foreach=device.type == "cuda")
+                            fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0
@@ -632,8 +632,14 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     train_h.warm("verifier hidden states (train)", s.progress)
     val_h.warm("verifier hidden states (val)", s.progress)
     if cache:
+        ntok_all = ntok + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
+        dt_h = time.time() - t0
         log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
-                  f"({time.time() - t0:.1f}s)", seconds=time.time() - t0)
+                  f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)", seconds=dt_h)
+        # every row is cached: the verifier itself is no longer needed
+        train_h.verifier = val_h.verifier = None
+        del verifier
+        base = norm = None  # noqa: F841  (drop the last references to the verifier decoder)
     else:
         log.event("hidden", "verifier hidden states do not fit --hidden-cache-gb: recomputed every step")
 
@@ -675,8 +681,10 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
         loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
         ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
-        if ok:
+        if ok and step_meter.weight > 0:
             opt.step()
+        elif ok:  # no loss-masked token in this step: nothing to learn, leave AdamW's moments alone
+            opt.zero_grad(set_to_none=True)
         else:
             skipped += 1
             opt.zero_grad(set_to_none=True)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
+from conftest import requires_cuda
 from peagle_ext.cod import CodLayout
 from peagle_ext.data import TrainingExample
 from peagle_ext.model import (PEagleConfig, PEagleDraftModel, PEagleOptions, acceptance_length,
@@ -343,3 +344,31 @@ def test_acceptance_length_formula():
     assert acceptance_length([1.0, 1.0, 1.0]) == 3.0
     assert abs(acceptance_length([0.8, 0.5, 0.5]) - (0.8 + 0.4 + 0.2)) < 1e-12
     assert acceptance_length([0.0, 0.9]) == 0.0
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["symmetric", "cross"])
+def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
+    """bf16 autocast on the GPU vs the fp32 CPU model on the same layout (the layout is sampled on
+    the CPU and moved), and segments on the GPU vs one pass on the GPU."""
+    m = make_model(rng, num_layers=2, k=4, options=PEagleOptions(attention=mode))
+    ex = make_example(rng, n=160, docs=(90, 60))
+    lay = m.sample_layout(ex, seed=4)
+    ref = m.forward_backward(ex, lay)
+    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    mc = m.to("cuda")
+    mc.zero_grad()
+    exc = TrainingExample(*(t.cuda() for t in (ex.input_ids, ex.document_ids, ex.loss_mask, ex.hidden, ex.last_hidden)))
+    got = mc.forward_backward(exc, lay.to("cuda"), autocast_dtype=torch.bfloat16)
+    assert got["total"].tolist() == ref["total"].tolist()
+    assert abs(got["loss_sum"] - ref["loss_sum"]) <= 3e-2 * abs(ref["loss_sum"])
+    for k, g in gref.items():
+        gc = dict(mc.named_parameters())[k].grad.float().cpu()
+        assert float((gc - g).norm() / (g.norm() + 1e-12)) < 5e-2, k
+    g1 = {k: p.grad.clone() for k, p in mc.named_parameters() if p.grad is not None}
+    mc.zero_grad()
+    seg = mc.forward_backward(exc, lay.to("cuda"), autocast_dtype=torch.bfloat16, segments=3)
+    assert seg["total"].tolist() == got["total"].tolist()
+    for k, g in g1.items():
+        g2 = dict(mc.named_parameters())[k].grad
+        assert float((g2 - g).norm() / (g.norm() + 1e-12)) < 2e-2, k

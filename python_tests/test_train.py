@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import requires_cuda
 from tiny_verifier import make_chat_jsonl, make_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,3 +245,15 @@ def test_lr_schedule_shapes():
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
     g = lr_lambda(TrainSettings(max_steps=110, warmup_steps=10, schedule="linear", min_lr_ratio=0.0))
     assert g(60) == pytest.approx(0.5) and g(110) == pytest.approx(0.0)
+
+
+@requires_cuda
+def test_train_on_cuda_smoke(tiny, tmp_path):
+    """The same trainer on the GPU: bf16 autocast, fp32 master weights, finite loss, a final dir."""
+    from peagle_ext.train import train
+    r = train(settings(tiny, tmp_path / "gpu", device="cuda", dtype="auto", max_steps=4, seq_partition=2,
+                       attention="cross"))
+    assert r.final_dir is not None and r.skipped_steps == 0
+    w = _weights(r.final_dir)
+    assert w["fc.weight"].dtype == torch.float32 and all(torch.isfinite(t).all() for t in w.values()
+                                                         if t.is_floating_point())
