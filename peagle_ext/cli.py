@@ -85,6 +85,8 @@ def _train_args(p: argparse.ArgumentParser):
     g.add_argument("--val-every", type=int, help=f"Default {d.val_every}")
     g.add_argument("--log-every", type=int, help=f"Default {d.log_every}")
     g.add_argument("--hidden-cache-gb", type=float, help=f"keep verifier hidden states in memory up to this. Default {d.hidden_cache_gb}")
+    g.add_argument("--hidden-cache-dir", help="store verifier hidden states here (resumable; reused by later runs "
+                   "on the same data and settings)")
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
     g.add_argument("--config", help="YAML/JSON file of option: value (flags given here win)")
     g.add_argument("--resume", action="store_const", const=True, help="continue from the newest complete checkpoint in --output")

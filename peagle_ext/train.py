@@ -92,6 +92,7 @@ class TrainSettings:
     val_every: int = 100
     log_every: int = 1
     hidden_cache_gb: float = 6.0
+    hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
     resume: bool = False
     progress: bool = True
 
@@ -293,20 +294,31 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
 
 
 class HiddenStates:
-    """Verifier hidden states per packed row -> TrainingExample, kept in memory when they fit
-    (--hidden-cache-gb), else recomputed on use. Both give the same bits (deterministic forward)."""
+    """Verifier hidden states per packed row -> TrainingExample: kept in memory when they fit
+    (--hidden-cache-gb), else recomputed on use; or, with a `disk` HiddenStateCache, generated
+    once into it (resumable, reusable by later runs on the same data) and read back from it.
+    All three give the same bits (the verifier forward is deterministic)."""
 
-    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool, store_dtype, device):
+    ROWS_PER_SHARD = 16
+
+    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool, store_dtype, device, disk=None):
         self.verifier = verifier
         self.aux = list(aux_layer_ids)
         self.rows = rows
         self.cache = cache
         self.store_dtype = store_dtype
         self.device = device
+        self.disk = disk
         self._mem: dict[int, object] = {}
+        self._shard: tuple[int, list] | None = None
 
     def compute(self, i: int):
         from . import data as D
+        if self.disk is not None:
+            k, j = divmod(i, self.ROWS_PER_SHARD)
+            if self._shard is None or self._shard[0] != k:
+                self._shard = (k, self.disk.read_shard(k))
+            return self._shard[1][j]
         aux, last = D.verifier_hidden_states(self.verifier, self.rows[i], self.aux)
         ex = D.eagle_shift(self.rows[i], aux, last)
         return ex.to("cpu", self.store_dtype) if self.cache else ex
@@ -319,6 +331,9 @@ class HiddenStates:
         return self.compute(i)
 
     def warm(self, desc: str, progress: bool):
+        if self.disk is not None and self.rows:
+            self.disk.generate(self.verifier, self.rows, self.aux, rows_per_shard=self.ROWS_PER_SHARD,
+                               dtype=self.store_dtype, progress=progress)
         if not self.cache:
             return
         it = range(len(self.rows))
@@ -330,6 +345,7 @@ class HiddenStates:
             ntok += int(self.rows[i].input_ids.shape[0])
             bar.set_postfix(tok_s=f"{ntok / max(time.time() - t0, 1e-9):.0f}")
         bar.close()
+        self._shard = None
 
 
 def _tqdm(it, **kw):
@@ -526,6 +542,13 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
             raise TrainError("--resume with settings that differ from the checkpoint's: " +
                              ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old.get(k)!r})" for k in diff))
         RunLog.truncate_after(out / "log.jsonl", ck_state["step"])
+    else:
+        existing = list_checkpoints(out)
+        if existing:
+            raise TrainError(f"{out} already holds checkpoints (newest: {existing[-1][1].name}); continue them with "
+                             "--resume, or pick another --output (a fresh run would prune them)")
+        if (out / "log.jsonl").exists():
+            (out / "log.jsonl").unlink()  # a log without checkpoints belongs to no resumable run
     log = RunLog(out / "log.jsonl", echo=True)
     try:
         return _train(s, out, log, resume_from, stop_after, t_start)
@@ -626,8 +649,17 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     store_dtype = torch.bfloat16 if amp is not None else torch.float32
     per_row = s.seq_len * feat * (2 if store_dtype == torch.bfloat16 else 4)
     cache = per_row * (len(ds.train_rows) + len(ds.val_rows)) <= s.hidden_cache_gb * 2**30
-    train_h = HiddenStates(verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device)
-    val_h = HiddenStates(verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device)
+    disks = (None, None)
+    if s.hidden_cache_dir:
+        meta = {"verifier": s.verifier, "aux_layer_ids": aux_ids, "seq_len": s.seq_len, "dtype": str(store_dtype),
+                "data": s.data, "num_conversations": s.num_conversations, "val_fraction": s.val_fraction,
+                "seed": s.seed}
+        disks = tuple(D.HiddenStateCache(Path(s.hidden_cache_dir) / split, meta={**meta, "split": split})
+                      for split in ("train", "val"))
+    train_h = HiddenStates(verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device,
+                           disk=disks[0])
+    val_h = HiddenStates(verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device,
+                         disk=disks[1])
     t0 = time.time()
     train_h.warm("verifier hidden states (train)", s.progress)
     val_h.warm("verifier hidden states (val)", s.progress)
@@ -636,6 +668,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         dt_h = time.time() - t0
         log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
                   f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)", seconds=dt_h)
+    if cache or s.hidden_cache_dir:
         # every row is cached: the verifier itself is no longer needed
         train_h.verifier = val_h.verifier = None
         del verifier

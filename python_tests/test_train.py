@@ -172,6 +172,11 @@ def test_bad_inputs_have_clear_messages(tiny, tmp_path):
         train(settings(tiny, tmp_path / "d", data=str(tmp_path / "missing.jsonl")))
     with pytest.raises(TrainError, match="--resume: no complete checkpoint"):
         train(settings(tiny, tmp_path / "e", resume=True))
+    done = tmp_path / "done"
+    train(settings(tiny, done, max_steps=1, val_fraction=0.0))
+    with pytest.raises(TrainError, match="already holds checkpoints"):
+        train(settings(tiny, done, max_steps=1, val_fraction=0.0))
+    assert (done / "checkpoint-1").is_dir()
     with pytest.raises(TrainError, match="--seq-len must be >= 8"):
         settings(tiny, tmp_path / "f", seq_len=4).validate()
     cfg = tmp_path / "c.yaml"
@@ -257,3 +262,22 @@ def test_train_on_cuda_smoke(tiny, tmp_path):
     w = _weights(r.final_dir)
     assert w["fc.weight"].dtype == torch.float32 and all(torch.isfinite(t).all() for t in w.values()
                                                          if t.is_floating_point())
+
+
+def test_hidden_state_disk_cache_is_reused_and_bitwise_equal(tiny, tmp_path, monkeypatch):
+    import peagle_ext.data as D
+    from peagle_ext.train import train
+    mem = train(settings(tiny, tmp_path / "mem", max_steps=3))
+    cache = tmp_path / "hcache"
+    a = train(settings(tiny, tmp_path / "a", max_steps=3, hidden_cache_dir=str(cache)))
+    assert (cache / "train" / "index.json").is_file() and list((cache / "train").glob("shard-*.safetensors"))
+
+    def no_verifier(*a, **k):
+        raise AssertionError("the cache should have been used")
+    monkeypatch.setattr(D, "verifier_hidden_states", no_verifier)
+    b = train(settings(tiny, tmp_path / "b", max_steps=3, hidden_cache_dir=str(cache)))
+    wm, wa, wb = (_weights(r.final_dir) for r in (mem, a, b))
+    for k in wm:
+        assert torch.equal(wm[k], wa[k]) and torch.equal(wa[k], wb[k]), k
+    with pytest.raises(ValueError, match="different settings"):
+        train(settings(tiny, tmp_path / "c", max_steps=3, seq_len=48, hidden_cache_dir=str(cache)))
