@@ -79,6 +79,8 @@ def _train_args(p: argparse.ArgumentParser):
     g.add_argument("--device", help=f"cpu | cuda. Default {d.device}")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype; auto = bf16 on GPU and on CPUs with native bf16, else fp32")
+    g.add_argument("--threads", type=int, help="CPU threads (0 = torch's default). Default 1: on a shared 2-core "
+                   "machine 2 OpenMP threads run several times slower")
     g.add_argument("--seed", type=int, help=f"Default {d.seed}")
     g.add_argument("--checkpoint-every", type=int, help=f"Default {d.checkpoint_every}")
     g.add_argument("--keep-checkpoints", type=int, help=f"Default {d.keep_checkpoints}")
@@ -87,6 +89,8 @@ def _train_args(p: argparse.ArgumentParser):
     g.add_argument("--hidden-cache-gb", type=float, help=f"keep verifier hidden states in memory up to this. Default {d.hidden_cache_gb}")
     g.add_argument("--hidden-cache-dir", help="store verifier hidden states here (resumable; reused by later runs "
                    "on the same data and settings)")
+    g.add_argument("--background-hidden", type=_bool, help="CPU: compute verifier hidden states on a second "
+                   "thread while training runs (default true)")
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
     g.add_argument("--config", help="YAML/JSON file of option: value (flags given here win)")
     g.add_argument("--resume", action="store_const", const=True, help="continue from the newest complete checkpoint in --output")

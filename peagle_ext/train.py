@@ -86,6 +86,10 @@ class TrainSettings:
     # bookkeeping
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16
+    # CPU intra-op threads. 1 by default: on a 2-core machine that anything else also uses,
+    # OpenMP's barriers make 2 threads several times SLOWER (measured: SmolLM2 forward 350 tok/s
+    # with 1 thread vs 50 with 2 under light load); 0 = torch's default
+    threads: int = 1
     seed: int = 0
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
@@ -93,6 +97,7 @@ class TrainSettings:
     log_every: int = 1
     hidden_cache_gb: float = 6.0
     hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
+    background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
     resume: bool = False
     progress: bool = True
 
@@ -120,6 +125,7 @@ class TrainSettings:
         need(self.checkpoint_every >= 1 and self.val_every >= 1 and self.log_every >= 1,
              "--checkpoint-every, --val-every and --log-every must be >= 1")
         need(self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1")
+        need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
         need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
@@ -325,10 +331,64 @@ class HiddenStates:
 
     def get(self, i: int):
         if self.cache:
+            if self._producer is not None:
+                return self._wait_for(i)
             if i not in self._mem:
                 self._mem[i] = self.compute(i)
             return self._mem[i]
         return self.compute(i)
+
+    # -- background extraction: the verifier runs on a second thread while training starts --
+    _producer = None
+
+    def start_background(self, order: list[int], then: "HiddenStates | None" = None):
+        """Compute every row's states on a background thread, in `order` (the order training
+        will ask for them), then `then`'s rows. torch ops release the GIL and, with one intra-op
+        thread each, two Python threads use two cores without OpenMP barriers. get() waits for
+        a row that is not done yet. Same bits as computing in the foreground."""
+        import threading
+        cond = threading.Condition()
+        jobs = [(self, i) for i in order] + ([(then, i) for i in range(len(then.rows))] if then else [])
+        for hs in (self, then) if then else (self,):
+            hs._cond, hs._error, hs._producer = cond, [None], True
+
+        def run():
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    for hs, i in jobs:
+                        if i in hs._mem:
+                            continue
+                        ex = hs.compute(i)
+                        with cond:
+                            hs._mem[i] = ex
+                            cond.notify_all()
+            except BaseException as e:  # surfaced by the next get()
+                with cond:
+                    for hs in (self, then) if then else (self,):
+                        hs._error[0] = e
+                    cond.notify_all()
+            finally:
+                with cond:
+                    for hs in (self, then) if then else (self,):
+                        hs._done = True
+                    cond.notify_all()
+
+        for hs in (self, then) if then else (self,):
+            hs._done = False
+        t = threading.Thread(target=run, name="peagle-hidden-states", daemon=True)
+        t.start()
+        self._thread = t
+        return t
+
+    def _wait_for(self, i: int):
+        with self._cond:
+            while i not in self._mem:
+                if self._error[0] is not None:
+                    raise self._error[0]
+                if self._done:
+                    raise RuntimeError(f"hidden states of row {i} were never computed")
+                self._cond.wait(timeout=1.0)
+            return self._mem[i]
 
     def warm(self, desc: str, progress: bool):
         if self.disk is not None and self.rows:
@@ -550,9 +610,13 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
         if (out / "log.jsonl").exists():
             (out / "log.jsonl").unlink()  # a log without checkpoints belongs to no resumable run
     log = RunLog(out / "log.jsonl", echo=True)
+    threads = torch.get_num_threads()
+    if s.threads and not s.device.startswith("cuda"):
+        torch.set_num_threads(s.threads)
     try:
         return _train(s, out, log, resume_from, stop_after, t_start)
     finally:
+        torch.set_num_threads(threads)
         log.close()
 
 
@@ -660,25 +724,32 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                            disk=disks[0])
     val_h = HiddenStates(verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device,
                          disk=disks[1])
+    n_rows = len(ds.train_rows)
+    order = _epoch_order(s.seed, epoch, n_rows)
     t0 = time.time()
-    train_h.warm("verifier hidden states (train)", s.progress)
-    val_h.warm("verifier hidden states (val)", s.progress)
-    if cache:
+    background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden
+    if background:
+        # rows in the order this epoch consumes them; training starts as soon as the first is ready
+        train_h.start_background(order[cursor:] + order[:cursor], then=val_h)
+        log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows: computed on a "
+                  "background thread while training runs (kept in memory)")
+    else:
+        train_h.warm("verifier hidden states (train)", s.progress)
+        val_h.warm("verifier hidden states (val)", s.progress)
+    if cache and not background:
         ntok_all = ntok + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
         dt_h = time.time() - t0
         log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
                   f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)", seconds=dt_h)
-    if cache or s.hidden_cache_dir:
+    if (cache and not background) or s.hidden_cache_dir:
         # every row is cached: the verifier itself is no longer needed
         train_h.verifier = val_h.verifier = None
         del verifier
         base = norm = None  # noqa: F841  (drop the last references to the verifier decoder)
-    else:
+    elif not cache:
         log.event("hidden", "verifier hidden states do not fit --hidden-cache-gb: recomputed every step")
 
     rows_per_step = s.batch_size * s.grad_accum
-    n_rows = len(ds.train_rows)
-    order = _epoch_order(s.seed, epoch, n_rows)
     meter = Meter(s.num_depths)
     window_meter = Meter(s.num_depths)
     skipped = history_skipped
