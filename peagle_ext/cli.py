@@ -53,8 +53,9 @@ def _train_args(p: argparse.ArgumentParser):
     g.add_argument("--mask-token-id", type=_opt_int, help="default: tokenizer's mask token, else a new id")
     g.add_argument("--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 2,15,27 (default 2,L//2,L-3)")
     g.add_argument("--norm-before-residual", type=_bool)
-    g.add_argument("--train-embeddings", choices=["all", "mask", "none"],
-                   help=f"all (P-EAGLE), only the MASK row (much cheaper on CPU), or none. Default {d.train_embeddings}")
+    g.add_argument("--train-embeddings", choices=["all", "mask", "none", "auto"],
+                   help="all (P-EAGLE), only the MASK row (much cheaper on CPU), none; auto = all on GPU, mask on "
+                   "CPU (default)")
     g.add_argument("--train-lm-head", type=_bool, help=f"also train the (verifier-initialised) lm_head. Default {d.train_lm_head}")
     g = p.add_argument_group("COD sampling and attention")
     g.add_argument("--down-sample-ratio", type=float, help=f"r. Default {d.down_sample_ratio}")

@@ -49,7 +49,7 @@ class TrainSettings:
     verifier: str = "smollm2"
     data: str = "sharegpt"
     output: str = "runs/peagle"
-    num_conversations: int | None = 1200
+    num_conversations: int | None = 400
     val_fraction: float = 0.05
     seq_len: int = 512
     # the drafter
@@ -61,7 +61,7 @@ class TrainSettings:
     aux_layer_ids: list[int] | None = None
     norm_before_residual: bool = False
     train_lm_head: bool = False
-    train_embeddings: str = "all"  # all | mask | none
+    train_embeddings: str = "auto"  # all | mask | none | auto (all on GPU, mask on CPU)
     # COD sampling / attention
     down_sample_ratio: float = 0.7
     down_sample_ratio_min: float = 0.2
@@ -72,12 +72,12 @@ class TrainSettings:
     seq_partition: int = 1
     loss: str = "kl"
     # optimisation
-    max_steps: int = 400
+    max_steps: int = 1200
     batch_size: int = 1  # packed rows per micro-batch
     grad_accum: int = 1
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     schedule: str = "cosine"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -91,10 +91,10 @@ class TrainSettings:
     # with 1 thread vs 50 with 2 under light load); 0 = torch's default
     threads: int = 1
     seed: int = 0
-    checkpoint_every: int = 100
+    checkpoint_every: int = 200
     keep_checkpoints: int = 2
-    val_every: int = 100
-    log_every: int = 1
+    val_every: int = 200
+    log_every: int = 10
     hidden_cache_gb: float = 6.0
     hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
     background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
@@ -141,7 +141,14 @@ class TrainSettings:
         return PEagleOptions(down_sample_ratio=self.down_sample_ratio, down_sample_ratio_min=self.down_sample_ratio_min,
                              max_anchors=self.max_anchors, attention=self.attention, window=self.window,
                              sink=self.sink, loss_kind=self.loss, train_lm_head=self.train_lm_head,
-                             train_embeddings=self.train_embeddings)
+                             train_embeddings=self.resolved_train_embeddings())
+
+    def resolved_train_embeddings(self) -> str:
+        """auto: the whole embedding on GPU (P-EAGLE), only the MASK row on CPU, where the dense
+        [V, H] embedding gradient + AdamW update would cost more than the drafter's own step."""
+        if self.train_embeddings == "auto":
+            return "all" if self.device.startswith("cuda") else "mask"
+        return self.train_embeddings
 
     def autocast_dtype(self) -> torch.dtype | None:
         """bf16 autocast (fp32 master weights) on GPU, and on CPUs with native bf16 matmuls."""
@@ -341,14 +348,17 @@ class HiddenStates:
     # -- background extraction: the verifier runs on a second thread while training starts --
     _producer = None
 
-    def start_background(self, order: list[int], then: "HiddenStates | None" = None):
+    def start_background(self, order: list[int], then: "HiddenStates | None" = None, then_after: int = 0):
         """Compute every row's states on a background thread, in `order` (the order training
-        will ask for them), then `then`'s rows. torch ops release the GIL and, with one intra-op
-        thread each, two Python threads use two cores without OpenMP barriers. get() waits for
-        a row that is not done yet. Same bits as computing in the foreground."""
+        will ask for them), with `then`'s rows (validation) inserted after the first `then_after`
+        of them (when the first validation needs them). torch ops release the GIL and, with one
+        intra-op thread each, two Python threads use two cores without OpenMP barriers. get()
+        waits for a row that is not done yet. Same bits as computing in the foreground."""
         import threading
         cond = threading.Condition()
-        jobs = [(self, i) for i in order] + ([(then, i) for i in range(len(then.rows))] if then else [])
+        cut = max(0, min(then_after, len(order)))
+        jobs = [(self, i) for i in order[:cut]] + ([(then, i) for i in range(len(then.rows))] if then else []) \
+            + [(self, i) for i in order[cut:]]
         for hs in (self, then) if then else (self,):
             hs._cond, hs._error, hs._producer = cond, [None], True
 
@@ -663,8 +673,6 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                   coverage=cover)
 
     # model
-    if amp is not None and not device.type == "cuda":
-        pass
     model = PEagleDraftModel.from_verifier(
         vcfg, num_layers=s.num_layers, num_depths=s.num_depths, mask_token_id=mask_id, draft_vocab_size=dv,
         aux_layer_ids=aux_ids, layer_type=s.layer_type, d2t=d2t, verifier_name_or_path=s.verifier,
@@ -730,7 +738,8 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden
     if background:
         # rows in the order this epoch consumes them; training starts as soon as the first is ready
-        train_h.start_background(order[cursor:] + order[:cursor], then=val_h)
+        first_val = (s.val_every - step % s.val_every) * s.batch_size * s.grad_accum
+        train_h.start_background(order[cursor:] + order[:cursor], then=val_h, then_after=first_val)
         log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows: computed on a "
                   "background thread while training runs (kept in memory)")
     else:

@@ -37,7 +37,8 @@ def settings(tiny, out, **kw):
     v, data = tiny
     base = dict(verifier=str(v), data=str(data), output=str(out), seq_len=64, num_depths=3, num_layers=1,
                 max_steps=4, draft_vocab_size=None, dtype="float32", device="cpu", checkpoint_every=2,
-                val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3, progress=False, num_conversations=None)
+                val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3, progress=False, num_conversations=None,
+                log_every=1)
     base.update(kw)
     return TrainSettings(**base)
 
@@ -59,7 +60,8 @@ def test_cli_train_end_to_end_smoke(tiny, tmp_path):
     out = tmp_path / "run"
     r = _run_cli(["train", "--verifier", str(v), "--data", str(data), "--output", str(out), "--max-steps", "3",
                   "--seq-len", "64", "--num-depths", "3", "--num-layers", "1", "--device", "cpu",
-                  "--draft-vocab-size", "64", "--dtype", "float32", "--checkpoint-every", "2", "--no-progress"])
+                  "--draft-vocab-size", "64", "--dtype", "float32", "--checkpoint-every", "2", "--log-every", "1",
+                  "--no-progress"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "per-depth accuracy" in r.stdout and "d0=" in r.stdout and "d2=" in r.stdout
     assert f"checkpoint: {out / 'final'}" in r.stdout and "accuracy.png" in r.stdout
