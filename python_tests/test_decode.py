@@ -2,6 +2,7 @@
 losslessness vs the verifier's own greedy decoding for K = 1..8, the draft forward vs the
 training forward of the model, exact acceptance accounting with an oracle drafter, the report
 schema, the CLI end to end and bad-input messages."""
+import copy
 import json
 import os
 import subprocess
@@ -416,3 +417,53 @@ def test_bad_arguments_to_decoding(vm32, tmp_path):
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="hidden_size 32, the verifier 64"):
         load_drafter(tmp_path / "other", Verifier(vm32))
+
+
+# ---------------------------------------------------------------------------------------------
+# A drafter trained through the model's training path accepts at inference, losslessly
+# ---------------------------------------------------------------------------------------------
+def test_trained_tiny_drafter_accepts_and_stays_lossless(tiny_dir):
+    """Self-distillation on the verifier's own greedy continuations of 16 prompts (training
+    path: verifier_hidden_states + eagle_shift + forward_backward), then speculative decoding of
+    the same prompts. A convention mismatch between the training and the inference layouts (token
+    / hidden / position pairing, MASK rows, RoPE) would keep the acceptance near 1."""
+    from peagle_ext.data import PackedSequence, eagle_shift, verifier_hidden_states
+    from peagle_ext.model import PEagleOptions
+    vm = _load(tiny_dir, torch.float32)
+    with torch.no_grad():
+        vm.lm_head.weight.mul_(30.0)  # a peaked verifier: random-init logits are near-uniform
+    torch.manual_seed(0)
+    k = 3
+    dm = PEagleDraftModel.from_verifier(vm.config, num_depths=k, mask_token_id=VOCAB,
+                                        options=PEagleOptions(down_sample_ratio=0.9, down_sample_ratio_min=0.5,
+                                                              loss_kind="ce"))
+    dm.attach_verifier(norm_weight=vm.model.norm.weight, lm_head_weight=vm.lm_head.weight,
+                       embed_weight=vm.model.embed_tokens.weight)
+    v = Verifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
+    prompts = _prompts(21, n=16, lo=6, hi=7)
+    examples = []
+    for p in prompts:
+        seq = torch.tensor(p.tolist() + greedy_generate(v, p, 50).tokens)
+        n = seq.numel()
+        row = PackedSequence(seq, torch.zeros(n, dtype=torch.int32), torch.arange(n) >= p.numel(), 0)
+        aux, last = verifier_hidden_states(vm, row, dm.config.eagle_aux_hidden_state_layer_ids)
+        examples.append(eagle_shift(row, aux, last))
+    untrained = PEagleDrafter(copy.deepcopy(dm))
+    opt = torch.optim.AdamW([q for q in dm.parameters() if q.requires_grad], lr=3e-3)
+    for step in range(400):
+        opt.zero_grad()
+        dm.forward_backward(examples[step % len(examples)])
+        opt.step()
+    dr = PEagleDrafter(dm.eval())
+    acc, acc0 = [], []
+    for kk in range(1, k + 1):
+        for p in prompts[:6]:
+            base = greedy_generate(v, p, 30).tokens
+            s = speculative_generate(v, dr, p, kk, 30)
+            assert s.tokens == base
+            if kk == k:
+                acc += s.accepted
+                acc0 += speculative_generate(v, untrained, p, kk, 30).accepted
+    trained_al = acceptance_stats(acc, k)["acceptance_length"]
+    untrained_al = acceptance_stats(acc0, k)["acceptance_length"]
+    assert untrained_al < 1.3 and trained_al > 2.0, (untrained_al, trained_al)
