@@ -294,6 +294,10 @@ class SpecResult:
     wall_s: float
     num_spec_tokens: int
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round (0..K)
+    # with profile=True: time outside the verifier (acceptance bookkeeping, fc of the new hidden
+    # states, the batch op, the draft forward) and in verifier forwards (prefill included)
+    draft_s: float | None = None
+    verify_s: float | None = None
 
     @property
     def rounds(self) -> int:
@@ -364,8 +368,10 @@ def greedy_generate(verifier: Verifier, prompt_ids, max_new_tokens: int, *, eos_
 
 @torch.inference_mode()
 def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_spec_tokens: int,
-                         max_new_tokens: int, *, eos_token_id=None) -> SpecResult:
-    """Greedy speculative decoding (module docstring); the tokens equal greedy_generate's."""
+                         max_new_tokens: int, *, eos_token_id=None, profile: bool = False) -> SpecResult:
+    """Greedy speculative decoding (module docstring); the tokens equal greedy_generate's.
+    profile=True also times the draft step and the verifier forwards (synchronising the device
+    around them, which costs a little on CUDA)."""
     k = num_spec_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_spec_tokens must be an int >= 1, got {k!r}")
@@ -391,8 +397,20 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
     drafter.reset(capacity)
     cache = verifier.new_cache()
     accepted: list[int] = []
+    clock = [0.0, 0.0]  # draft, verify
+
+    def tick(i, since):
+        if profile:
+            _sync(dev)
+            now = time.perf_counter()
+            clock[i] += now - since
+            return now
+        return since
+
     with verifier.capturing():
+        t = tick(1, time.perf_counter())
         logits, aux = verifier.forward(prompt, cache, 0, last_only=True)
+        t = tick(1, t)
         bonus = logits[-1].argmax().reshape(1)
         out = [int(bonus)]
         tgt_ids, tgt_pos = prompt, torch.arange(n, device=dev)
@@ -410,8 +428,10 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
                 block_size=BLOCK_SIZE, max_model_len=capacity)
             num_rows = t_in + k - 1 - n_rej
             drafts = drafter.propose(batch, k, num_rows, seq_len - 1 + k).to(dev)
+            t = tick(0, t)
             verify_ids = torch.cat([bonus, drafts])
             logits, aux = verifier.forward(verify_ids, cache, seq_len)
+            t = tick(1, t)
             greedy = logits.argmax(-1)
             a = int(torch.cumprod((drafts == greedy[:k]).int(), 0).sum())
             accepted.append(a)
@@ -424,7 +444,8 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
             bonus = greedy[a].reshape(1)
             out, done = _finish(out + new, max_new_tokens, eos)
     _sync(dev)
-    return SpecResult(out, n, time.perf_counter() - t0, k, accepted)
+    return SpecResult(out, n, time.perf_counter() - t0, k, accepted,
+                      clock[0] if profile else None, clock[1] if profile else None)
 
 
 # ---------------------------------------------------------------------------------------------

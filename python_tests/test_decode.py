@@ -107,6 +107,10 @@ def test_lossless_fp32_qwen3_drafter_and_eos(vm32):
         for p in _prompts(7, n=2):
             base = greedy_generate(v, p, 25, eos_token_id=eos).tokens
             assert speculative_generate(v, dr, p, k, 25, eos_token_id=eos).tokens == base
+    prof = speculative_generate(v, dr, p, 4, 25, eos_token_id=eos, profile=True)
+    assert prof.tokens == base and prof.draft_s > 0 and prof.verify_s > 0
+    assert prof.draft_s + prof.verify_s <= prof.wall_s
+    assert speculative_generate(v, dr, p, 4, 25).draft_s is None
 
 
 class CopyDrafter(Drafter):
