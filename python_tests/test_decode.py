@@ -471,3 +471,73 @@ def test_trained_tiny_drafter_accepts_and_stays_lossless(tiny_dir):
     trained_al = acceptance_stats(acc, k)["acceptance_length"]
     untrained_al = acceptance_stats(acc0, k)["acceptance_length"]
     assert untrained_al < 1.3 and trained_al > 2.0, (untrained_al, trained_al)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (the lead's GPU run): same checks on the device, bf16 drafter
+# ---------------------------------------------------------------------------------------------
+from conftest import requires_cuda  # noqa: E402
+
+
+@requires_cuda
+def test_cuda_lossless_bf16_drafter(tiny_dir):
+    """fp64 verifier on the GPU (exact greedy), bf16 drafter (the CUDA batch op on bf16 hidden,
+    SDPA in bf16): lossless for K = 1..8, with no acceptance and with partial acceptance."""
+    vm = _load(tiny_dir, torch.float64).cuda()
+    dm = _drafter_model(vm, num_depths=8, seed=1)
+    dr = PEagleDrafter(dm, device="cuda", dtype=torch.bfloat16)
+    v = Verifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
+    for k in range(1, 9):
+        for p in _prompts(300 + k, n=2):
+            base = greedy_generate(v, p, 30).tokens
+            assert speculative_generate(v, dr, p, k, 30).tokens == base
+            s = speculative_generate(v, CopyDrafter(dm.config.eagle_aux_hidden_state_layer_ids), p, k, 30)
+            assert s.tokens == base
+
+
+@requires_cuda
+def test_cuda_draft_forward_matches_cpu(vm32):
+    """The bf16 CUDA draft forward vs the fp32 CPU one on the same batch (two rounds, cache reuse)."""
+    from peagle_ext.decode import BLOCK_SIZE
+    from peagle_ext.vllm import prepare_parallel_draft_inputs
+    g = torch.Generator().manual_seed(5)
+    k = 4
+    dm = _drafter_model(vm32, num_depths=k, num_layers=2, seed=2)
+    cpu = PEagleDrafter(copy.deepcopy(dm))
+    gpu = PEagleDrafter(copy.deepcopy(dm), device="cuda", dtype=torch.bfloat16)
+    w = dm.config.num_aux * 64
+    cap = 64
+    rounds = [(torch.randint(0, VOCAB, (11,), generator=g), 0, 0, torch.randn(11, w, generator=g)),
+              (torch.randint(0, VOCAB, (k + 1,), generator=g), 11, 2, torch.randn(k + 1, w, generator=g))]
+    for dr in (cpu, gpu):
+        dr.reset(cap)
+    outs = {}
+    for dr, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        res = []
+        for ids, pos0, nrej, aux in rounds:
+            t = ids.numel()
+            b = prepare_parallel_draft_inputs(
+                ids.int().to(dev), torch.arange(pos0, pos0 + t, device=dev), torch.tensor([7], dtype=torch.int32, device=dev),
+                torch.tensor([0, t], dtype=torch.int32, device=dev), torch.tensor([nrej], dtype=torch.int32, device=dev),
+                dr.combine_hidden(aux.to(dev)).contiguous(), dr.mask_hidden,
+                torch.arange(cap // BLOCK_SIZE, dtype=torch.int32, device=dev)[None], num_spec_tokens=k,
+                mask_token_id=dm.config.mask_token_id, block_size=BLOCK_SIZE, max_model_len=cap)
+            rows = t + k - 1 - nrej
+            ctx = pos0 + (t - nrej) + k - 1
+            with torch.no_grad():
+                res.append(dr.forward_rows(b, rows, ctx).float().cpu())
+        outs[dev] = res
+    for a, b in zip(outs["cpu"], outs["cuda"]):
+        torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
+
+
+@requires_cuda
+def test_cuda_cli_eval(tiny_dir, saved_drafter, prompt_file, tmp_path):
+    out = tmp_path / "eval.json"
+    r = _eval_cli(["--verifier", str(tiny_dir), "--draft", str(saved_drafter), "--bench", str(prompt_file),
+                   "--num-prompts", "2", "--max-new-tokens", "10", "--num-spec-tokens", "3", "--json", str(out),
+                   "--k-sweep", "1..3", "--device", "cuda", "--quiet"])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["device"].startswith("cuda") and rep["dtype"] == "bfloat16"
+    assert len(rep["k_sweep"]) == 3 and rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0
