@@ -433,9 +433,12 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
             logits, aux = verifier.forward(verify_ids, cache, seq_len)
             t = tick(1, t)
             greedy = logits.argmax(-1)
-            a = int(torch.cumprod((drafts == greedy[:k]).int(), 0).sum())
+            n_match = torch.cumprod((drafts == greedy[:k]).int(), 0).sum()
+            # one device->host copy per round: accepted count, the verified inputs and the greedy tokens
+            host = torch.cat([n_match.reshape(1).to(greedy.dtype), verify_ids, greedy]).tolist()
+            a = host[0]
             accepted.append(a)
-            new = verify_ids[1:a + 1].tolist() + [int(greedy[a])]
+            new = host[2:a + 2] + [host[k + 2 + a]]
             Verifier.crop(cache, seq_len + 1 + a)
             tgt_ids, tgt_pos = verify_ids, torch.arange(seq_len, seq_len + k + 1, device=dev)
             tgt_hidden = drafter.combine_hidden(aux)
