@@ -4,8 +4,9 @@
 `run()` is also called by bench/sanitize_ops.py. It runs bench_attention.sanitize_case() (both
 modes, D 64 and 128, window + sink, GQA) and then a few more shapes that reach the other paths
 (no window, window without sink, GQA 1 and 8, padding rows, T = 1, an all-padding layout, tile
-tails), each checked against the CPU op in float32 (bf16 tolerance). Small on purpose: the
-sanitizers slow kernels down 10-100x."""
+tails), each checked against the CPU op in float32 (bf16 tolerance), and hand-built garbage
+layouts (values unspecified, accesses must stay in bounds). Small on purpose: the sanitizers
+slow kernels down 10-100x."""
 import sys
 from pathlib import Path
 
@@ -63,7 +64,30 @@ def run():
         _check(torch.tensor([0, 0], dtype=torch.int32), cross=cross, d=64, hq=2, hkv=2, window=None, sink=0)
     _check(torch.zeros(1, dtype=torch.int32), cross=False, d=64, hq=2, hkv=1, window=None, sink=0)  # T = 1
     _check(torch.full((40,), -1, dtype=torch.int32), cross=False, d=128, hq=2, hkv=1, window=8, sink=1)
+    _garbage_layouts()
     print("sanitize_attention: ok")
+
+
+def _garbage_layouts():
+    """Hand-built layouts that break every content rule (unchecked on CUDA without
+    PEAGLE_ATTN_CHECK=1): values are unspecified, but memcheck must see no out-of-bounds access."""
+    import os
+    sys.path.insert(0, str(HERE.parent / "python_tests"))
+    from test_bad_inputs import _garbage_layout
+    os.environ.pop("PEAGLE_ATTN_CHECK", None)
+    g = torch.Generator().manual_seed(5)
+    for cross in (False, True):
+        for n, t, k, d in [(50, 80, 4, 64), (130, 200, 8, 128)]:
+            lay = _garbage_layout(g, n, t, k, cross, "cuda")
+            t = lay.num_tokens
+            ins = [torch.randn(t, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+            ctx = {}
+            if cross:
+                ctx = {name: torch.randn(n, 4, d, device="cuda", dtype=torch.bfloat16,
+                                         requires_grad=True) for name in ("context_k", "context_v")}
+            out = cod_attention(*ins, lay, window=9, sink=1, **ctx)
+            torch.autograd.grad(out.float().sum(), ins + list(ctx.values()))
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

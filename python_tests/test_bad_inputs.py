@@ -216,6 +216,57 @@ def test_cuda_cod_attention_nan_rules(cross):
         assert torch.equal(out[pad], torch.zeros_like(out[pad]))
 
 
+def _garbage_layout(g, n, t, k, cross, device):
+    """A hand-built layout whose contents break every rule (anchors outside [0, N), depths
+    outside [0, K), unsorted), with valid shapes and depth_offsets (checked on every device)."""
+    doc = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor([n // 3, n // 3, n - 2 * (n // 3)]))
+    if cross:
+        offsets = [0] + sorted(torch.randint(0, t + 1, (k - 1,), generator=g).tolist()) + [t]
+    else:  # symmetric mode needs N depth-0 rows: keep their count, scramble their contents anyway
+        t = max(t, n + 1)
+        offsets = [0, n] + sorted(torch.randint(n, t + 1, (k - 2,), generator=g).tolist()) + [t]
+    anchor = torch.randint(-5, n + 6, (t,), generator=g, dtype=torch.int32)
+    depth = torch.randint(-2, k + 3, (t,), generator=g, dtype=torch.int32)
+    return CodLayout(anchor.to(device), depth.to(device), offsets, doc.to(device), not cross)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cross", [False, True])
+def test_cuda_cod_attention_garbage_layout_is_memory_safe(cross, monkeypatch):
+    """On CUDA the layout's CONTENTS are trusted (checking them costs a host sync): a layout
+    from cod_sample is always valid. A hand-built garbage one gives unspecified (finite) values
+    but never a fault or an out-of-bounds access; PEAGLE_ATTN_CHECK=1 turns the check on."""
+    g = torch.Generator().manual_seed(5)
+    for n, t, k in [(50, 80, 4), (200, 333, 8), (7, 9, 3)]:
+        lay = _garbage_layout(g, n, t, k, cross, "cuda")
+        t = lay.num_tokens
+        q, kk, v = (torch.randn(t, 4, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+                    for _ in range(3))
+        ctx = {}
+        if cross:
+            ctx = {name: torch.randn(n, 4, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+                   for name in ("context_k", "context_v")}
+        monkeypatch.delenv("PEAGLE_ATTN_CHECK", raising=False)
+        out = cod_attention(q, kk, v, lay, window=9, sink=1, **ctx)
+        torch.autograd.grad(out.float().sum(), [q, kk, v, *ctx.values()])
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(out.float()).all())
+        monkeypatch.setenv("PEAGLE_ATTN_CHECK", "1")
+        with pytest.raises(ValueError, match="layout"):
+            cod_attention(q, kk, v, lay, window=9, sink=1, **ctx)
+
+
+def test_cpu_cod_attention_garbage_layout_is_rejected(rng):
+    for cross in (False, True):
+        for n, t, k in [(50, 80, 4), (7, 9, 3)]:
+            lay = _garbage_layout(rng, n, t, k, cross, "cpu")
+            t = lay.num_tokens
+            q = torch.randn(t, 2, 8)
+            ctx = dict(context_k=torch.randn(n, 2, 8), context_v=torch.randn(n, 2, 8)) if cross else {}
+            with pytest.raises(ValueError):
+                cod_attention(q, q, q, lay, **ctx)
+
+
 # ------------------------------------------------------------------------------------------
 # fused_linear_kl
 # ------------------------------------------------------------------------------------------
