@@ -610,6 +610,29 @@ def test_train_settings_out_of_range_are_named():
             TrainSettings(**kw).validate()
 
 
+def test_token_ids_outside_the_verifier_vocab(tiny, tmp_path):
+    """A tokenizer that does not belong to the verifier (ids past its vocab) is refused."""
+    from transformers import AutoTokenizer
+    from peagle_ext.train import RunLog, TrainError, prepare_data
+    v, _ = tiny
+    tok = AutoTokenizer.from_pretrained(str(v))
+    log = RunLog(tmp_path / "log.jsonl", echo=False)
+    try:
+        with pytest.raises(TrainError, match="outside the verifier vocab"):
+            prepare_data(_settings(tiny, tmp_path / "o"), tok, 40, log)
+    finally:
+        log.close()
+
+
+def test_mask_token_that_the_data_uses(tiny, tmp_path):
+    from transformers import AutoTokenizer
+    from peagle_ext.train import TrainError, train
+    v, _ = tiny
+    used = AutoTokenizer.from_pretrained(str(v)).convert_tokens_to_ids("<|im_start|>")  # in every conversation
+    with pytest.raises(TrainError, match=f"mask_token_id {used} .* occurs as a real token"):
+        train(_settings(tiny, tmp_path / "o", mask_token_id=used))
+
+
 def test_train_output_that_is_a_file(tiny, tmp_path):
     from peagle_ext.train import TrainError, train
     f = tmp_path / "out"
