@@ -3,6 +3,7 @@ copies, misaligned pointers, many rows per block, query_start_loc beyond shared 
 CUDA graph replay, garbage metadata) for compute-sanitizer:
     compute-sanitizer --tool memcheck --error-exitcode 99 python bench/sanitize_vllm.py
 (also racecheck / initcheck / synccheck). `run()` can be imported by a shared sanitizer driver."""
+import os
 import sys
 from pathlib import Path
 
@@ -26,14 +27,16 @@ def run():
         want = prepare_parallel_draft_inputs(*[None if v is None else v.cpu() for v in args.values()], **kw)
         for a, b in zip(got.as_tuple(), want.as_tuple()):
             assert torch.equal(a.cpu(), b), (B, K, H)
-    # graph replay of the out= form
+    # graph replay of the out= form (not with PYTORCH_NO_CUDA_MEMORY_CACHING=1, which
+    # bench/sanitize_all.sh sets for one memcheck pass: graph capture needs the caching allocator)
     args, kw = make_batch(g, B=16, K=4, H=256, dtype=torch.bfloat16, device="cuda", prefill_frac=0.0)
     out = DraftBatch.empty(args["target_token_ids"].shape[0], 16, 4, 256, dtype=torch.bfloat16, device="cuda")
     prepare_parallel_draft_inputs(*args.values(), **kw, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        prepare_parallel_draft_inputs(*args.values(), **kw, out=out)
-    graph.replay()
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            prepare_parallel_draft_inputs(*args.values(), **kw, out=out)
+        graph.replay()
     # garbage metadata: unchecked on CUDA, must stay in bounds
     t_in = args["target_token_ids"].shape[0]
     args["query_start_loc"] = torch.randint(-20, t_in + 20, (17,), device="cuda", dtype=torch.int32)

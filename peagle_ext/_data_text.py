@@ -174,7 +174,12 @@ def load_conversations(source: str, *, limit: int | None = None) -> list[list[di
             raise DataError(f"data file not found: {source} (pass 'sharegpt' or a JSONL path)")
         if path.is_dir():
             raise DataError(f"data path {source} is a directory, expected a JSONL file")
-        convs = _parse_jsonl(path, limit)
+        try:
+            convs = _parse_jsonl(path, limit)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{source}: not UTF-8 text ({e.reason}): expected a JSONL file") from None
+        except (EOFError, gzip.BadGzipFile) as e:  # a truncated or corrupt .jsonl.gz
+            raise DataError(f"{source}: corrupt or truncated gzip file ({e})") from None
         where = str(path)
     if not convs:
         raise DataError(f"{where}: no usable conversation (need at least one user turn followed "

@@ -153,6 +153,10 @@ class PEagleConfig(PretrainedConfig):
         kind = d.get("speculators_model_type")
         if kind != "peagle":
             raise ValueError(f"not a P-EAGLE speculators config: speculators_model_type is {kind!r}, expected 'peagle'")
+        # a file without these would silently get defaults (a 4096-wide llama layer, K = 8)
+        missing = [k for k in ("transformer_layer_config", "speculators_config") if not isinstance(d.get(k), dict)]
+        if missing:
+            raise ValueError(f"not a complete P-EAGLE speculators config: missing {', '.join(missing)}")
         return cls(**d)
 
     def save_pretrained(self, save_directory, **kwargs):
@@ -165,7 +169,13 @@ class PEagleConfig(PretrainedConfig):
         f = p / CONFIG_NAME if p.is_dir() else p
         if not f.is_file():
             raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
-        return cls.from_dict(json.loads(f.read_text()), **kwargs)
+        try:
+            d = json.loads(f.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{f} is not valid JSON ({e}): a corrupt or partial checkpoint?") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{f} must hold a JSON object (a speculators config), got {type(d).__name__}")
+        return cls.from_dict(d, **kwargs)
 
 
 _PRETRAINED_FIELDS = {f.name for f in fields(PretrainedConfig)} if hasattr(PretrainedConfig, "__dataclass_fields__") else set()
@@ -354,6 +364,13 @@ class PEagleDraftModel(nn.Module):
     def __init__(self, config: PEagleConfig, options: PEagleOptions | None = None):
         super().__init__()
         self.config = config
+        try:
+            k = config.num_depths
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ValueError("config: speculators_config needs proposal_methods[0].speculative_tokens (K)") from None
+        if not 1 <= k <= 64:
+            raise ValueError(f"config: speculators_config proposal_methods[0].speculative_tokens (K) must be in "
+                             f"[1, 64], got {k}")
         self.options = (options or PEagleOptions()).validate(config.num_depths)
         tl = config.transformer_layer_config
         h = tl.hidden_size
@@ -577,7 +594,13 @@ class PEagleDraftModel(nn.Module):
             raise FileNotFoundError(f"{d} is not a P-EAGLE checkpoint: no {WEIGHTS_NAME}")
         config = PEagleConfig.from_pretrained(d)
         model = cls(config, options)
-        sd = load_file(str(d / WEIGHTS_NAME), device=str(map_location))
+        try:
+            sd = load_file(str(d / WEIGHTS_NAME), device=str(map_location))
+        except OSError:
+            raise
+        except Exception as e:  # safetensors' SafetensorError is no ValueError: name the file
+            raise ValueError(f"{d / WEIGHTS_NAME} is not a readable safetensors file ({e}): a corrupt or "
+                             "partially written checkpoint?") from None
         model.load_checkpoint_state_dict(sd)
         return model
 
@@ -591,11 +614,31 @@ class PEagleDraftModel(nn.Module):
         for k, t in sd.items():
             if tuple(t.shape) != tuple(own[k].shape):
                 raise ValueError(f"checkpoint tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(own[k].shape)}")
+            if own[k].is_floating_point() != t.is_floating_point() or (own[k].dtype == torch.bool) != (t.dtype == torch.bool):
+                raise ValueError(f"checkpoint tensor {k} has dtype {str(t.dtype).replace('torch.', '')}, "
+                                 f"expected {'a floating dtype' if own[k].is_floating_point() else own[k].dtype}")
+        self._check_vocab_mapping(sd["d2t"], sd["t2d"])
         with torch.no_grad():
             for k, t in sd.items():
                 own[k].copy_(t.to(own[k].dtype))
             if self.mask_embed is not None:
                 self.mask_embed.copy_(self.embed_tokens.weight[self.config.mask_token_id])
+
+    def _check_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor):
+        """A loaded d2t/t2d pair must be what set_vocab_mapping makes: draft id i -> target id
+        i + d2t[i] inside the vocab, strictly increasing, and t2d marking exactly those ids
+        (out-of-range ids would index out of bounds in vLLM's draft -> target mapping)."""
+        vd = self.config.draft_vocab_size
+        rows = self.config.transformer_layer_config.vocab_size
+        ids = torch.arange(vd) + d2t.cpu().long()
+        if vd and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            raise ValueError(f"checkpoint d2t maps a draft id outside the vocab [0, {rows}): corrupt checkpoint?")
+        if vd > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("checkpoint d2t must map draft ids to strictly increasing target ids")
+        want = torch.zeros(rows, dtype=torch.bool)
+        want[ids] = True
+        if not torch.equal(t2d.cpu().bool(), want):
+            raise ValueError("checkpoint t2d does not mark exactly the target ids of d2t")
 
     # -- data checks ----------------------------------------------------------------------------
     def check_mask_token_unused(self, input_ids: torch.Tensor, where: str = "the training data"):

@@ -536,23 +536,73 @@ def save_checkpoint(out: Path, step: int, model: PEagleDraftModel, opt, sched, s
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
+    _test_pause("weights", step)
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state(), **state},
                tmp / TRAINER_STATE)
     (tmp / COMPLETE_MARKER).write_text(f"{step}\n")
     _fsync_dir(tmp)
-    if final.exists():  # an older complete copy of the same step (re-run): replace it
-        old = out / f"{CHECKPOINT_PREFIX}{step}.old"
+    _test_pause("written", step)
+    _replace_dir(tmp, final)
+    for s, p in list_checkpoints(out)[:-keep]:
+        _remove_checkpoint(p)
+    return final
+
+
+def _replace_dir(tmp: Path, dst: Path):
+    """Move the complete directory `tmp` to `dst` (replacing an older `dst`) so that a kill at any
+    instant leaves `dst` absent, the old complete one, or the new complete one; never a mix."""
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
         if old.exists():
             shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
     else:
-        os.replace(tmp, final)
-    _fsync_dir(out)
-    for s, p in list_checkpoints(out)[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
-    return final
+        os.replace(tmp, dst)
+    _fsync_dir(dst.parent)
+
+
+def _remove_checkpoint(p: Path):
+    """Prune a checkpoint: its COMPLETE marker goes first, so a kill in the middle of the
+    rmtree leaves an incomplete directory (ignored, later pruned) rather than a marked one
+    with missing files."""
+    try:
+        (p / COMPLETE_MARKER).unlink(missing_ok=True)
+        _fsync_dir(p)
+    except OSError:
+        pass
+    shutil.rmtree(p, ignore_errors=True)
+
+
+def _test_pause(point: str, step: int):
+    """Test hook, used only by python_tests/test_crash_safety.py to SIGKILL the trainer at a known
+    point: PEAGLE_TEST_PAUSE="<point>:<step>:<flag file>" makes the trainer create the flag file
+    and sleep (10 min) when it reaches <point> at <step>. Points: "weights" (checkpoint tmp dir
+    holds the weights only), "written" (tmp dir complete, before its rename), "step" (after step
+    <step>, its checkpoint included). Unset (always, outside those tests): does nothing."""
+    spec = os.environ.get("PEAGLE_TEST_PAUSE")
+    if not spec:
+        return
+    want_point, want_step, flag = spec.split(":", 2)
+    if want_point == point and int(want_step) == step:
+        Path(flag).touch()
+        time.sleep(600)
+
+
+def _read_checkpoint_state(ck: Path) -> dict:
+    """The trainer state of a complete checkpoint, after checking that its files are readable.
+    A complete checkpoint was fsynced before its rename, so this fails only on later damage
+    (disk errors, manual edits): say which checkpoint, and how to go back to the one before."""
+    try:
+        from safetensors import safe_open
+        with safe_open(str(ck / "model.safetensors"), "pt"):
+            pass
+        json.loads((ck / "config.json").read_text())
+        return torch.load(ck / TRAINER_STATE, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001  (pickle, safetensors and OS errors alike)
+        raise TrainError(f"--resume: checkpoint {ck} is marked complete but cannot be read ({type(e).__name__}: "
+                         f"{e}); move it out of the output directory to resume from the checkpoint before it") from None
 
 
 def _fsync_dir(d: Path):
@@ -592,6 +642,8 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
     t_start = time.time()
     s.validate()
     out = Path(s.output)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--output {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     resume_from = None
     if s.resume:
@@ -600,10 +652,11 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
             raise TrainError(f"--resume: no complete checkpoint in {out} (looked for {CHECKPOINT_PREFIX}<step>/ "
                              f"with a {COMPLETE_MARKER} marker)")
         resume_from = ck[-1][1]
-        stale = [p for p in out.glob(f"{CHECKPOINT_PREFIX}*.tmp")]
+        # leftovers of a killed checkpoint write (.tmp) or directory swap (.old): never complete ones
+        stale = list(out.glob(f"{CHECKPOINT_PREFIX}*.tmp")) + list(out.glob(f"{CHECKPOINT_PREFIX}*.old"))
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)
-        ck_state = torch.load(resume_from / TRAINER_STATE, map_location="cpu", weights_only=False)
+        ck_state = _read_checkpoint_state(resume_from)
         old = ck_state["settings"]
         diff = [k for k in _RESUME_FIXED if old.get(k) != getattr(s, k)]
         if diff:
@@ -831,6 +884,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
             save_checkpoint(out, step, model, opt, sched,
                             {"step": step, "epoch": epoch, "cursor": cursor, "settings": dataclasses.asdict(s),
                              "skipped_steps": skipped}, s.keep_checkpoints)
+        _test_pause("step", step)
         if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
             stopped = True
             break
@@ -844,9 +898,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    _replace_dir(tmp, final)
     result.final_dir = final
     result.plots = make_plots(out / "log.jsonl", out, s.num_depths)
     result.wall_s = time.time() - t_start
@@ -980,11 +1032,12 @@ def export(src: str, dst: str, *, dtype: str = "bfloat16") -> Path:
     d = Path(dst)
     if d.resolve() == pick.resolve():
         raise TrainError("export: destination equals the source")
+    if d.exists() and not (d.is_dir() and (not any(d.iterdir()) or (d / "config.json").is_file())):
+        # only an empty directory or an earlier export is replaced: never a file or another directory
+        raise TrainError(f"export: {dst} exists and is not a P-EAGLE checkpoint directory; refusing to replace it")
     tmp = d.with_name(d.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp, dtype=dt)
-    if d.exists():
-        shutil.rmtree(d)
-    os.replace(tmp, d)
+    _replace_dir(tmp, d)
     return d

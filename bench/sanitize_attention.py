@@ -1,0 +1,94 @@
+"""Drives the CUDA COD attention kernels (metadata, forward, backward) for compute-sanitizer
+(memcheck / racecheck / initcheck / synccheck):
+    compute-sanitizer --tool racecheck --error-exitcode 99 python3 bench/sanitize_attention.py
+`run()` is also called by bench/sanitize_ops.py. It runs bench_attention.sanitize_case() (both
+modes, D 64 and 128, window + sink, GQA) and then a few more shapes that reach the other paths
+(no window, window without sink, GQA 1 and 8, padding rows, T = 1, an all-padding layout, tile
+tails), each checked against the CPU op in float32 (bf16 tolerance), and hand-built garbage
+layouts (values unspecified, accesses must stay in bounds). Small on purpose: the sanitizers
+slow kernels down 10-100x."""
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from bench_attention import sanitize_case  # noqa: E402
+
+from peagle_ext.attention import cod_attention  # noqa: E402
+from peagle_ext.cod import cod_sample  # noqa: E402
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _check(doc, *, cross, d, hq, hkv, window, sink, num_depths=4, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    lay = cod_sample(doc, doc >= 0, num_depths=num_depths, depth0="anchors" if cross else "all", seed=seed)
+    t, n = lay.num_tokens, lay.seq_len
+    shapes = [(t, hq, d), (t, hkv, d), (t, hkv, d)] + ([(n, hkv, d), (n, hkv, d)] if cross else [])
+    cpu = [torch.randn(*s, generator=g).bfloat16().float().requires_grad_(True) for s in shapes]
+    gpu = [x.detach().cuda().bfloat16().requires_grad_(True) for x in cpu]
+    go = torch.randn(t, hq, d, generator=g).bfloat16()
+
+    def call(ins, layout):
+        ctx = dict(context_k=ins[3], context_v=ins[4]) if cross else {}
+        return cod_attention(ins[0], ins[1], ins[2], layout, window=window, sink=sink, **ctx)
+
+    out_g = call(gpu, lay.to("cuda"))
+    grads_g = torch.autograd.grad(out_g, gpu, go.cuda()) if t else [torch.zeros_like(x) for x in gpu]
+    out_c = call(cpu, lay)
+    grads_c = torch.autograd.grad(out_c, cpu, go.float()) if t else [torch.zeros_like(x) for x in cpu]
+    torch.cuda.synchronize()
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dck", "dcv"], [out_g] + list(grads_g), [out_c] + list(grads_c)):
+        a, b = a.detach().float().cpu(), b.detach()
+        assert torch.isfinite(a).all(), (name, cross, d, hq, hkv, window, sink)
+        if b.numel() and float(b.norm()) > 0:
+            assert _rel(a, b) < 2e-2, (name, _rel(a, b), cross, d, hq, hkv, window, sink)
+        else:
+            assert not a.numel() or float(a.abs().max()) == 0.0, (name, "expected zeros")
+
+
+def run():
+    assert torch.cuda.is_available(), "needs a GPU and the CUDA build"
+    sanitize_case()
+    two_docs = torch.tensor([0] * 130 + [-1] * 5 + [1] * 61, dtype=torch.int32)  # tile tails, padding rows
+    for cross in (False, True):
+        _check(two_docs, cross=cross, d=64, hq=8, hkv=1, window=None, sink=0)
+        _check(two_docs, cross=cross, d=128, hq=4, hkv=4, window=17, sink=0)
+        _check(two_docs, cross=cross, d=64, hq=2, hkv=1, window=5, sink=2, num_depths=8)
+        _check(torch.tensor([0, 0], dtype=torch.int32), cross=cross, d=64, hq=2, hkv=2, window=None, sink=0)
+    _check(torch.zeros(1, dtype=torch.int32), cross=False, d=64, hq=2, hkv=1, window=None, sink=0)  # T = 1
+    _check(torch.full((40,), -1, dtype=torch.int32), cross=False, d=128, hq=2, hkv=1, window=8, sink=1)
+    _garbage_layouts()
+    print("sanitize_attention: ok")
+
+
+def _garbage_layouts():
+    """Hand-built layouts that break every content rule (unchecked on CUDA without
+    PEAGLE_ATTN_CHECK=1): values are unspecified, but memcheck must see no out-of-bounds access."""
+    import os
+    sys.path.insert(0, str(HERE.parent / "python_tests"))
+    from test_bad_inputs import _garbage_layout
+    os.environ.pop("PEAGLE_ATTN_CHECK", None)
+    g = torch.Generator().manual_seed(5)
+    for cross in (False, True):
+        for n, t, k, d in [(50, 80, 4, 64), (130, 200, 8, 128)]:
+            lay = _garbage_layout(g, n, t, k, cross, "cuda")
+            t = lay.num_tokens
+            ins = [torch.randn(t, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+            ctx = {}
+            if cross:
+                ctx = {name: torch.randn(n, 4, d, device="cuda", dtype=torch.bfloat16,
+                                         requires_grad=True) for name in ("context_k", "context_v")}
+            out = cod_attention(*ins, lay, window=9, sink=1, **ctx)
+            torch.autograd.grad(out.float().sum(), ins + list(ctx.values()))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    run()
