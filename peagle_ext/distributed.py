@@ -220,8 +220,12 @@ class DistContext:
                             **no_buffer_sync)
             self._ddp.register_comm_hook(None, _allreduce_sum_hook)
             return
+        import warnings
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        # a layer returns its (k, v) as views; nothing ever modifies them in place, which is
+        # what this warning is about
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         mesh = init_device_mesh(self.device.type, (self.world,))
         if self.device.type == "cuda":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -440,9 +444,11 @@ class DistContext:
         sub = ck.get("optimizer_dcp")
         if not sub:
             raise ValueError(f"checkpoint {ck_dir} holds no optimizer state")
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         osd = get_optimizer_state_dict(holder, opt)  # the template (initialises the state)
-        dcp.load({"optimizer": osd}, checkpoint_id=str(ck_dir / sub))
+        single = not (dist.is_available() and dist.is_initialized())
+        dcp.load({"optimizer": osd}, checkpoint_id=str(ck_dir / sub), no_dist=single)
         set_optimizer_state_dict(holder, opt, osd)
 
     def save_final(self, model, directory: Path) -> bool:
