@@ -25,7 +25,9 @@ What is global and what is per rank (N ranks, --batch-size B, --grad-accum G):
   several backward passes per micro-step, which DDP's reducer cannot sync inside one forward: those
   micro-steps all accumulate locally (no_sync) and one zero-valued forward/backward through DDP
   (touching every trainable parameter) then triggers DDP's own bucketed all-reduce of the
-  accumulated gradients. FSDP2 + sequence partition is refused (use DDP).
+  accumulated gradients. Under FSDP2 a partitioned micro-step runs inside one call of the root
+  module with the root group kept gathered across its backward passes (each pass reduce-scatters,
+  or with sync off accumulates, what it produced; FSDP2 sums them into the sharded gradients).
 - Verifier hidden states: the verifier is replicated; each rank computes (and, when they fit,
   keeps) the hidden states of the rows it trains on. With --hidden-cache-dir, rank 0 fills the
   on-disk cache and the other ranks wait for it, then every rank reads its rows.
@@ -42,6 +44,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -88,7 +91,11 @@ class LossSumStep(nn.Module):
         self.model = model
         self.autocast_dtype = autocast_dtype
 
-    def forward(self, example=None, layout=None, sync_only: bool = False):
+    def forward(self, example=None, layout=None, sync_only: bool = False, partitioned: dict | None = None):
+        if partitioned is not None:
+            # forward + all backward passes of a sequence-partitioned micro-step, inside this
+            # module's call (FSDP2 keeps the root parameters gathered across them); the metrics
+            return self.model.forward_backward(example, layout, autocast_dtype=self.autocast_dtype, **partitioned)
         if sync_only:
             zero = None
             for p in self.model.parameters():
@@ -194,17 +201,13 @@ class DistContext:
         import torch.distributed as dist
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def check_settings(self, s):
-        """Refuse combinations this module cannot run (raised on every rank alike)."""
-        from .train import TrainError
-        if self.world > 1 and self.mode == "fsdp" and s.seq_partition > 1:
-            raise TrainError("--seq-partition > 1 with --dist fsdp is not supported (FSDP2 reshards between the "
-                             "partition's backward passes); use --dist ddp, or --seq-partition 1")
-
     # -- wrapping ---------------------------------------------------------------------------
-    def wrap(self, model: nn.Module, autocast_dtype: torch.dtype | None = None) -> None:
+    def wrap(self, model: nn.Module, autocast_dtype: torch.dtype | None = None, *,
+             fsdp_bf16_params: bool | None = None) -> None:
         """DDP or FSDP2 around `model` (already on self.device, identical on every rank). The
-        optimizer must be built after this, from model.parameters() (FSDP2 swaps them for shards)."""
+        optimizer must be built after this, from model.parameters() (FSDP2 swaps them for shards).
+        fsdp_bf16_params: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32);
+        default on cuda (fp32 on cpu; False gives fp32 params on the GPU too, for exact checks)."""
         self.model = model
         self.step_module = LossSumStep(model, autocast_dtype)
         if self.world == 1:
@@ -220,14 +223,15 @@ class DistContext:
                             **no_buffer_sync)
             self._ddp.register_comm_hook(None, _allreduce_sum_hook)
             return
-        import warnings
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         # a layer returns its (k, v) as views; nothing ever modifies them in place, which is
         # what this warning is about
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         mesh = init_device_mesh(self.device.type, (self.world,))
-        if self.device.type == "cuda":
+        if fsdp_bf16_params is None:
+            fsdp_bf16_params = self.device.type == "cuda"
+        if fsdp_bf16_params:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:  # CPU/gloo: fp32 throughout
             mp = MixedPrecisionPolicy()
@@ -280,6 +284,17 @@ class DistContext:
                                           autocast_dtype=autocast_dtype)
         if self._fsdp:
             self.step_module.set_requires_gradient_sync(last)
+            if segments > 1:
+                # several backward passes inside one root forward: the root group must stay gathered
+                # between them (each backward reduce-scatters or accumulates what it produced;
+                # FSDP2 sums those into the sharded gradients), and is resharded by hand afterwards
+                self.step_module.set_reshard_after_backward(False, recurse=False)
+                try:
+                    return self.step_module(example, layout,
+                                            partitioned={"segments": segments, "loss_scale": loss_scale})
+                finally:
+                    self.step_module.reshard()
+                    self.step_module.set_reshard_after_backward(True, recurse=False)
             loss_sum, m = self.step_module(example, layout)
             (loss_sum * loss_scale).backward()
             return m
@@ -448,7 +463,9 @@ class DistContext:
         import torch.distributed.checkpoint as dcp
         osd = get_optimizer_state_dict(holder, opt)  # the template (initialises the state)
         single = not (dist.is_available() and dist.is_initialized())
-        dcp.load({"optimizer": osd}, checkpoint_id=str(ck_dir / sub), no_dist=single)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"optimizer": osd}, checkpoint_id=str(ck_dir / sub), no_dist=single)
         set_optimizer_state_dict(holder, opt, osd)
 
     def save_final(self, model, directory: Path) -> bool:

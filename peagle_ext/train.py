@@ -613,7 +613,6 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
 def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     from .distributed import NullLog
     t_start = time.time()
-    ctx.check_settings(s)
     out = Path(s.output)
     out.mkdir(parents=True, exist_ok=True)
     resume_from = None

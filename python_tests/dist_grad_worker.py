@@ -67,7 +67,6 @@ def run_config(cfg: dict, world: int) -> dict:
     ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
     ctx = DistContext.from_env(cfg["mode"], "cpu")
-    ctx.check_settings(type("S", (), {"seq_partition": seg})())
     ctx.wrap(model)
     mine = ctx.my_units([int((ex.document_ids >= 0).sum()) for ex in examples])
     assert len(mine) == ga

@@ -182,6 +182,8 @@ def test_grad_accum_and_seq_partition_compose(tmp_path):
         {"mode": "ddp", "grad_accum": 3, "segments": 3, "attention": "cross", "num_layers": 2},
         {"mode": "fsdp", "grad_accum": 2, "num_layers": 2},  # set_requires_gradient_sync(False)
         {"mode": "fsdp", "grad_accum": 2, "attention": "cross", "num_layers": 2},  # each layer called twice
+        {"mode": "fsdp", "grad_accum": 2, "segments": 2},  # partition: root gathered across backward passes
+        {"mode": "fsdp", "grad_accum": 1, "segments": 3, "attention": "cross", "num_layers": 2},
     ]
     out = tmp_path / "grads.json"
     r = _torchrun(2, [str(ROOT / "python_tests" / "dist_grad_worker.py"), str(out), json.dumps(configs)])
@@ -218,15 +220,19 @@ def test_lpt_partition_balances_deterministically():
         lpt_partition([1, 2, 3], 1, 2)
 
 
-def test_fsdp_with_sequence_partition_is_refused():
+def test_dist_option_and_single_process_context():
+    from peagle_ext.cli import build_parser
     from peagle_ext.distributed import DistContext
-    from peagle_ext.train import TrainError, TrainSettings
-    ctx = DistContext("fsdp", world=2, rank=0)
-    with pytest.raises(TrainError, match="--seq-partition > 1 with --dist fsdp"):
-        ctx.check_settings(TrainSettings(seq_partition=2))
-    DistContext("ddp", world=2, rank=0).check_settings(TrainSettings(seq_partition=2))
-    with pytest.raises(ValueError, match="--dist"):
+    from peagle_ext.train import TrainSettings
+    with pytest.raises(ValueError, match="--dist must be ddp or fsdp"):
         TrainSettings(dist="zero3").validate()
+    args = build_parser().parse_args(["train", "--dist", "fsdp"])
+    assert args.dist == "fsdp"
+    # one process (no WORLD_SIZE): a trivial context, the single-process trainer path
+    ctx = DistContext.from_env("fsdp", "cpu")
+    assert ctx.world == 1 and ctx.is_main and ctx.my_units([5, 9, 1]) == [0, 1, 2] and ctx.sum_scalar(2.5) == 2.5
+    with pytest.raises(ValueError, match="--dist"):
+        DistContext("zero3")
 
 
 @requires_gloo
