@@ -19,7 +19,7 @@ What is global and what is per rank (N ranks, --batch-size B, --grad-accum G):
 - Reported metrics: every rank's per-unit (loss numerator, loss tokens, correct[K], total[K])
   are all-reduced (SUM) into a table and accumulated in unit order, the same additions in the
   same order as 1 rank, so N ranks report the same numbers as 1 rank on the same global batch.
-  Validation rows are split over ranks the same way.
+  Validation rows are dealt round-robin to the ranks and their metrics reduced the same way.
 - Gradient accumulation: DDP `no_sync()` on all micro-steps but the last; FSDP2
   `set_requires_gradient_sync(False)` likewise. Sequence partition (--seq-partition > 1) runs
   several backward passes per micro-step, which DDP's reducer cannot sync inside one forward: those
@@ -353,7 +353,7 @@ class DistContext:
         return mine
 
     # -- hidden states ----------------------------------------------------------------------
-    def prepare_hidden_states(self, parts, log, progress: bool) -> str:
+    def prepare_hidden_states(self, parts, progress: bool) -> str:
         """World > 1: without a disk cache nothing happens up front (each rank computes its rows'
         states on first use); with one, rank 0 fills it and the others wait until it is complete.
         parts: HiddenStates objects (train, val). Returns a sentence for the log."""

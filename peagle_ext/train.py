@@ -772,7 +772,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     t0 = time.time()
     background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden and ctx.world == 1
     if ctx.world > 1:  # each rank: only the rows it trains on (peagle_ext.distributed)
-        log.event("hidden", ctx.prepare_hidden_states((train_h, val_h), log, s.progress))
+        log.event("hidden", ctx.prepare_hidden_states((train_h, val_h), s.progress))
     elif background:
         # rows in the order this epoch consumes them; training starts as soon as the first is ready
         first_val = (s.val_every - step % s.val_every) * s.batch_size * s.grad_accum
@@ -867,7 +867,8 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
             summ = window_meter.summary()
             rec = {"step": step, "split": "train", "epoch": epoch, "lr": lr_now, "grad_norm": float(gnorm),
                    "tokens": n_tok_window, "tokens_per_s": tps, "elapsed_s": now - t_start,
-                   "skipped": not ok, **summ, **({"world_size": ctx.world} if ctx.world > 1 else {})}
+                   "skipped": not ok, **summ,
+                   **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {})}
             log.write(rec)
             bar.set_postfix(loss=f"{summ['loss']:.3f}", acc0=f"{summ['acc'][0]:.3f}",
                             acc=f"{summ['full_acc']:.3f}", tok_s=f"{tps:.0f}")
