@@ -5,7 +5,8 @@
     torchrun --standalone --nproc_per_node 2 bench/bench_distributed.py --tiny      # CPU/gloo dry run
 
 Writes DIR/bench_distributed.json and DIR/bench_distributed.md (DIR: --out, else $OUT, else
-./bench_out). Needs NCCL_NVLS_ENABLE=0 on shared hosts (set here when unset).
+./bench_out). On shared hosts keep NVLink multicast off: NCCL_NVLS_ENABLE=0 (also
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1); set here when unset.
 
 The drafter: Qwen3-8B-shaped (hidden 4096, 32 query / 8 KV heads of 128, intermediate 12288,
 vocab 151936 = draft vocab, 3 aux layers), 1 decoder layer, K = 8, random weights, random
@@ -238,7 +239,10 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     args = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP multicast: off on shared hosts
+    # NVLink multicast (NVLS / symmetric-memory multicast) off: on a shared host it can take the GPUs
+    # out of service for others; set before the NCCL communicators are created
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
     shape = dict(TINY if args.tiny else FULL)
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else shape["sizes"]
     steps = args.steps if args.steps is not None else (2 if args.tiny else 3)

@@ -239,7 +239,7 @@ def test_dist_option_and_single_process_context():
 def test_bench_distributed_tiny_dry_run(tmp_path):
     """bench/bench_distributed.py --tiny on CPU with gloo: the path the lead runs on 2 GPUs."""
     env_out = tmp_path / "bench_out"
-    cmd_args = [str(ROOT / "bench" / "bench_distributed.py"), "--tiny", "--out", str(env_out)]
+    cmd_args = [str(ROOT / "bench" / "bench_distributed.py"), "--tiny", "--steps", "1", "--out", str(env_out)]
     r = _torchrun(2, cmd_args)
     assert r.returncode == 0, r.stderr[-5000:]
     res = json.loads((env_out / "bench_distributed.json").read_text())
