@@ -14,7 +14,6 @@ COMPLETE marker written last; resume takes the newest complete one and ignores .
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -536,7 +535,6 @@ def save_checkpoint(out: Path, step: int, model: PEagleDraftModel, opt, sched, s
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
             raise TrainError(f"refusing to write checkpoint {step}: parameter {name} is not finite")
-    final = out / f"{CHECKPOINT_PREFIX}{step}"
     tmp = out / f"{CHECKPOINT_PREFIX}{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
