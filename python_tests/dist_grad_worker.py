@@ -17,7 +17,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from peagle_ext.cod import CodLayout  # noqa: F401  (imported for its custom ops)
 from peagle_ext.data import TrainingExample
 from peagle_ext.distributed import DistContext
 from peagle_ext.model import PEagleDraftModel, PEagleOptions
