@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable
 
@@ -92,6 +93,8 @@ def _train_args(p: argparse.ArgumentParser):
     g.add_argument("--background-hidden", type=_bool, help="CPU: compute verifier hidden states on a second "
                    "thread while training runs (default true)")
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
+    g.add_argument("--dist", choices=["ddp", "fsdp"], help="under torchrun (WORLD_SIZE > 1): DDP (default) or FSDP2 "
+                   "(fully_shard per decoder layer + root, bf16 params / fp32 reduce on GPU)")
     g.add_argument("--config", help="YAML/JSON file of option: value (flags given here win)")
     g.add_argument("--resume", action="store_const", const=True, help="continue from the newest complete checkpoint in --output")
 
@@ -101,6 +104,8 @@ def _run_train(args: argparse.Namespace) -> int:
     cli = {k: getattr(args, k) for k in TrainSettings.field_names() if hasattr(args, k)}
     s = settings_from(cli, getattr(args, "config", None))
     r = train(s)
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports
+        return 0
     out = r.output
     summ = r.val or r.train
     which = "validation" if r.val else "training (all steps)"

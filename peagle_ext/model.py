@@ -342,6 +342,13 @@ class DraftLayer(nn.Module):
         h = residual + self.self_attn.o_proj(attn_out.flatten(-2))
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward(self, layer_pass, *args, **kwargs):
+        """One pass of this layer, `layer_pass(self, *args, **kwargs)` (built by the model, which
+        owns the attention layout and RoPE tables). Going through the module call lets module hooks
+        see the whole layer: FSDP2's per-layer all-gather/reshard (peagle_ext.distributed), and
+        activation checkpointing wrappers."""
+        return layer_pass(self, *args, **kwargs)
+
 
 @dataclass
 class _Tokens:
@@ -739,15 +746,20 @@ class PEagleDraftModel(nn.Module):
         kvs = []
         n_layers = len(self.layers)
         for li, layer in enumerate(self.layers):
-            last = li == n_layers - 1
-            q, k, v, res = self._qkv(layer, x, tok, l0=l0, want_q=not (last and not last_full))
+            kv_only = li == n_layers - 1 and not last_full
+            x, kv = layer(self._layer_pass, x, l0, None if contexts is None else contexts[li], tok, kv_only=kv_only)
             if collect_kv:
-                kvs.append((k, v))
-            if last and not last_full:
+                kvs.append(kv)
+            if kv_only:
                 return None, kvs
-            ctx = None if contexts is None else contexts[li]
-            x = layer.post_attention(self._attend(q, k, v, tok, ctx), res)
         return x, kvs
+
+    def _layer_pass(self, layer: DraftLayer, x, l0, ctx, tok: _Tokens, *, kv_only: bool):
+        """(layer output or None when kv_only, (k, v) of this pass) for one layer."""
+        q, k, v, res = self._qkv(layer, x, tok, l0=l0, want_q=not kv_only)
+        if kv_only:
+            return None, (k, v)
+        return layer.post_attention(self._attend(q, k, v, tok, ctx), res), (k, v)
 
     def _loss_terms(self, h, layout: CodLayout, example, target_normed):
         """(weighted loss SUM, weight sum, correct[K], total[K]) over the tokens of `layout`."""

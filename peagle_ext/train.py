@@ -99,6 +99,8 @@ class TrainSettings:
     background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
     resume: bool = False
     progress: bool = True
+    # under torchrun (WORLD_SIZE > 1): ddp | fsdp (peagle_ext.distributed); ignored by one process
+    dist: str = "ddp"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -126,6 +128,7 @@ class TrainSettings:
         need(self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1")
         need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
         need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
+        need(self.dist in ("ddp", "fsdp"), f"--dist must be ddp or fsdp, got {self.dist!r}")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -168,8 +171,9 @@ def _cpu_has_bf16() -> bool:
 
 
 # these settings shape the model or the data stream: a resume must use the checkpoint's values
+# (grad_accum is checked as the global micro-batch count per step, grad_accum x world size)
 _RESUME_FIXED = ("verifier", "data", "num_conversations", "val_fraction", "seq_len", "num_layers", "num_depths",
-                 "layer_type", "draft_vocab_size", "mask_token_id", "aux_layer_ids", "batch_size", "grad_accum",
+                 "layer_type", "draft_vocab_size", "mask_token_id", "aux_layer_ids", "batch_size",
                  "seed", "attention", "train_lm_head", "train_embeddings", "norm_before_residual")
 
 
@@ -531,7 +535,6 @@ def save_checkpoint(out: Path, step: int, model: PEagleDraftModel, opt, sched, s
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
             raise TrainError(f"refusing to write checkpoint {step}: parameter {name} is not finite")
-    final = out / f"{CHECKPOINT_PREFIX}{step}"
     tmp = out / f"{CHECKPOINT_PREFIX}{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -539,6 +542,12 @@ def save_checkpoint(out: Path, step: int, model: PEagleDraftModel, opt, sched, s
     _test_pause("weights", step)
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state(), **state},
                tmp / TRAINER_STATE)
+    return _publish_checkpoint(out, step, tmp, keep)
+
+
+def _publish_checkpoint(out: Path, step: int, tmp: Path, keep: int) -> Path:
+    """Mark the written tmp dir complete, rename it to checkpoint-<step>, prune old ones."""
+    final = out / f"{CHECKPOINT_PREFIX}{step}"
     (tmp / COMPLETE_MARKER).write_text(f"{step}\n")
     _fsync_dir(tmp)
     _test_pause("written", step)
@@ -638,9 +647,20 @@ class TrainResult:
 
 def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training. stop_after: leave after that many steps of THIS process without
-    the final save, as a killed run would (tests use it for resume)."""
-    t_start = time.time()
+    the final save, as a killed run would (tests use it for resume). Under torchrun (WORLD_SIZE >
+    1) every rank calls this; see peagle_ext.distributed."""
+    from .distributed import DistContext
     s.validate()
+    ctx = DistContext.from_env(s.dist, s.device)
+    try:
+        return _train_main(s, ctx, stop_after)
+    finally:
+        ctx.close()
+
+
+def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
+    from .distributed import NullLog
+    t_start = time.time()
     out = Path(s.output)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out} exists and is not a directory")
@@ -653,43 +673,61 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
                              f"with a {COMPLETE_MARKER} marker)")
         resume_from = ck[-1][1]
         # leftovers of a killed checkpoint write (.tmp) or directory swap (.old): never complete ones
-        stale = list(out.glob(f"{CHECKPOINT_PREFIX}*.tmp")) + list(out.glob(f"{CHECKPOINT_PREFIX}*.old"))
-        for p in stale:
-            shutil.rmtree(p, ignore_errors=True)
+        if ctx.is_main:
+            stale = list(out.glob(f"{CHECKPOINT_PREFIX}*.tmp")) + list(out.glob(f"{CHECKPOINT_PREFIX}*.old"))
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
         ck_state = _read_checkpoint_state(resume_from)
         old = ck_state["settings"]
         diff = [k for k in _RESUME_FIXED if old.get(k) != getattr(s, k)]
         if diff:
             raise TrainError("--resume with settings that differ from the checkpoint's: " +
                              ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old.get(k)!r})" for k in diff))
-        RunLog.truncate_after(out / "log.jsonl", ck_state["step"])
+        old_world = int(ck_state.get("world_size", 1))
+        old_micro = int(old.get("grad_accum", 1)) * old_world
+        if old_micro != s.grad_accum * ctx.world:
+            hint = (f"; pass --grad-accum {old_micro // ctx.world} to keep it" if old_micro % ctx.world == 0 else "")
+            raise TrainError(f"--resume: the checkpoint takes {old_micro} micro-batches per step (--grad-accum "
+                             f"{old.get('grad_accum')} x {old_world} rank(s)), this run {s.grad_accum} x {ctx.world}{hint}")
+        if ctx.is_main:
+            for p in out.glob(f"{CHECKPOINT_PREFIX}*.tmp"):
+                shutil.rmtree(p, ignore_errors=True)
+            RunLog.truncate_after(out / "log.jsonl", ck_state["step"])
     else:
         existing = list_checkpoints(out)
         if existing:
             raise TrainError(f"{out} already holds checkpoints (newest: {existing[-1][1].name}); continue them with "
                              "--resume, or pick another --output (a fresh run would prune them)")
-        if (out / "log.jsonl").exists():
+        if ctx.is_main and (out / "log.jsonl").exists():
             (out / "log.jsonl").unlink()  # a log without checkpoints belongs to no resumable run
-    log = RunLog(out / "log.jsonl", echo=True)
+    ctx.barrier()  # every rank has decided before rank 0 writes anything
+    if ctx.is_main:
+        log = RunLog(out / "log.jsonl", echo=True)
+    else:
+        log = NullLog()
+        s = dataclasses.replace(s, progress=False)
     threads = torch.get_num_threads()
     if s.threads and not s.device.startswith("cuda"):
         torch.set_num_threads(s.threads)
     try:
-        return _train(s, out, log, resume_from, stop_after, t_start)
+        return _train(s, out, log, resume_from, stop_after, t_start, ctx)
     finally:
         torch.set_num_threads(threads)
         log.close()
 
 
-def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start) -> TrainResult:
+def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx) -> TrainResult:
     from . import data as D
-    device = torch.device(s.device)
+    device = ctx.device
     amp = s.autocast_dtype()
     torch.manual_seed(s.seed)
     random.seed(s.seed)
     np.random.seed(s.seed % (2**32))
     log.write({"event": "start", "settings": dataclasses.asdict(s), "resume_from": str(resume_from) if resume_from else None,
-               "autocast": str(amp) if amp else None, "time": time.time()})
+               "autocast": str(amp) if amp else None, "time": time.time(), "world_size": ctx.world})
+    if ctx.world > 1:
+        log.event("dist", f"{ctx.world} ranks ({s.dist.upper()}, {'NCCL' if device.type == 'cuda' else 'gloo'}): a step "
+                  f"takes {ctx.world} x {s.grad_accum} micro-batches of {s.batch_size} row(s)")
 
     # verifier + data
     t0 = time.time()
@@ -739,14 +777,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                           lm_head_weight=verifier.get_output_embeddings().weight.detach().float().cpu(),
                           norm_eps=getattr(vcfg, "rms_norm_eps", 1e-6),
                           embed_weight=verifier.get_input_embeddings().weight.detach().float().cpu())
-    model.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay,
-                            fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
-    step, epoch, cursor = 0, 0, 0
-    history_skipped = 0
-    if resume_from is not None:
+    if resume_from is not None:  # the weights before any DDP/FSDP wrapping
         ck = torch.load(resume_from / TRAINER_STATE, map_location="cpu", weights_only=False)
         ckcfg = json.loads((resume_from / "config.json").read_text())
         if int(ckcfg.get("target_hidden_size") or 0) != int(vcfg.hidden_size):
@@ -754,8 +785,16 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                              f"{ckcfg.get('target_hidden_size')}, this verifier has {vcfg.hidden_size}")
         from safetensors.torch import load_file
         model.load_checkpoint_state_dict(load_file(str(resume_from / "model.safetensors")))
-        model.to(device)
-        opt.load_state_dict(ck["optimizer"])
+    model.to(device)
+    ctx.wrap(model, amp)  # DDP / FSDP2 under torchrun; nothing in one process
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay,
+                            fused=device.type == "cuda" and not ctx.is_fsdp)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
+    step, epoch, cursor = 0, 0, 0
+    history_skipped = 0
+    if resume_from is not None:
+        ctx.load_optimizer_state(model, opt, ck, resume_from)
         sched.load_state_dict(ck["scheduler"])
         _set_rng_state(ck["rng"])
         step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
@@ -786,8 +825,10 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     n_rows = len(ds.train_rows)
     order = _epoch_order(s.seed, epoch, n_rows)
     t0 = time.time()
-    background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden
-    if background:
+    background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden and ctx.world == 1
+    if ctx.world > 1:  # each rank: only the rows it trains on (peagle_ext.distributed)
+        log.event("hidden", ctx.prepare_hidden_states((train_h, val_h), s.progress))
+    elif background:
         # rows in the order this epoch consumes them; training starts as soon as the first is ready
         first_val = (s.val_every - step % s.val_every) * s.batch_size * s.grad_accum
         train_h.start_background(order[cursor:] + order[:cursor], then=val_h, then_after=first_val)
@@ -796,12 +837,12 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     else:
         train_h.warm("verifier hidden states (train)", s.progress)
         val_h.warm("verifier hidden states (val)", s.progress)
-    if cache and not background:
+    if cache and not background and ctx.world == 1:
         ntok_all = ntok + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
         dt_h = time.time() - t0
         log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
                   f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)", seconds=dt_h)
-    if (cache and not background) or s.hidden_cache_dir:
+    if (cache and not background and ctx.world == 1) or s.hidden_cache_dir:
         # every row is cached: the verifier itself is no longer needed
         train_h.verifier = val_h.verifier = None
         del verifier
@@ -809,7 +850,11 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     elif not cache:
         log.event("hidden", "verifier hidden states do not fit --hidden-cache-gb: recomputed every step")
 
-    rows_per_step = s.batch_size * s.grad_accum
+    # a step: world x grad_accum micro-batches ("units"); unit g is COD-seeded by g, so the
+    # numbers do not depend on which rank computes it (peagle_ext.distributed)
+    n_units = s.grad_accum * ctx.world
+    rows_per_step = s.batch_size * n_units
+    row_tokens = [int((r.document_ids >= 0).sum()) for r in ds.train_rows]
     meter = Meter(s.num_depths)
     window_meter = Meter(s.num_depths)
     skipped = history_skipped
@@ -830,19 +875,25 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                 order = _epoch_order(s.seed, epoch, n_rows)
             picked.append(order[cursor])
             cursor += 1
-        micro = [picked[i * s.batch_size:(i + 1) * s.batch_size] for i in range(s.grad_accum)]
-        examples = [concat_examples([train_h.get(i) for i in mb]).to(device) for mb in micro]
-        layouts = [model.sample_layout(ex, seed=_cod_seed(s.seed, step, j)) for j, ex in enumerate(examples)]
+        micro = [picked[i * s.batch_size:(i + 1) * s.batch_size] for i in range(n_units)]
+        mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
+        examples = [concat_examples([train_h.get(i) for i in micro[g]]).to(device) for g in mine]
+        layouts = [model.sample_layout(ex, seed=_cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
         weights = [float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())
                    for ex, lay in zip(examples, layouts)]
-        wtot = sum(weights)
+        wtot = ctx.sum_scalar(sum(weights))  # the GLOBAL loss-token count: every rank divides by it
         step_meter = Meter(s.num_depths)
         opt.zero_grad(set_to_none=True)
-        for ex, lay in zip(examples, layouts):
-            m = model.forward_backward(ex, lay, segments=s.seq_partition,
-                                       loss_scale=1.0 / wtot if wtot > 0 else 0.0, autocast_dtype=amp)
+        unit_metrics = {}
+        for j, (g, ex, lay) in enumerate(zip(mine, examples, layouts)):
+            m = ctx.forward_backward(model, ex, lay, segments=s.seq_partition,
+                                     loss_scale=1.0 / wtot if wtot > 0 else 0.0, autocast_dtype=amp,
+                                     last=j == len(mine) - 1)
+            unit_metrics[g] = {**m, "num_tokens": int((ex.document_ids >= 0).sum())}
+        per_unit = ctx.ordered_metrics(n_units, unit_metrics, s.num_depths)  # all units, in unit order
+        for m in per_unit:
             step_meter.add(m)
-        gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
+        gnorm = ctx.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
         loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
         ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
         if ok and step_meter.weight > 0:
@@ -858,7 +909,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         sched.step()
         step += 1
         steps_here += 1
-        ntoks = sum(int((ex.document_ids >= 0).sum()) for ex in examples)
+        ntoks = sum(m["num_tokens"] for m in per_unit)
         n_tok_window += ntoks
         if ok:
             meter.add({"loss_sum": step_meter.loss_sum, "weight": step_meter.weight,
@@ -871,19 +922,20 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
             summ = window_meter.summary()
             rec = {"step": step, "split": "train", "epoch": epoch, "lr": lr_now, "grad_norm": float(gnorm),
                    "tokens": n_tok_window, "tokens_per_s": tps, "elapsed_s": now - t_start,
-                   "skipped": not ok, **summ}
+                   "skipped": not ok, **summ,
+                   **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {})}
             log.write(rec)
             bar.set_postfix(loss=f"{summ['loss']:.3f}", acc0=f"{summ['acc'][0]:.3f}",
                             acc=f"{summ['full_acc']:.3f}", tok_s=f"{tps:.0f}")
             window_meter.reset()
             t_tok, n_tok_window = now, 0
         if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
-            val_summary = evaluate(model, val_h, s, autocast, device)
+            val_summary = evaluate(model, val_h, s, autocast, device, ctx)
             log.write({"step": step, "split": "val", **val_summary})
         if step % s.checkpoint_every == 0 or step == s.max_steps:
-            save_checkpoint(out, step, model, opt, sched,
-                            {"step": step, "epoch": epoch, "cursor": cursor, "settings": dataclasses.asdict(s),
-                             "skipped_steps": skipped}, s.keep_checkpoints)
+            ctx.save_checkpoint(out, step, model, opt, sched,
+                                {"step": step, "epoch": epoch, "cursor": cursor, "settings": dataclasses.asdict(s),
+                                 "skipped_steps": skipped}, s.keep_checkpoints)
         _test_pause("step", step)
         if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
             stopped = True
@@ -894,12 +946,10 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     if stopped:
         return result
     final = out / "final"
-    tmp = out / "final.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    _replace_dir(tmp, final)
+    written_here = ctx.save_final(model, final)  # tmp + rename, by rank 0
     result.final_dir = final
+    if not written_here:
+        return result
     result.plots = make_plots(out / "log.jsonl", out, s.num_depths)
     result.wall_s = time.time() - t_start
     log.write({"event": "done", "step": step, "final": str(final), "wall_s": result.wall_s,
@@ -916,16 +966,25 @@ class _null:
 
 
 @torch.no_grad()
-def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autocast, device) -> dict:
-    """Loss and per-depth accuracy over the validation rows (COD layouts with fixed seeds)."""
+def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autocast, device, ctx=None) -> dict:
+    """Loss and per-depth accuracy over the validation rows (COD layouts with fixed seeds). Under
+    torchrun the rows are split over the ranks and the per-row metrics summed in row order."""
     was = model.training
     model.eval()
     m = Meter(s.num_depths)
-    for i in range(len(hs.rows)):
-        ex = hs.get(i).to(device)
-        lay = model.sample_layout(ex, seed=_cod_seed(s.seed + 1, 10**9, i))
+    distributed = ctx is not None and ctx.world > 1
+    fwd = ctx.eval_module() if distributed else model
+    per_row = {}
+    for i in (ctx.eval_rows(len(hs.rows)) if distributed else range(len(hs.rows))):
+        j = i if i >= 0 else next(iter(per_row), 0)  # -1: a padding forward (FSDP), result dropped
+        ex = hs.get(j).to(device)
+        lay = model.sample_layout(ex, seed=_cod_seed(s.seed + 1, 10**9, j))
         with autocast():
-            _, met = model(ex, lay)
+            _, met = fwd(ex, lay)
+        if i >= 0:
+            per_row[i] = met
+    for met in (ctx.ordered_metrics(len(hs.rows), per_row, s.num_depths) if distributed
+                else [per_row[i] for i in range(len(hs.rows))]):
         m.add(met)
     if was:
         model.train()
