@@ -51,12 +51,41 @@ class CMakeBuild(build_ext):
         subprocess.check_call(args)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
         subprocess.check_call(["cmake", "--build", str(build_temp), "-j", jobs])
+        self._check_op_errors_raise(out_dir)
         # Editable installs copy only the extension back into the source tree; the build-info
         # file that the import guard reads must sit beside it there too.
         info = out_dir / "_build_info.json"
         src_info = ROOT / "peagle_ext" / "_build_info.json"
         if info.exists() and info.resolve() != src_info.resolve():
             shutil.copyfile(info, src_info)
+
+
+    @staticmethod
+    def _check_op_errors_raise(out_dir: Path):
+        """An op's TORCH_CHECK must reach Python as ValueError. Seen on an H200 image whose CXX
+        was a separately installed GCC (/opt/gcc): every op error segfaulted the process, while
+        the system g++ worked. Catch that at build time instead of at a user's first bad input."""
+        so = next(out_dir.glob("_C*.so"), None)
+        if so is None or os.environ.get("PEAGLE_SKIP_BUILD_CHECK") == "1":
+            return
+        code = (
+            "import torch\n"
+            f"torch.ops.load_library({str(so)!r})\n"
+            "try:\n"
+            "    torch.ops.peagle.cod_sample(torch.full((3,), -2, dtype=torch.int32),"
+            " torch.ones(3, dtype=torch.bool), 2, 0.7, 0.2, -1, True, 0)\n"
+            "except ValueError:\n"
+            "    raise SystemExit(0)\n"
+            "raise SystemExit(3)\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(
+                "peagle_ext built, but an op error does not reach Python as an exception (exit "
+                f"{r.returncode}; -11 means a segfault). This happens when the C++ compiler's runtime "
+                "does not match the libstdc++ torch loads (seen with CXX=/opt/gcc/bin/g++ on an H200 "
+                "image). Rebuild with the system compiler, e.g. CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ "
+                "pip install --no-build-isolation -e .   (PEAGLE_SKIP_BUILD_CHECK=1 skips this check)\n"
+                + r.stderr[-2000:])
 
 
 setup(

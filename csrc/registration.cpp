@@ -56,4 +56,30 @@ TORCH_LIBRARY(peagle, m) {
 
   // ---- vLLM parallel-drafting batch step (csrc/vllm) ----------------------------------
   // [vllm schemas]
+  // DESIGN.md section 6: vLLM's parallel-drafting input step in one op. num_rejected_tokens
+  // None = no rejected tokens. Returns (input_ids int32[T_out], positions int64[T_out],
+  // hidden [T_out, H], is_rejected bool[T_out], is_masked bool[T_out], token_indices_to_sample
+  // int32[B*K], hidden_state_mapping int32[T_in], slot_mapping int64[T_out], query_start_loc
+  // int32[B+1]) with T_out = T_in + (K-1)*B. The _out form writes preallocated tensors (CUDA
+  // graph capture); it mutates exactly its keyword-only arguments.
+  m.def(
+      "prepare_parallel_draft_inputs(Tensor target_token_ids, Tensor target_positions, Tensor next_token_ids, "
+      "Tensor query_start_loc, Tensor? num_rejected_tokens, Tensor target_hidden, Tensor mask_hidden, "
+      "Tensor block_table, int num_spec_tokens, int mask_token_id, int block_size, int max_model_len) "
+      "-> (Tensor input_ids, Tensor positions, Tensor hidden, Tensor is_rejected, Tensor is_masked, "
+      "Tensor token_indices_to_sample, Tensor hidden_state_mapping, Tensor slot_mapping, Tensor new_query_start_loc)");
+  m.def(
+      "prepare_parallel_draft_inputs_out(Tensor target_token_ids, Tensor target_positions, Tensor next_token_ids, "
+      "Tensor query_start_loc, Tensor? num_rejected_tokens, Tensor target_hidden, Tensor mask_hidden, "
+      "Tensor block_table, int num_spec_tokens, int mask_token_id, int block_size, int max_model_len, *, "
+      "Tensor(a!) input_ids, Tensor(b!) positions, Tensor(c!) hidden, Tensor(d!) is_rejected, Tensor(e!) is_masked, "
+      "Tensor(f!) token_indices_to_sample, Tensor(g!) hidden_state_mapping, Tensor(h!) slot_mapping, "
+      "Tensor(i!) new_query_start_loc) -> ()");
+  // Test-only, CPU: the CUDA kernel's launch plan and block phases run on the CPU
+  // (csrc/vllm/cpu/parallel_draft_emulation.cpp); vec_bytes 0 = the launcher's choice.
+  m.def(
+      "_parallel_draft_kernel_emulation(Tensor target_token_ids, Tensor target_positions, Tensor next_token_ids, "
+      "Tensor query_start_loc, Tensor? num_rejected_tokens, Tensor target_hidden, Tensor mask_hidden, "
+      "Tensor block_table, int num_spec_tokens, int mask_token_id, int block_size, int max_model_len, "
+      "int vec_bytes) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
