@@ -256,7 +256,8 @@ def speculators_per_depth(metrics, k):
 def uncompiled(fn):
     """The function under a torch.compile wrapper (speculators' `conditional_torch_compile`
     wraps PEagleDraftModel.forward at class definition when CUDA is available)."""
-    return getattr(fn, "_torchdynamo_orig_callable", fn)
+    inner = getattr(fn, "_torchdynamo_orig_callable", None) or getattr(fn, "__wrapped__", None)
+    return inner if inner is not None else fn
 
 
 def speculators_loss_config(implementation: str):
