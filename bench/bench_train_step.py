@@ -1,0 +1,519 @@
+"""One training step (forward + backward + AdamW step) of a Qwen3-8B-shaped P-EAGLE drafter:
+peagle_ext vs speculators 0.9.0 vs a plain-PyTorch path, on one GPU, time-boxed.
+
+Drafter: hidden 4096, 32/8 heads, head dim 128, intermediate 12288, vocab 151,936 with the
+DRAFT VOCAB = THE FULL VOCAB (no d2t reduction: the lm_head, the verifier head and the logits are
+all 151,936 wide), 3 aux layers (fc 12288 -> 4096), K=8 depths, r=0.7, r_min=0.2. Random weights
+and random verifier states of the right shapes (no verifier model), fp32 master weights + bf16
+autocast (as both trainers do), AdamW over the same trainable set (embedding, fc, layers,
+mask_hidden; lm_head frozen, as speculators does). Each step draws a new COD sample inside the
+step (ours: cod_sample op; speculators: its own generate_cod_sample_indices) from one synthetic
+packed row: documents of 512-2048 tokens, 10-40% prompt (no loss) then answer, EAGLE-shift
+padding at each document's end.
+
+Implementations (case "impl"):
+  peagle        peagle_ext PEagleDraftModel.forward_backward (COD attention + fused linear-KL ops)
+  spec_eager    speculators' PEagleDraftModel.forward run as a plain function (its
+                @conditional_torch_compile wrapper removed via _torchdynamo_orig_callable), with
+                the two FlexAttention pieces compiled as PyTorch recommends for eager callers:
+                flex_attention (in speculators.models.attention) and create_block_mask (the
+                model's _create_mask_fn; speculators' own DFlash does the same), both with
+                dynamic=True because T changes every step; its loss = its default fused Triton KL.
+  spec_compiled speculators as shipped: torch.compile over the whole forward (re-wrapped with
+                dynamic=True unless --spec-compile-dynamic=none keeps its own default wrapper).
+                Run with dynamo INFO logs and Python stack dumps every 10 s: evidence of where the
+                first step spends its time (see RESULTS in the report / bench/RESULTS.md).
+  plain         our model with the two fused ops replaced by plain PyTorch: SDPA over the dense
+                [T, T] COD mask and full [T, V] logits + log_softmax KL.
+Uncompiled flex_attention is not benchmarked: PyTorch then runs an unfused reference that
+materialises [32, T, T] fp32 scores (~60 GB at N=8K for the scores alone).
+
+Time box: the parent (this script) runs every case in its own subprocess (own session, killed
+with its process group on timeout, so an OOM or hang cannot take down the run), in priority
+order, and stops launching cases when --budget-s is spent; each child writes its result file
+after every milestone, so a killed case still reports what it measured. At the end: JSON, a
+PNG (peak memory and step time vs N) and a compact table (printed last) under --out.
+
+GPU (the lead's run; the speculators wheels installed with --no-deps into /tmp/site):
+    PYTHONPATH=/tmp/site:$PWD python bench/bench_train_step.py --budget-s 170
+CPU smoke test of the harness (tiny shapes; speculators with its sdpa backend + eager loss):
+    PYTHONPATH=/tmp/specsite:$PWD python bench/bench_train_step.py --device cpu --tiny --budget-s 300
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+T0 = float(os.environ.get("BENCH_TRAIN_STEP_T0", time.time()))  # children print the parent's clock
+
+# ---------------------------------------------------------------------------------------------
+# Cases, in priority order. est_s: expected wall time on an H200 (launch + build + warmup +
+# timed steps); a case is only started when at least min_s of budget is left; timeout_s caps it.
+# ---------------------------------------------------------------------------------------------
+K8 = 8192
+
+
+def case(name, impl, n, layers=1, max_anchors=None, timeout_s=45, min_s=15, note=""):
+    return dict(name=name, impl=impl, n=n, layers=layers, max_anchors=max_anchors, timeout_s=timeout_s,
+                min_s=min_s, note=note)
+
+
+def default_cases():
+    return [
+        case("peagle-1L-8K", "peagle", 8 * 1024),
+        # compile of flex fwd+bwd, create_block_mask and the fused-loss autotune all happen in its
+        # first step: give it what is left after keeping room for the next two cases
+        case("spec_eager-1L-8K", "spec_eager", 8 * 1024, timeout_s=110, min_s=40, note="reserve:50"),
+        case("peagle-1L-32K", "peagle", 32 * 1024, timeout_s=45),
+        case("peagle-1L-128K-a1024", "peagle", 128 * 1024, max_anchors=1024, timeout_s=50, min_s=20),
+        case("plain-1L-4K", "plain", 4 * 1024, timeout_s=40),
+        case("peagle-1L-16K", "peagle", 16 * 1024, timeout_s=35),
+        case("peagle-1L-64K", "peagle", 64 * 1024, timeout_s=45, min_s=20),
+        case("peagle-1L-4K", "peagle", 4 * 1024, timeout_s=30),
+        case("spec_compiled-1L-8K", "spec_compiled", 8 * 1024, timeout_s=60, min_s=25),
+        case("peagle-4L-8K", "peagle", 8 * 1024, layers=4, timeout_s=35),
+        case("peagle-4L-32K", "peagle", 32 * 1024, layers=4, timeout_s=45, min_s=20),
+        case("spec_eager-4L-8K", "spec_eager", 8 * 1024, layers=4, timeout_s=90, min_s=40),
+        case("peagle-1L-128K", "peagle", 128 * 1024, timeout_s=60, min_s=25),
+    ]
+
+
+def tiny_cases():
+    """CPU smoke test: the same implementations at toy sizes."""
+    return [
+        case("peagle-1L-512", "peagle", 512, timeout_s=120),
+        case("spec_eager-1L-512", "spec_eager", 512, timeout_s=120),
+        case("peagle-1L-1K", "peagle", 1024, timeout_s=120),
+        case("peagle-1L-2K-a64", "peagle", 2048, max_anchors=64, timeout_s=120),
+        case("plain-1L-512", "plain", 512, timeout_s=120),
+        case("peagle-2L-512", "peagle", 512, layers=2, timeout_s=120),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Child: one case
+# ---------------------------------------------------------------------------------------------
+class Result:
+    """The child's result file, rewritten atomically after every milestone."""
+
+    def __init__(self, path, case_):
+        self.path = path
+        self.d = {**case_, "status": "started", "events": []}
+        self.t0 = time.time()
+
+    def event(self, what, **kw):
+        self.d["events"].append({"t": round(time.time() - self.t0, 2), "what": what, **kw})
+        self.d.update(kw)
+        self.write()
+        print(f"[{time.time() - T0:6.1f}s] {self.d['name']}: {what} {kw if kw else ''}", flush=True)
+
+    def write(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.d, f)
+        os.replace(tmp, self.path)
+
+
+def child_main(a):
+    import torch
+    c = json.loads(a.child)
+    res = Result(a.result, c)
+    deadline = float(a.deadline)
+    sys.path.insert(0, HERE)
+    import _e2e_common as E
+
+    dev = torch.device(a.device)
+    tiny = a.tiny
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        res.d["gpu"] = torch.cuda.get_device_name()
+    res.d["torch"] = torch.__version__
+    amp = torch.bfloat16 if dev.type == "cuda" else None
+    state_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if tiny:
+        from transformers import Qwen3Config
+        vcfg = Qwen3Config(hidden_size=64, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=1024, rms_norm_eps=1e-6)
+        mask_id, real_vocab, doc_len = 1000, 1000, (64, 256)
+    else:
+        vcfg = E.qwen3_8b_config()
+        mask_id, real_vocab, doc_len = 151_669, 151_643, (512, 2048)  # mask: an unused embedding row
+    k = a.num_depths
+    impl = c["impl"]
+    from peagle_ext.model import PEagleOptions
+    opts = PEagleOptions(down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=c["max_anchors"],
+                         train_embeddings="all")
+    cls = E.plain_model_class() if impl == "plain" else None
+    ours = E.make_peagle(vcfg, num_layers=c["layers"], num_depths=k, mask_token_id=mask_id, options=opts,
+                         device=dev, cls=cls)
+    ex = E.synthetic_example(c["n"], hidden=vcfg.hidden_size, vocab=real_vocab, device=dev, dtype=state_dtype,
+                             doc_len=doc_len, seed=1234)
+    res.d["loss_tokens"] = int(ex.loss_mask.sum())
+    res.d["docs"] = int(ex.document_ids.max()) + 1
+
+    if impl.startswith("spec"):
+        spec, core = E.make_speculators_twin(ours, attn_impl="sdpa" if dev.type == "cpu" else "simple_flex_attention",
+                                             device=dev)
+        del ours
+        model = spec
+        loss_cfg = E.speculators_loss_config("fused" if dev.type == "cuda" else "eager")
+        batch = E.speculators_batch(ex, dev)
+        fwd_raw = E.uncompiled(type(spec).forward)
+        seen_t = []
+        if impl == "spec_eager":
+            if hasattr(fwd_raw, "_torchdynamo_orig_callable"):
+                raise RuntimeError("could not unwrap speculators' compiled forward")
+            type(spec).forward = fwd_raw
+            replay, first = [False], []  # see use_flex("static")
+            if dev.type == "cuda":
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                import speculators.models.attention as spec_attn_mod
+
+                def use_flex(variant):
+                    """"dynamic": flex_attention and create_block_mask compiled with dynamic
+                    shapes (T changes every step). "static": the fallback if that fails to
+                    compile: both compiled for one T, and its sampler replays its own first COD
+                    sample on later steps so that T stays fixed (no recompile per step; its
+                    sampler, ~6 ms on an H200 per bench_cod.py, is then not in the step time)."""
+                    dyn = variant == "dynamic"
+                    spec_attn_mod.flex_attention = torch.compile(flex_attention, dynamic=dyn)
+                    spec._create_mask_fn = torch.compile(create_block_mask, dynamic=dyn)
+                    res.d["flex_variant"] = variant
+                    replay[0] = not dyn
+                use_flex("dynamic")
+            # record T (number of sampled tokens) from its own sampler, unchanged otherwise
+            orig_sampler = core.generate_cod_sample_indices
+
+            def recording_sampler(*args, **kw):
+                if replay[0] and first:
+                    anchor, depth = first[0]
+                else:
+                    anchor, depth = orig_sampler(*args, **kw)
+                    first[:] = [(anchor, depth)]
+                seen_t.append(anchor.shape[0])
+                return anchor, depth
+            core.generate_cod_sample_indices = recording_sampler
+        else:  # spec_compiled
+            import faulthandler
+            import logging
+            stacks = open(os.path.join(a.logdir, f"{c['name']}.stacks.txt"), "w")
+            faulthandler.dump_traceback_later(10, repeat=True, file=stacks)
+            torch._logging.set_logs(dynamo=logging.INFO, recompiles=True, graph_breaks=True)
+            if a.spec_compile_dynamic == "true":
+                type(spec).forward = torch.compile(fwd_raw, dynamic=True)
+            elif dev.type == "cpu":
+                type(spec).forward = torch.compile(fwd_raw)
+            res.d["compile"] = {"dynamic": a.spec_compile_dynamic}
+
+            def report_compile_times():
+                try:
+                    from torch._dynamo.utils import compile_times
+                    res.d["compile_times"] = compile_times(repr="str")[:4000]
+                    res.write()
+                except Exception as e:  # diagnostics only
+                    res.d["compile_times"] = f"unavailable: {e}"
+            import threading
+            threading.Timer(max(1.0, deadline - time.time() - 4.0), report_compile_times).start()
+
+        def step(i):
+            ctx = torch.autocast(dev.type, dtype=amp) if amp else torch.autocast(dev.type, enabled=False)
+            opt.zero_grad(set_to_none=True)
+            with ctx:
+                _, loss, _m = spec(**batch, loss_config=loss_cfg, max_anchors=c["max_anchors"], num_depths=k,
+                                   down_sample_ratio=0.7, down_sample_ratio_min=0.2)
+            loss.backward()
+            opt.step()
+            return float(loss), (seen_t[-1] if seen_t else None)
+    else:
+        model = ours
+
+        def step(i):
+            opt.zero_grad(set_to_none=True)
+            m = ours.forward_backward(ex, None, seed=1000 + i, autocast_dtype=amp)
+            opt.step()
+            return m["loss_sum"] / max(m["weight"], 1e-9), m["num_tokens"]
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    res.d["trainable_params"] = sum(p.numel() for p in params)
+    res.d["total_params"] = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def mem_gb(fn):
+        return round(fn() / 2**30, 3) if dev.type == "cuda" else None
+
+    sync()
+    res.event("built", model_gb=mem_gb(torch.cuda.memory_allocated))
+    # warmup: the first step (compiles, autotunes, allocates AdamW state); a second one when the
+    # first was slow (a compile) so that recompiles, if any, are not timed
+    warm = []
+    for w in range(2):
+        t = time.perf_counter()
+        try:
+            loss, tt = step(-1 - w)
+        except Exception as e:  # a compile failure of the dynamic flex variant: retry once, static
+            if impl != "spec_eager" or dev.type != "cuda" or res.d.get("flex_variant") != "dynamic" \
+                    or isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            res.event("dynamic flex variant failed, retrying static", error=repr(e)[:800])
+            torch.cuda.empty_cache()
+            use_flex("static")
+            t = time.perf_counter()
+            loss, tt = step(-1 - w)
+        sync()
+        warm.append(time.perf_counter() - t)
+        res.event(f"warmup{w}", warmup_s=[round(x, 3) for x in warm], T=tt, loss=round(loss, 4),
+                  peak_first_gb=mem_gb(torch.cuda.max_memory_allocated))
+        if warm[-1] < 5.0 or time.time() + warm[-1] * 2 > deadline:
+            break
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, ts = [], []
+    while len(times) < a.steps:
+        est = min(times) if times else warm[-1]
+        if times and time.time() + 1.3 * est > deadline:
+            break
+        t = time.perf_counter()
+        loss, tt = step(len(times))
+        sync()
+        times.append(time.perf_counter() - t)
+        ts.append(tt)
+        srt = sorted(times)
+        res.event(f"step{len(times)}", step_s=[round(x, 4) for x in times], median_s=round(srt[len(srt) // 2], 4),
+                  T=tt, Ts=ts, loss=round(loss, 4), peak_gb=mem_gb(torch.cuda.max_memory_allocated),
+                  reserved_gb=mem_gb(torch.cuda.max_memory_reserved),
+                  rest_gb=mem_gb(torch.cuda.memory_allocated))
+    res.d["status"] = "ok" if times else "no timed step"
+    res.write()
+    os._exit(0)  # skip interpreter teardown (and any leftover compile workers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: schedule, time-box, collect, report
+# ---------------------------------------------------------------------------------------------
+def run_case(a, c, timeout, logdir):
+    path = os.path.join(logdir, f"{c['name']}.json")
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(c), "--result", path,
+           "--deadline", str(time.time() + timeout - 2.0), "--device", a.device, "--steps", str(a.steps),
+           "--num-depths", str(a.num_depths), "--logdir", logdir, "--spec-compile-dynamic", a.spec_compile_dynamic]
+    if a.tiny:
+        cmd.append("--tiny")
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["BENCH_TRAIN_STEP_T0"] = str(T0)
+    log = open(os.path.join(logdir, f"{c['name']}.log"), "w")
+    t0 = time.time()
+    sys.stdout.flush()
+    # the child's progress lines go straight to our stdout; its stderr (warnings, logs) to a file
+    p = subprocess.Popen(cmd, stdout=None, stderr=log, env=env, start_new_session=True)
+    status = None
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        status = f"timeout after {timeout:.0f}s"
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=3)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    log.close()
+    wall = time.time() - t0
+    r = {**c}
+    if os.path.exists(path):
+        with open(path) as f:
+            r.update(json.load(f))
+    tail = open(os.path.join(logdir, f"{c['name']}.log")).read()[-3000:]
+    if status is None and p.returncode != 0:
+        low = tail.lower()
+        status = "OOM" if ("out of memory" in low or "outofmemory" in low) else f"error rc={p.returncode}"
+    if status is not None:
+        r["status"] = status if r.get("status") in (None, "started") else f"{status} ({r.get('status')})"
+        r["stderr_tail"] = tail[-1500:]
+    r["wall_s"] = round(wall, 1)
+    if c["impl"] == "spec_compiled":
+        # the frame-by-frame compile timeline (dynamo INFO lines carry wall-clock stamps)
+        keys = ("torchdynamo start tracing", "done compiler function", "Recompiling function",
+                "Graph break in user code", "Skipping the frame", "size mismatch")
+        with open(os.path.join(logdir, f"{c['name']}.log"), errors="replace") as f:
+            r["compile_log"] = [ln.rstrip()[:240] for ln in f if any(k in ln for k in keys)][:150]
+    return r
+
+
+def summarize(r):
+    med = r.get("median_s")
+    tok_s = round(r["n"] / med) if med else None
+    return {**r, "tokens_per_s": tok_s}
+
+
+def write_outputs(a, results, logdir):
+    out = a.out
+    os.makedirs(out, exist_ok=True)
+    res = [summarize(r) for r in results]
+    meta = {"bench": "train_step", "budget_s": a.budget_s, "elapsed_s": round(time.time() - T0, 1),
+            "device": a.device, "tiny": a.tiny, "num_depths": a.num_depths,
+            "drafter": "Qwen3-8B-shaped: hidden 4096, 32/8 heads x 128, intermediate 12288, vocab 151936 "
+                       "(draft vocab = full vocab), 3 aux layers, K=8, r=0.7, r_min=0.2; fp32 weights + bf16 "
+                       "autocast; AdamW",
+            "gpu": next((r.get("gpu") for r in res if r.get("gpu")), None),
+            "torch": next((r.get("torch") for r in res if r.get("torch")), None)}
+    with open(os.path.join(out, "bench_train_step.json"), "w") as f:
+        json.dump({"meta": meta, "results": res}, f, indent=1)
+    try:
+        plot(res, os.path.join(out, "bench_train_step.png"))
+    except Exception as e:  # the JSON and the table hold everything
+        print(f"no plot: {e}")
+    # logs as one archive (the device returns few files)
+    try:
+        import tarfile
+        with tarfile.open(os.path.join(out, "bench_train_step_logs.tgz"), "w:gz") as t:
+            t.add(logdir, arcname="logs")
+    except Exception as e:
+        print(f"no log archive: {e}")
+    print_table(meta, res)
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups = {}
+    for r in res:
+        if not r.get("median_s"):
+            continue
+        key = f"{r['impl']} {r['layers']}L" + (f" anchors<={r['max_anchors']}" if r.get("max_anchors") else "")
+        groups.setdefault(key, []).append(r)
+    for key, rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["n"])
+        xs = [r["n"] for r in rs]
+        style = "o-" if len(rs) > 1 else "s"
+        ax[0].plot(xs, [r["peak_gb"] for r in rs], style, label=key)
+        ax[1].plot(xs, [r["median_s"] for r in rs], style, label=key)
+    for x, lab in ((ax[0], "peak memory allocated (GB)"), (ax[1], "step time fwd+bwd+AdamW (s)")):
+        x.set_xscale("log", base=2)
+        x.set_xlabel("packed sequence length N")
+        x.set_ylabel(lab)
+        x.grid(True, alpha=0.3)
+    ax[1].set_yscale("log")
+    ax[0].legend(fontsize=8)
+    fig.suptitle("P-EAGLE drafter train step, Qwen3-8B shape (vocab 151,936 = draft vocab), K=8", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_table(meta, res):
+    print(f"\n== train step: {meta['gpu'] or meta['device']}, torch {meta['torch']}, {meta['elapsed_s']}s of "
+          f"{meta['budget_s']}s budget ==")
+    print(meta["drafter"])
+    print("| case | N | T | step ms (median) | tokens/s | peak GB | at rest GB | first step s | status |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in res:
+        med = r.get("median_s")
+        warm = r.get("warmup_s")
+        print(f"| {r['name']} | {r['n']} | {r.get('T') or '-'} | {med * 1e3:.0f} | {r['tokens_per_s']} | "
+              f"{r.get('peak_gb', '-')} | {r.get('rest_gb', '-')} | {warm[0] if warm else '-'} | {r.get('status')} |"
+              if med else
+              f"| {r['name']} | {r['n']} | {r.get('T') or '-'} | - | - | {r.get('peak_first_gb', '-')} | - | "
+              f"{warm[0] if warm else '-'} | {r.get('status')} |")
+    by = {r["name"]: r for r in res}
+    o, s = by.get("peagle-1L-8K"), by.get("spec_eager-1L-8K")
+    if o and s and o.get("median_s") and s.get("median_s"):
+        print(f"8K uncapped, 1 layer: peak memory ours/speculators = {o['peak_gb'] / s['peak_gb']:.3f} (target <= 1/3), "
+              f"step time ours/speculators = {o['median_s'] / s['median_s']:.3f} (target <= 1/2)")
+
+
+def parent_main(a):
+    cases = tiny_cases() if a.tiny else default_cases()
+    if a.cases:
+        want = a.cases.split(",")
+        cases = [c for c in cases if c["name"] in want] + \
+                [c for w in want for c in [parse_case(w)] if c and w not in {x["name"] for x in cases}]
+    logdir = os.path.join(a.out, "train_step_logs")
+    os.makedirs(logdir, exist_ok=True)
+    results = []
+    deadline = T0 + a.budget_s - a.final_reserve_s
+    for i, c in enumerate(cases):
+        left = deadline - time.time()
+        if left < c["min_s"]:
+            results.append({**c, "status": f"skipped: {left:.0f}s of budget left (< {c['min_s']}s)"})
+            continue
+        timeout = min(c["timeout_s"] * (a.timeout_scale if a.tiny else 1.0), left)
+        if c["note"].startswith("reserve:"):
+            # keep room for the next cases: they carry the 32K and 128K claims
+            timeout = max(c["min_s"], min(timeout, left - float(c["note"].split(":")[1])))
+        print(f"[{time.time() - T0:6.1f}s] -> {c['name']} (timeout {timeout:.0f}s, {left:.0f}s left)", flush=True)
+        r = run_case(a, c, timeout, logdir)
+        results.append(r)
+        write_outputs_quiet(a, results, logdir)
+    write_outputs(a, results, logdir)
+    return 0
+
+
+def write_outputs_quiet(a, results, logdir):
+    """Partial JSON after every case, so a killed parent still leaves results behind."""
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_train_step.json"), "w") as f:
+        json.dump({"meta": {"partial": True, "elapsed_s": round(time.time() - T0, 1)},
+                   "results": [summarize(r) for r in results]}, f, indent=1)
+
+
+def parse_case(spec):
+    """impl:N[:layers[:max_anchors]] for ad-hoc cases, e.g. peagle:65536:1 or spec_eager:4096."""
+    parts = spec.split(":")
+    if len(parts) < 2 or parts[0] not in ("peagle", "spec_eager", "spec_compiled", "plain"):
+        return None
+    n = int(parts[1])
+    layers = int(parts[2]) if len(parts) > 2 else 1
+    anchors = int(parts[3]) if len(parts) > 3 else None
+    return case(spec, parts[0], n, layers=layers, max_anchors=anchors, timeout_s=120, min_s=10)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-s", type=float, default=170.0, help="wall-clock budget of the whole run")
+    p.add_argument("--final-reserve-s", type=float, default=4.0, help="kept for writing JSON/PNG/table")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="toy shapes (CPU smoke test of the harness)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per case (fewer when its time runs out)")
+    p.add_argument("--num-depths", type=int, default=8)
+    p.add_argument("--cases", default="", help="comma list of case names (or impl:N[:layers[:anchors]])")
+    p.add_argument("--spec-compile-dynamic", default="true", choices=["true", "none"],
+                   help="spec_compiled: torch.compile(forward, dynamic=True), or 'none' = its own wrapper")
+    p.add_argument("--timeout-scale", type=float, default=1.0, help="(tiny) multiply case timeouts")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    p.add_argument("--list", action="store_true", help="print the cases and exit")
+    # child-only
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", help=argparse.SUPPRESS)
+    p.add_argument("--logdir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child_main(a)
+    if a.list:
+        for c in (tiny_cases() if a.tiny else default_cases()):
+            print(c)
+        return 0
+    return parent_main(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
