@@ -45,7 +45,11 @@ if have bench; then
     [ -f "$b" ] || continue
     t0=$(date +%s)
     name=$(basename "$b" .py)
-    QUICK=$([[ " $phases " == *" quick "* ]] && echo 1 || echo 0) OUT="$OUT" timeout ${BENCH_TIMEOUT:-240} python3 "$b" > "$OUT/$name.log" 2>&1
+    # FULL_BENCHES: names that run full size even in a quick suite; TRAIN_STEP_BUDGET bounds
+    # bench_train_step (it stops launching cases when its budget is spent)
+    quick=$([[ " $phases " == *" quick "* && " ${FULL_BENCHES:-} " != *" $name "* ]] && echo 1 || echo 0)
+    extra=(); [ "$name" = bench_train_step ] && extra=(--budget-s "${TRAIN_STEP_BUDGET:-170}")
+    QUICK=$quick OUT="$OUT" timeout ${BENCH_TIMEOUT:-240} python3 "$b" "${extra[@]}" > "$OUT/$name.log" 2>&1
     rc=$?; note "$name: rc=$rc in $(( $(date +%s) - t0 ))s"; [ $rc -eq 0 ] || status=1
     tail -25 "$OUT/$name.log" >> "$summary"
   done
