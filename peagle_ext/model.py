@@ -28,15 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.activations import ACT2FN
 
@@ -125,6 +123,10 @@ class PEagleConfig(PretrainedConfig):
         tl = self.transformer_layer_config.to_diff_dict()
         tl.pop("transformers_version", None)
         tl["model_type"] = self.transformer_layer_config.model_type
+        rope = tl.get("rope_parameters") or getattr(self.transformer_layer_config, "rope_parameters", None) or {}
+        if "rope_theta" in rope and "rope_theta" not in tl:
+            # readers built on transformers < 5 (older vLLM) know only the flat key
+            tl["rope_theta"] = rope["rope_theta"]
         return {
             "speculators_model_type": "peagle",
             "architectures": ["PEagleSpeculator"],
@@ -466,7 +468,9 @@ class PEagleDraftModel(nn.Module):
             head_dim=head_dim, hidden_act=getattr(vc, "hidden_act", "silu"),
             max_position_embeddings=getattr(vc, "max_position_embeddings", 2048),
             rms_norm_eps=getattr(vc, "rms_norm_eps", 1e-6), rope_parameters=dict(rope),
-            attention_bias=bool(getattr(vc, "attention_bias", False)), tie_word_embeddings=False)
+            attention_bias=bool(getattr(vc, "attention_bias", False)), tie_word_embeddings=False,
+            bos_token_id=getattr(vc, "bos_token_id", None), eos_token_id=getattr(vc, "eos_token_id", None),
+            pad_token_id=getattr(vc, "pad_token_id", None))
         if layer_type == "llama":
             tl.mlp_bias = bool(getattr(vc, "mlp_bias", False))
         if draft_vocab_size is None:
@@ -576,6 +580,7 @@ class PEagleDraftModel(nn.Module):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_file(self.checkpoint_state_dict(dtype), str(d / WEIGHTS_NAME), metadata={"format": "pt"})
+        os.chmod(d / WEIGHTS_NAME, 0o644)  # a server running as another user must be able to read it
         self.config.save_pretrained(d)
 
     @classmethod
@@ -853,7 +858,6 @@ class PEagleDraftModel(nn.Module):
                              f"({self.num_depths}) so a chain's own depth-0 token stays in its window")
         dev = self.fc.weight.device
         layout = layout.to(dev)
-        n = layout.seq_len
         tgt = self._target_normed(example)
         weight_all = example.loss_mask.to(dev)[(layout.anchor.long() + layout.depth.long())].float()
         scale = loss_scale if loss_scale is not None else (1.0 / float(weight_all.sum()) if float(weight_all.sum()) > 0 else 0.0)

@@ -14,7 +14,6 @@ COMPLETE marker written last; resume takes the newest complete one and ignores .
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -640,7 +639,6 @@ class TrainResult:
 def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training. stop_after: leave after that many steps of THIS process without
     the final save, as a killed run would (tests use it for resume)."""
-    from . import data as D
     t_start = time.time()
     s.validate()
     out = Path(s.output)

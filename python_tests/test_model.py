@@ -83,6 +83,7 @@ def test_checkpoint_round_trip_exact_format(tmp_path, rng, layer_type):
     assert cfg["transformer_layer_config"]["model_type"] == layer_type
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
     assert cfg["transformer_layer_config"]["vocab_size"] == V + 1  # MASK grew the embedding
+    assert cfg["transformer_layer_config"]["rope_theta"] == 10000.0  # flat key for pre-v5 readers
     assert cfg["draft_vocab_size"] == V and cfg["target_hidden_size"] == H and cfg["mask_token_id"] == V
     assert cfg["embed_requires_grad"] is True and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
     assert cfg["speculators_config"] == {
