@@ -145,12 +145,12 @@ register("export", "write a vLLM-loadable checkpoint", _export_args, _run_export
 def _load_plugins():
     """Optional subcommands living in other modules (e.g. peagle_ext.eval registers `eval`)."""
     import importlib
-    for mod in ("peagle_ext.eval",):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    for name in ("eval",):
+        # only a module of THIS package directory (an editable install elsewhere must not leak in)
+        if (here / f"{name}.py").is_file():
+            importlib.import_module(f"peagle_ext.{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -423,7 +423,9 @@ class HiddenStates:
 
 def _tqdm(it, **kw):
     from tqdm import tqdm
-    return tqdm(it, dynamic_ncols=True, file=sys.stderr, mininterval=1.0, **kw)
+    # redrawn every second on a terminal; into a log file only every 30 s
+    interval = 1.0 if sys.stderr.isatty() else 30.0
+    return tqdm(it, dynamic_ncols=True, file=sys.stderr, mininterval=interval, **kw)
 
 
 def concat_examples(examples):
