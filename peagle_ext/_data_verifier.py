@@ -97,12 +97,16 @@ def convert_gguf_to_hf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> p
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    log.info("converting %s to a safetensors verifier in %s (one time, ~20 s for SmolLM2)", gguf, out_dir)
     try:
         folder, name = str(gguf.parent), gguf.name
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_config(config)
-        state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            model = AutoModelForCausalLM.from_config(config)
+            state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        except Exception as e:  # gguf/transformers raise struct.error, KeyError, ValueError, ...
+            raise DataError(f"cannot convert GGUF {gguf}: {type(e).__name__}: {e}") from e
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied or unexpected:

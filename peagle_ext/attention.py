@@ -36,6 +36,8 @@ class CodAttentionMetadata:
     depth_offsets: list[int]
     cross: bool
     use_sink: bool
+    window: int | None = None
+    sink: int = 0
 
 
 def cod_attention_metadata(layout: CodLayout, *, cross: bool = False, window: int | None = None,
@@ -56,7 +58,7 @@ def cod_attention_metadata(layout: CodLayout, *, cross: bool = False, window: in
         layout.anchor, layout.depth, layout.document_ids, list(layout.depth_offsets), bool(cross),
         -1 if window is None else int(window), int(sink))
     return CodAttentionMetadata(ranges, chains, list(layout.depth_offsets), bool(cross),
-                                window is not None and sink > 0)
+                                window is not None and sink > 0, window, sink)
 
 
 def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CodLayout, *,
@@ -82,14 +84,22 @@ def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Cod
         check_int("sink", sink, lo=0)
         if not isinstance(metadata, CodAttentionMetadata):
             raise TypeError(f"metadata must be a CodAttentionMetadata, got {type(metadata).__name__}")
-        if metadata.cross != cross or metadata.depth_offsets != list(layout.depth_offsets) \
-                or metadata.use_sink != (window is not None and sink > 0):
-            raise ValueError("metadata was built for another layout or mode")
-    ck = context_k.contiguous() if cross else None
-    cv = context_v.contiguous() if cross else None
-    out, _ = ops.cod_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), ck, cv, metadata.ranges,
+        if (metadata.cross, metadata.window, metadata.sink, metadata.depth_offsets) != \
+                (cross, window, sink, list(layout.depth_offsets)) or metadata.ranges.shape[1] != layout.num_tokens:
+            raise ValueError("metadata was built for another layout or mode (cross/window/sink/depth_offsets)")
+    ck = _dense(context_k) if cross else None
+    cv = _dense(context_v) if cross else None
+    out, _ = ops.cod_attention_fwd(_dense(q), _dense(k), _dense(v), ck, cv, metadata.ranges,
                                    metadata.chains, metadata.depth_offsets, float(scale), metadata.use_sink)
     return out
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous, and 16-byte aligned on CUDA (the kernels copy rows with 16-byte cp.async)."""
+    t = t.contiguous()
+    if t.is_cuda and t.data_ptr() % 16:
+        t = t.clone()
+    return t
 
 
 # ---------------------------------------------------------------- validation
@@ -201,7 +211,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, context_k, context_v, ranges, chains, out, lse = ctx.saved_tensors
     dq, dk, dv, dck, dcv = ops.cod_attention_bwd(
-        grad_out.contiguous(), q, k, v, context_k, context_v, out, lse, ranges, chains, ctx.depth_offsets,
+        _dense(grad_out), q, k, v, context_k, context_v, out, lse, ranges, chains, ctx.depth_offsets,
         ctx.scale, ctx.use_sink)
     cross = context_k is not None
     return dq, dk, dv, (dck if cross else None), (dcv if cross else None), None, None, None, None, None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Callable
 
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
@@ -53,6 +52,9 @@ def _train_args(p: argparse.ArgumentParser):
     g.add_argument("--mask-token-id", type=_opt_int, help="default: tokenizer's mask token, else a new id")
     g.add_argument("--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 2,15,27 (default 2,L//2,L-3)")
     g.add_argument("--norm-before-residual", type=_bool)
+    g.add_argument("--train-embeddings", choices=["all", "mask", "none", "auto"],
+                   help="all (P-EAGLE), only the MASK row (much cheaper on CPU), none; auto = all on GPU, mask on "
+                   "CPU (default)")
     g.add_argument("--train-lm-head", type=_bool, help=f"also train the (verifier-initialised) lm_head. Default {d.train_lm_head}")
     g = p.add_argument_group("COD sampling and attention")
     g.add_argument("--down-sample-ratio", type=float, help=f"r. Default {d.down_sample_ratio}")
@@ -77,12 +79,18 @@ def _train_args(p: argparse.ArgumentParser):
     g.add_argument("--device", help=f"cpu | cuda. Default {d.device}")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype; auto = bf16 on GPU and on CPUs with native bf16, else fp32")
+    g.add_argument("--threads", type=int, help="CPU threads (0 = torch's default). Default 1: on a shared 2-core "
+                   "machine 2 OpenMP threads run several times slower")
     g.add_argument("--seed", type=int, help=f"Default {d.seed}")
     g.add_argument("--checkpoint-every", type=int, help=f"Default {d.checkpoint_every}")
     g.add_argument("--keep-checkpoints", type=int, help=f"Default {d.keep_checkpoints}")
     g.add_argument("--val-every", type=int, help=f"Default {d.val_every}")
     g.add_argument("--log-every", type=int, help=f"Default {d.log_every}")
     g.add_argument("--hidden-cache-gb", type=float, help=f"keep verifier hidden states in memory up to this. Default {d.hidden_cache_gb}")
+    g.add_argument("--hidden-cache-dir", help="store verifier hidden states here (resumable; reused by later runs "
+                   "on the same data and settings)")
+    g.add_argument("--background-hidden", type=_bool, help="CPU: compute verifier hidden states on a second "
+                   "thread while training runs (default true)")
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
     g.add_argument("--config", help="YAML/JSON file of option: value (flags given here win)")
     g.add_argument("--resume", action="store_const", const=True, help="continue from the newest complete checkpoint in --output")
@@ -119,9 +127,9 @@ def _export_args(p: argparse.ArgumentParser):
 def _run_export(args) -> int:
     from .train import export
     d = export(args.src, args.dst, dtype=args.dtype)
-    print(f"exported {args.src} -> {d} ({args.dtype}); serve with vLLM: "
-          f"--speculative-config '{{\"model\": \"{d}\", \"num_speculative_tokens\": "
-          f"{json.loads((d / 'config.json').read_text())['speculators_config']['proposal_methods'][0]['speculative_tokens']}}}'")
+    k = json.loads((d / "config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    spec = json.dumps({"model": str(d), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": k})
+    print(f"exported {args.src} -> {d} ({args.dtype}); serve with vLLM >= 0.16: --speculative-config '{spec}'")
     return 0
 
 
@@ -132,12 +140,12 @@ register("export", "write a vLLM-loadable checkpoint", _export_args, _run_export
 def _load_plugins():
     """Optional subcommands living in other modules (e.g. peagle_ext.eval registers `eval`)."""
     import importlib
-    for mod in ("peagle_ext.eval",):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    for name in ("eval",):
+        # only a module of THIS package directory (an editable install elsewhere must not leak in)
+        if (here / f"{name}.py").is_file():
+            importlib.import_module(f"peagle_ext.{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -134,9 +134,19 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
             raise ValueError(f"d2t must be on draft_hidden's device ({device}), got {d2t.device}")
     if not validate:
         return
-    # value checks (each is one host sync)
+    # Value checks, gathered into one host sync; the messages below are built only on failure.
+    flags = []
     if t:
-        wf = weight.to(torch.float64) if weight.dtype.is_floating_point else None
+        wf = weight if weight.dtype.is_floating_point else None
+        flags += [(~torch.isfinite(wf)).any() if wf is not None else torch.zeros((), dtype=torch.bool, device=device),
+                  (weight < 0).any(), depth.min().long() < 0, depth.max().long() >= num_depths]
+    if d2t is not None:
+        ids = torch.arange(vd, device=device, dtype=torch.int64) + d2t.to(torch.int64)
+        sorted_ids = ids.sort().values
+        flags += [(ids < 0).any() | (ids >= v).any(), (sorted_ids[1:] == sorted_ids[:-1]).any()]
+    if not flags or not any(torch.stack(flags).tolist()):
+        return
+    if t:
         if wf is not None and not bool(torch.isfinite(wf).all()):
             raise ValueError("weight must be finite (found NaN or inf)")
         if bool((weight < 0).any()):
@@ -144,15 +154,14 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
         dmin, dmax = int(depth.min()), int(depth.max())
         if dmin < 0 or dmax >= num_depths:
             raise ValueError(f"depth must lie in [0, num_depths={num_depths}), got values in [{dmin}, {dmax}]")
-    if d2t is not None:
-        ids = torch.arange(vd, device=device, dtype=torch.int64) + d2t.to(torch.int64)
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= v:
-            bad = int(torch.nonzero((ids < 0) | (ids >= v))[0, 0])
-            raise ValueError(f"d2t maps draft id {bad} to target id {int(ids[bad])}, outside [0, {v}) "
-                             f"(draft id i -> target id i + d2t[i])")
-        if torch.unique(ids).numel() != vd:
-            raise ValueError("d2t maps two draft ids to the same target id (i + d2t[i] must be distinct)")
+    if d2t is None:  # pragma: no cover - a flag above was raised by one of the checks just made
+        raise AssertionError("inconsistent value checks")
+    bad = torch.nonzero((ids < 0) | (ids >= v))
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(f"d2t maps draft id {i} to target id {int(ids[i])}, outside [0, {v}) "
+                         f"(draft id i -> target id i + d2t[i])")
+    raise ValueError("d2t maps two draft ids to the same target id (i + d2t[i] must be distinct)")
 
 
 class _FusedLinearKL(torch.autograd.Function):

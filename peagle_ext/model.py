@@ -28,15 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.activations import ACT2FN
 
@@ -125,6 +123,10 @@ class PEagleConfig(PretrainedConfig):
         tl = self.transformer_layer_config.to_diff_dict()
         tl.pop("transformers_version", None)
         tl["model_type"] = self.transformer_layer_config.model_type
+        rope = tl.get("rope_parameters") or getattr(self.transformer_layer_config, "rope_parameters", None) or {}
+        if "rope_theta" in rope and "rope_theta" not in tl:
+            # readers built on transformers < 5 (older vLLM) know only the flat key
+            tl["rope_theta"] = rope["rope_theta"]
         return {
             "speculators_model_type": "peagle",
             "architectures": ["PEagleSpeculator"],
@@ -194,6 +196,10 @@ class PEagleOptions:
     sink: int = 0
     loss_kind: str = "kl"  # "kl" | "ce"
     train_lm_head: bool = False  # speculators keeps the (verifier-initialised) lm_head frozen
+    # "all": the whole embedding trains (P-EAGLE's embed_requires_grad); "mask": only the MASK
+    # row (a [V, H] gradient + AdamW update per step is the largest CPU cost of a small drafter);
+    # "none": frozen
+    train_embeddings: str = "all"
 
     def validate(self, num_depths: int):
         if not 0.0 < float(self.down_sample_ratio) <= 1.0:
@@ -210,6 +216,8 @@ class PEagleOptions:
             raise ValueError(f"sink must be >= 0, got {self.sink}")
         if self.loss_kind not in ("kl", "ce"):
             raise ValueError(f"loss_kind must be 'kl' or 'ce', got {self.loss_kind!r}")
+        if self.train_embeddings not in ("all", "mask", "none"):
+            raise ValueError(f"train_embeddings must be 'all', 'mask' or 'none', got {self.train_embeddings!r}")
         return self
 
 
@@ -334,6 +342,7 @@ class _Tokens:
     rows: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    meta: object = None  # attention metadata, built on first use
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,7 +389,12 @@ class PEagleDraftModel(nn.Module):
         self.verifier_norm_eps = float(tl.rms_norm_eps)
         self.has_verifier = False
         self._init_weights(float(getattr(tl, "initializer_range", 0.02)))
-        self.embed_tokens.weight.requires_grad_(config.embed_requires_grad)
+        mode = self.options.train_embeddings if config.embed_requires_grad else "none"
+        self.embed_tokens.weight.requires_grad_(mode == "all")
+        # "mask" mode: the MASK row lives in its own parameter and is written back into
+        # embed_tokens.weight in every checkpoint (checkpoint_state_dict)
+        self.mask_embed = nn.Parameter(self.embed_tokens.weight.detach()[config.mask_token_id].clone()) \
+            if mode == "mask" else None
         self.lm_head.weight.requires_grad_(self.options.train_lm_head)
 
     def _init_weights(self, std: float):
@@ -437,7 +451,9 @@ class PEagleDraftModel(nn.Module):
             head_dim=head_dim, hidden_act=getattr(vc, "hidden_act", "silu"),
             max_position_embeddings=getattr(vc, "max_position_embeddings", 2048),
             rms_norm_eps=getattr(vc, "rms_norm_eps", 1e-6), rope_parameters=dict(rope),
-            attention_bias=bool(getattr(vc, "attention_bias", False)), tie_word_embeddings=False)
+            attention_bias=bool(getattr(vc, "attention_bias", False)), tie_word_embeddings=False,
+            bos_token_id=getattr(vc, "bos_token_id", None), eos_token_id=getattr(vc, "eos_token_id", None),
+            pad_token_id=getattr(vc, "pad_token_id", None))
         if layer_type == "llama":
             tl.mlp_bias = bool(getattr(vc, "mlp_bias", False))
         if draft_vocab_size is None:
@@ -510,7 +526,9 @@ class PEagleDraftModel(nn.Module):
             if norm_eps is not None:
                 self.verifier_norm_eps = float(norm_eps)
             if init_from_verifier:
+                # the draft head starts as the verifier's head on the verifier's normed scale
                 self.lm_head.weight.copy_(lm_head_weight.detach()[ids].float())
+                self.norm.weight.copy_(norm_weight.detach().float())
                 if embed_weight is not None:
                     v = embed_weight.shape[0]
                     rows = self.embed_tokens.weight.shape[0]
@@ -520,6 +538,8 @@ class PEagleDraftModel(nn.Module):
                     self.embed_tokens.weight[:v].copy_(embed_weight.detach().float())
                     if v < rows:
                         self.embed_tokens.weight[v:].copy_(embed_weight.detach().float().mean(0, keepdim=True))
+                    if self.mask_embed is not None:
+                        self.mask_embed.copy_(self.embed_tokens.weight[self.config.mask_token_id])
         self.has_verifier = True
         return self
 
@@ -527,9 +547,12 @@ class PEagleDraftModel(nn.Module):
     def checkpoint_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         out = {}
         for k, t in self.state_dict().items():
-            if k.startswith("verifier_"):
+            if k.startswith("verifier_") or k == "mask_embed":
                 continue
             t = t.detach().cpu()
+            if k == "embed_tokens.weight" and self.mask_embed is not None:
+                t = t.clone()
+                t[self.config.mask_token_id] = self.mask_embed.detach().cpu()
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             out[k] = t.contiguous()
@@ -540,6 +563,7 @@ class PEagleDraftModel(nn.Module):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_file(self.checkpoint_state_dict(dtype), str(d / WEIGHTS_NAME), metadata={"format": "pt"})
+        os.chmod(d / WEIGHTS_NAME, 0o644)  # a server running as another user must be able to read it
         self.config.save_pretrained(d)
 
     @classmethod
@@ -570,6 +594,8 @@ class PEagleDraftModel(nn.Module):
         with torch.no_grad():
             for k, t in sd.items():
                 own[k].copy_(t.to(own[k].dtype))
+            if self.mask_embed is not None:
+                self.mask_embed.copy_(self.embed_tokens.weight[self.config.mask_token_id])
 
     # -- data checks ----------------------------------------------------------------------------
     def check_mask_token_unused(self, input_ids: torch.Tensor, where: str = "the training data"):
@@ -590,9 +616,12 @@ class PEagleDraftModel(nn.Module):
         """Unique layer-0 inputs: rows 0..N-1 are the real tokens/hidden, row N the MASK."""
         n = example.input_ids.shape[0]
         dev = self.fc.weight.device
-        ids = torch.cat([example.input_ids.to(dev, torch.long),
-                         torch.tensor([self.config.mask_token_id], device=dev, dtype=torch.long)])
-        emb = self.embed_tokens(ids)
+        if self.mask_embed is not None:
+            emb = torch.cat([self.embed_tokens(example.input_ids.to(dev, torch.long)), self.mask_embed[None]], 0)
+        else:
+            ids = torch.cat([example.input_ids.to(dev, torch.long),
+                             torch.tensor([self.config.mask_token_id], device=dev, dtype=torch.long)])
+            emb = self.embed_tokens(ids)
         mask = self.mask_hidden.reshape(1, -1)
         hidden = example.hidden.to(dev)
         if hidden.dim() != 2 or hidden.shape[0] != n:
@@ -617,23 +646,28 @@ class PEagleDraftModel(nn.Module):
         return _Tokens(layout, rows, cos, sin)
 
     def _attend(self, q, k, v, tok: _Tokens, context=None):
-        from .attention import cod_attention
+        from .attention import cod_attention, cod_attention_metadata
         o = self.options
-        dt = q.dtype
-        if q.device.type == "cpu":  # the CPU attention path is fp32
-            q, k, v = q.float(), k.float(), v.float()
-            if context is not None:
-                context = (context[0].float(), context[1].float())
-        elif context is not None:
+        dt = self._compute_dtype(q)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        if context is not None:
             context = (context[0].to(dt), context[1].to(dt))
-            k, v = k.to(dt), v.to(dt)
-        else:
-            k, v = k.to(dt), v.to(dt)
-        out = cod_attention(q, k, v, tok.layout,
-                            context_k=None if context is None else context[0],
-                            context_v=None if context is None else context[1],
-                            window=o.window, sink=o.sink)
-        return out.to(dt)
+        if tok.meta is None:  # the key ranges / chain tables serve every layer of the pass
+            tok.meta = cod_attention_metadata(tok.layout, cross=context is not None, window=o.window, sink=o.sink)
+        return cod_attention(q, k, v, tok.layout,
+                             context_k=None if context is None else context[0],
+                             context_v=None if context is None else context[1],
+                             window=o.window, sink=o.sink, metadata=tok.meta)
+
+    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """One dtype for the attention and loss ops: the autocast dtype when autocast is on;
+        else the activations' (fp32 on CPU; the CUDA attention kernels take bf16/fp16 only)."""
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+        if dev == "cuda" and x.dtype == torch.float32:
+            return torch.bfloat16
+        return x.dtype
 
     def _qkv(self, layer: DraftLayer, x, tok: _Tokens, *, l0, want_q=True):
         """q/k/v of the pass's tokens at `layer` (after RoPE), and the residual."""
@@ -678,15 +712,13 @@ class PEagleDraftModel(nn.Module):
         pos = (layout.anchor.long() + layout.depth.long())
         weight = example.loss_mask.to(pos.device)[pos].float()
         hn = self.norm(h)
-        tgt = target_normed[pos]
-        head = self.lm_head.weight
-        vhead = self.verifier_lm_head_weight
-        if hn.device.type == "cpu":
-            hn, tgt, head, vhead = hn.float(), tgt.float(), head.float(), vhead.float()
-        else:
-            head, vhead, tgt = head.to(hn.dtype), vhead.to(hn.dtype), tgt.to(hn.dtype)
+        dt = self._compute_dtype(hn)
+        hn = hn.to(dt)
+        tgt = target_normed[pos].to(dt)
+        head = self.lm_head.weight.to(dt)
+        vhead = self.verifier_lm_head_weight.to(dt)
         loss, m = fused_linear_kl(hn, head, tgt, vhead, weight, layout.depth, num_depths=self.num_depths,
-                                  kind=self.options.loss_kind)
+                                  kind=self.options.loss_kind, validate=hn.device.type == "cpu")
         wsum = weight.sum()
         return loss * wsum, wsum, m["correct"], m["total"]
 
@@ -783,7 +815,6 @@ class PEagleDraftModel(nn.Module):
                              f"({self.num_depths}) so a chain's own depth-0 token stays in its window")
         dev = self.fc.weight.device
         layout = layout.to(dev)
-        n = layout.seq_len
         tgt = self._target_normed(example)
         weight_all = example.loss_mask.to(dev)[(layout.anchor.long() + layout.depth.long())].float()
         scale = loss_scale if loss_scale is not None else (1.0 / float(weight_all.sum()) if float(weight_all.sum()) > 0 else 0.0)

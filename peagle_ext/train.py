@@ -14,7 +14,6 @@ COMPLETE marker written last; resume takes the newest complete one and ignores .
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -49,7 +48,7 @@ class TrainSettings:
     verifier: str = "smollm2"
     data: str = "sharegpt"
     output: str = "runs/peagle"
-    num_conversations: int | None = 1200
+    num_conversations: int | None = 400
     val_fraction: float = 0.05
     seq_len: int = 512
     # the drafter
@@ -61,6 +60,7 @@ class TrainSettings:
     aux_layer_ids: list[int] | None = None
     norm_before_residual: bool = False
     train_lm_head: bool = False
+    train_embeddings: str = "auto"  # all | mask | none | auto (all on GPU, mask on CPU)
     # COD sampling / attention
     down_sample_ratio: float = 0.7
     down_sample_ratio_min: float = 0.2
@@ -71,12 +71,12 @@ class TrainSettings:
     seq_partition: int = 1
     loss: str = "kl"
     # optimisation
-    max_steps: int = 400
+    max_steps: int = 1200
     batch_size: int = 1  # packed rows per micro-batch
     grad_accum: int = 1
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     schedule: str = "cosine"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -85,12 +85,18 @@ class TrainSettings:
     # bookkeeping
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16
+    # CPU intra-op threads. 1 by default: on a 2-core machine that anything else also uses,
+    # OpenMP's barriers make 2 threads several times SLOWER (measured: SmolLM2 forward 350 tok/s
+    # with 1 thread vs 50 with 2 under light load); 0 = torch's default
+    threads: int = 1
     seed: int = 0
-    checkpoint_every: int = 100
+    checkpoint_every: int = 200
     keep_checkpoints: int = 2
-    val_every: int = 100
-    log_every: int = 1
+    val_every: int = 200
+    log_every: int = 10
     hidden_cache_gb: float = 6.0
+    hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
+    background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
     resume: bool = False
     progress: bool = True
 
@@ -118,18 +124,30 @@ class TrainSettings:
         need(self.checkpoint_every >= 1 and self.val_every >= 1 and self.log_every >= 1,
              "--checkpoint-every, --val-every and --log-every must be >= 1")
         need(self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1")
+        need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
         need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TrainError("--device cuda was asked for but torch sees no CUDA GPU (use --device cpu)")
-        PEagleOptions(self.down_sample_ratio, self.down_sample_ratio_min, self.max_anchors, self.attention,
-                      self.window, self.sink, self.loss, self.train_lm_head).validate(self.num_depths)
+        try:
+            self.options().validate(self.num_depths)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         return self
 
     def options(self) -> PEagleOptions:
-        return PEagleOptions(self.down_sample_ratio, self.down_sample_ratio_min, self.max_anchors, self.attention,
-                             self.window, self.sink, self.loss, self.train_lm_head)
+        return PEagleOptions(down_sample_ratio=self.down_sample_ratio, down_sample_ratio_min=self.down_sample_ratio_min,
+                             max_anchors=self.max_anchors, attention=self.attention, window=self.window,
+                             sink=self.sink, loss_kind=self.loss, train_lm_head=self.train_lm_head,
+                             train_embeddings=self.resolved_train_embeddings())
+
+    def resolved_train_embeddings(self) -> str:
+        """auto: the whole embedding on GPU (P-EAGLE), only the MASK row on CPU, where the dense
+        [V, H] embedding gradient + AdamW update would cost more than the drafter's own step."""
+        if self.train_embeddings == "auto":
+            return "all" if self.device.startswith("cuda") else "mask"
+        return self.train_embeddings
 
     def autocast_dtype(self) -> torch.dtype | None:
         """bf16 autocast (fp32 master weights) on GPU, and on CPUs with native bf16 matmuls."""
@@ -152,7 +170,7 @@ def _cpu_has_bf16() -> bool:
 # these settings shape the model or the data stream: a resume must use the checkpoint's values
 _RESUME_FIXED = ("verifier", "data", "num_conversations", "val_fraction", "seq_len", "num_layers", "num_depths",
                  "layer_type", "draft_vocab_size", "mask_token_id", "aux_layer_ids", "batch_size", "grad_accum",
-                 "seed", "attention", "train_lm_head", "norm_before_residual")
+                 "seed", "attention", "train_lm_head", "train_embeddings", "norm_before_residual")
 
 
 def load_config_file(path: str) -> dict:
@@ -288,32 +306,103 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
 
 
 class HiddenStates:
-    """Verifier hidden states per packed row -> TrainingExample, kept in memory when they fit
-    (--hidden-cache-gb), else recomputed on use. Both give the same bits (deterministic forward)."""
+    """Verifier hidden states per packed row -> TrainingExample: kept in memory when they fit
+    (--hidden-cache-gb), else recomputed on use; or, with a `disk` HiddenStateCache, generated
+    once into it (resumable, reusable by later runs on the same data) and read back from it.
+    All three give the same bits (the verifier forward is deterministic)."""
 
-    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool, store_dtype, device):
+    ROWS_PER_SHARD = 16
+
+    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool, store_dtype, device, disk=None):
         self.verifier = verifier
         self.aux = list(aux_layer_ids)
         self.rows = rows
         self.cache = cache
         self.store_dtype = store_dtype
         self.device = device
+        self.disk = disk
         self._mem: dict[int, object] = {}
+        self._shard: tuple[int, list] | None = None
 
     def compute(self, i: int):
         from . import data as D
+        if self.disk is not None:
+            k, j = divmod(i, self.ROWS_PER_SHARD)
+            if self._shard is None or self._shard[0] != k:
+                self._shard = (k, self.disk.read_shard(k))
+            return self._shard[1][j]
         aux, last = D.verifier_hidden_states(self.verifier, self.rows[i], self.aux)
         ex = D.eagle_shift(self.rows[i], aux, last)
         return ex.to("cpu", self.store_dtype) if self.cache else ex
 
     def get(self, i: int):
         if self.cache:
+            if self._producer is not None:
+                return self._wait_for(i)
             if i not in self._mem:
                 self._mem[i] = self.compute(i)
             return self._mem[i]
         return self.compute(i)
 
+    # -- background extraction: the verifier runs on a second thread while training starts --
+    _producer = None
+
+    def start_background(self, order: list[int], then: "HiddenStates | None" = None, then_after: int = 0):
+        """Compute every row's states on a background thread, in `order` (the order training
+        will ask for them), with `then`'s rows (validation) inserted after the first `then_after`
+        of them (when the first validation needs them). torch ops release the GIL and, with one
+        intra-op thread each, two Python threads use two cores without OpenMP barriers. get()
+        waits for a row that is not done yet. Same bits as computing in the foreground."""
+        import threading
+        cond = threading.Condition()
+        cut = max(0, min(then_after, len(order)))
+        jobs = [(self, i) for i in order[:cut]] + ([(then, i) for i in range(len(then.rows))] if then else []) \
+            + [(self, i) for i in order[cut:]]
+        for hs in (self, then) if then else (self,):
+            hs._cond, hs._error, hs._producer = cond, [None], True
+
+        def run():
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    for hs, i in jobs:
+                        if i in hs._mem:
+                            continue
+                        ex = hs.compute(i)
+                        with cond:
+                            hs._mem[i] = ex
+                            cond.notify_all()
+            except BaseException as e:  # surfaced by the next get()
+                with cond:
+                    for hs in (self, then) if then else (self,):
+                        hs._error[0] = e
+                    cond.notify_all()
+            finally:
+                with cond:
+                    for hs in (self, then) if then else (self,):
+                        hs._done = True
+                    cond.notify_all()
+
+        for hs in (self, then) if then else (self,):
+            hs._done = False
+        t = threading.Thread(target=run, name="peagle-hidden-states", daemon=True)
+        t.start()
+        self._thread = t
+        return t
+
+    def _wait_for(self, i: int):
+        with self._cond:
+            while i not in self._mem:
+                if self._error[0] is not None:
+                    raise self._error[0]
+                if self._done:
+                    raise RuntimeError(f"hidden states of row {i} were never computed")
+                self._cond.wait(timeout=1.0)
+            return self._mem[i]
+
     def warm(self, desc: str, progress: bool):
+        if self.disk is not None and self.rows:
+            self.disk.generate(self.verifier, self.rows, self.aux, rows_per_shard=self.ROWS_PER_SHARD,
+                               dtype=self.store_dtype, progress=progress)
         if not self.cache:
             return
         it = range(len(self.rows))
@@ -325,11 +414,14 @@ class HiddenStates:
             ntok += int(self.rows[i].input_ids.shape[0])
             bar.set_postfix(tok_s=f"{ntok / max(time.time() - t0, 1e-9):.0f}")
         bar.close()
+        self._shard = None
 
 
 def _tqdm(it, **kw):
     from tqdm import tqdm
-    return tqdm(it, dynamic_ncols=True, file=sys.stderr, mininterval=1.0, **kw)
+    # redrawn every second on a terminal; into a log file only every 30 s
+    interval = 1.0 if sys.stderr.isatty() else 30.0
+    return tqdm(it, dynamic_ncols=True, file=sys.stderr, mininterval=interval, **kw)
 
 
 def concat_examples(examples):
@@ -499,7 +591,6 @@ class TrainResult:
 def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training. stop_after: leave after that many steps of THIS process without
     the final save, as a killed run would (tests use it for resume)."""
-    from . import data as D
     t_start = time.time()
     s.validate()
     out = Path(s.output)
@@ -521,10 +612,21 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
             raise TrainError("--resume with settings that differ from the checkpoint's: " +
                              ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old.get(k)!r})" for k in diff))
         RunLog.truncate_after(out / "log.jsonl", ck_state["step"])
+    else:
+        existing = list_checkpoints(out)
+        if existing:
+            raise TrainError(f"{out} already holds checkpoints (newest: {existing[-1][1].name}); continue them with "
+                             "--resume, or pick another --output (a fresh run would prune them)")
+        if (out / "log.jsonl").exists():
+            (out / "log.jsonl").unlink()  # a log without checkpoints belongs to no resumable run
     log = RunLog(out / "log.jsonl", echo=True)
+    threads = torch.get_num_threads()
+    if s.threads and not s.device.startswith("cuda"):
+        torch.set_num_threads(s.threads)
     try:
         return _train(s, out, log, resume_from, stop_after, t_start)
     finally:
+        torch.set_num_threads(threads)
         log.close()
 
 
@@ -571,8 +673,6 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                   coverage=cover)
 
     # model
-    if amp is not None and not device.type == "cuda":
-        pass
     model = PEagleDraftModel.from_verifier(
         vcfg, num_layers=s.num_layers, num_depths=s.num_depths, mask_token_id=mask_id, draft_vocab_size=dv,
         aux_layer_ids=aux_ids, layer_type=s.layer_type, d2t=d2t, verifier_name_or_path=s.verifier,
@@ -591,7 +691,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay,
-                            foreach=device.type == "cuda")
+                            fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0
@@ -621,20 +721,44 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     store_dtype = torch.bfloat16 if amp is not None else torch.float32
     per_row = s.seq_len * feat * (2 if store_dtype == torch.bfloat16 else 4)
     cache = per_row * (len(ds.train_rows) + len(ds.val_rows)) <= s.hidden_cache_gb * 2**30
-    train_h = HiddenStates(verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device)
-    val_h = HiddenStates(verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device)
+    disks = (None, None)
+    if s.hidden_cache_dir:
+        meta = {"verifier": s.verifier, "aux_layer_ids": aux_ids, "seq_len": s.seq_len, "dtype": str(store_dtype),
+                "data": s.data, "num_conversations": s.num_conversations, "val_fraction": s.val_fraction,
+                "seed": s.seed}
+        disks = tuple(D.HiddenStateCache(Path(s.hidden_cache_dir) / split, meta={**meta, "split": split})
+                      for split in ("train", "val"))
+    train_h = HiddenStates(verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device,
+                           disk=disks[0])
+    val_h = HiddenStates(verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device,
+                         disk=disks[1])
+    n_rows = len(ds.train_rows)
+    order = _epoch_order(s.seed, epoch, n_rows)
     t0 = time.time()
-    train_h.warm("verifier hidden states (train)", s.progress)
-    val_h.warm("verifier hidden states (val)", s.progress)
-    if cache:
-        log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
-                  f"({time.time() - t0:.1f}s)", seconds=time.time() - t0)
+    background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden
+    if background:
+        # rows in the order this epoch consumes them; training starts as soon as the first is ready
+        first_val = (s.val_every - step % s.val_every) * s.batch_size * s.grad_accum
+        train_h.start_background(order[cursor:] + order[:cursor], then=val_h, then_after=first_val)
+        log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows: computed on a "
+                  "background thread while training runs (kept in memory)")
     else:
+        train_h.warm("verifier hidden states (train)", s.progress)
+        val_h.warm("verifier hidden states (val)", s.progress)
+    if cache and not background:
+        ntok_all = ntok + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
+        dt_h = time.time() - t0
+        log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
+                  f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)", seconds=dt_h)
+    if (cache and not background) or s.hidden_cache_dir:
+        # every row is cached: the verifier itself is no longer needed
+        train_h.verifier = val_h.verifier = None
+        del verifier
+        base = norm = None  # noqa: F841  (drop the last references to the verifier decoder)
+    elif not cache:
         log.event("hidden", "verifier hidden states do not fit --hidden-cache-gb: recomputed every step")
 
     rows_per_step = s.batch_size * s.grad_accum
-    n_rows = len(ds.train_rows)
-    order = _epoch_order(s.seed, epoch, n_rows)
     meter = Meter(s.num_depths)
     window_meter = Meter(s.num_depths)
     skipped = history_skipped
@@ -670,8 +794,10 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         gnorm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
         loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
         ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
-        if ok:
+        if ok and step_meter.weight > 0:
             opt.step()
+        elif ok:  # no loss-masked token in this step: nothing to learn, leave AdamW's moments alone
+            opt.zero_grad(set_to_none=True)
         else:
             skipped += 1
             opt.zero_grad(set_to_none=True)

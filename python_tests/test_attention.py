@@ -64,14 +64,26 @@ def rel_l2(x, ref):
 
 
 def assert_close_all(names, ours, refs, *, tol, what, rel=True):
+    """Checks every tensor and reports all of them at once (one GPU run should say exactly
+    which outputs of which configuration are off, and by how much)."""
+    report, bad = [], False
     for name, a, b in zip(names, ours, refs):
-        assert a.shape == b.shape, f"{what}: {name} shape {tuple(a.shape)} != {tuple(b.shape)}"
-        assert torch.isfinite(a).all(), f"{what}: {name} has non-finite values"
+        if a.shape != b.shape:
+            report.append(f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+            bad = True
+            continue
+        nonfinite = int((~torch.isfinite(a)).sum())
         if rel:
-            err = rel_l2(a, b)
+            err = rel_l2(a, b) if nonfinite == 0 else float("inf")
         else:
-            err = (a.double() - b.double()).abs().max().item()
-        assert err <= tol, f"{what}: {name} error {err:.3e} > {tol:.1e}"
+            err = (a.double() - b.double()).abs().max().item() if nonfinite == 0 else float("inf")
+        worst = ""
+        if err > tol and nonfinite == 0 and a.numel():
+            diff = (a.double() - b.double()).abs().reshape(a.shape[0], -1).amax(1)
+            worst = f" worst rows {diff.topk(min(3, diff.numel())).indices.tolist()}"
+        report.append(f"{name}: err {err:.2e}{' NONFINITE=' + str(nonfinite) if nonfinite else ''}{worst}")
+        bad |= not (err <= tol)
+    assert not bad, f"{what} (tol {tol:.0e}): " + "; ".join(report)
 
 
 # ---------------------------------------------------------------- metadata
@@ -137,6 +149,7 @@ CPU_CASES = [
     (130, True, 6, 2, 2, 1, 8, None, 8, 0),
     (130, True, 1, 0, 8, 1, 8, 15, 5, 7),
     (70, False, 3, 5, 2, 1, 64, None, 8, 2),      # D 64
+    (50, True, 4, 2, 2, 1, 128, None, 4, 0),      # D 128, cross
 ]
 
 
@@ -227,6 +240,34 @@ def test_opcheck_and_compile(rng):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_torch_compile_fullgraph(rng):
+    """With metadata built outside, the op traces as one graph (fake impls + registered autograd)."""
+    lay = make_layout(rng, 100, max_doc_len=40)
+    meta = cod_attention_metadata(lay, window=9, sink=2)
+    q, k, v, _ = make_inputs(rng, lay, 4, 2, 16, torch.float32, "cpu", False)
+
+    def f(q, k, v):
+        return (cod_attention(q, k, v, lay, window=9, sink=2, metadata=meta) * 2).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    a = compiled(q, k, v)
+    ga = torch.autograd.grad(a, [q, k, v])
+    b = f(q, k, v)
+    gb = torch.autograd.grad(b, [q, k, v])
+    assert torch.allclose(a, b)
+    assert all(torch.allclose(x, y) for x, y in zip(ga, gb))
+
+
+def test_metadata_argument_mismatch(rng):
+    lay = make_layout(rng, 60, max_doc_len=30)
+    q, k, v, _ = make_inputs(rng, lay, 2, 1, 8, torch.float32, "cpu", False, requires_grad=False)
+    meta = cod_attention_metadata(lay, window=5, sink=2)
+    with pytest.raises(ValueError, match="another layout or mode"):
+        cod_attention(q, k, v, lay, metadata=meta)  # built with a sink, called without window
+    out = cod_attention(q, k, v, lay, window=5, sink=2, metadata=meta)
+    assert torch.allclose(out, cod_attention(q, k, v, lay, window=5, sink=2))
+
+
 # ---------------------------------------------------------------- bad inputs
 def test_bad_inputs(rng):
     lay = make_layout(rng, 50, max_doc_len=30)
@@ -273,8 +314,16 @@ def test_bad_inputs(rng):
         cod_attention(q, k, v, unsorted)
     assert t > 0
     if HAS_CUDA:
-        with pytest.raises(ValueError, match="device"):
-            cod_attention(q.cuda(), k.cuda(), v.cuda(), lay)
+        qb, kb, vb = (x.cuda().bfloat16() for x in (q, k, v))
+        q64, k64, v64 = (x.repeat(1, 1, 8).cuda().bfloat16() for x in (q, k, v))
+        with pytest.raises(ValueError, match="layout must be on q's device"):
+            cod_attention(q64, k64, v64, lay)
+        with pytest.raises(TypeError, match="q must have dtype"):
+            cod_attention(q.cuda(), k.cuda(), v.cuda(), lay.to("cuda"))
+        with pytest.raises(ValueError, match="head dim 8 is not supported on CUDA"):
+            cod_attention(qb, kb, vb, lay.to("cuda"))
+        with pytest.raises(ValueError, match="k must be on"):
+            cod_attention(qb, kb.cpu(), vb, lay.to("cuda"))
 
 
 def test_cpu_moderate_size_is_fast(rng):
@@ -286,3 +335,214 @@ def test_cpu_moderate_size_is_fast(rng):
     out = cod_attention(q, k, v, lay, window=256)
     out.sum().backward()
     assert time.perf_counter() - t0 < 20.0
+
+
+# ---------------------------------------------------------------- CUDA
+GPU_SCENARIOS = [
+    # (name, n, hq, hkv, window, sink, max_anchors, num_depths, max_doc_len, pad_tail)
+    ("plain-gqa1", 1100, 4, 4, None, 0, None, 8, 300, 0),
+    ("window-gqa4", 1300, 8, 2, 96, 0, None, 8, 500, 17),
+    ("window-sink-gqa8", 1200, 8, 1, 80, 8, None, 8, 700, 5),
+    ("tiny-window", 900, 4, 1, 3, 0, None, 8, 200, 9),        # window <= depth: chain depth-0 keys
+    ("tiny-window-sink", 900, 4, 2, 2, 3, None, 6, 250, 0),
+    ("max-anchors", 1500, 8, 2, None, 0, 60, 8, 400, 33),
+    ("long-doc", 2100, 4, 1, None, 0, None, 8, 2100, 0),     # many full key blocks
+    ("long-doc-window", 2100, 8, 8, 700, 16, None, 8, 2100, 0),
+]
+
+
+def _gpu_case(dtype, d, cross, scen, seed_extra=0):
+    name, n, hq, hkv, window, sink, max_anchors, k_depths, max_doc, pad = scen
+    import zlib
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}-{d}-{cross}-{name}-{seed_extra}".encode()))
+    lay = make_layout(g, n, cross=cross, num_depths=k_depths, max_anchors=max_anchors, max_doc_len=max_doc,
+                      pad_tail=pad, device="cuda")
+    q, k, v, ctx = make_inputs(g, lay, hq, hkv, d, dtype, "cuda", cross)
+    names, ours, refs = run_both(g, lay, q, k, v, ctx, window=window, sink=sink)
+    what = f"cuda {dtype} D={d} cross={cross} {name} T={lay.num_tokens} N={n} Hq={hq} Hkv={hkv} w={window} s={sink}"
+    assert_close_all(names, ours, refs, tol=1e-2, what=what)
+
+
+@requires_cuda
+@pytest.mark.parametrize("scen", GPU_SCENARIOS, ids=lambda s: s[0])
+@pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_matches_reference(dtype, d, cross, scen):
+    _gpu_case(dtype, d, cross, scen)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("window,sink", [(None, 0), (40, 0), (9, 4), (2, 0)])
+def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
+    lay = make_layout(rng, 3000, cross=cross, max_doc_len=500, pad_tail=40)
+    cpu = cod_attention_metadata(lay, cross=cross, window=window, sink=sink)
+    gpu = cod_attention_metadata(lay.to("cuda"), cross=cross, window=window, sink=sink)
+    assert torch.equal(cpu.ranges, gpu.ranges.cpu()), "ranges differ between CPU and CUDA"
+    assert torch.equal(cpu.chains[0], gpu.chains[0].cpu()), "chain table differs between CPU and CUDA"
+    assert torch.equal(cpu.chains[1], gpu.chains[1].cpu()), "reverse chain table differs between CPU and CUDA"
+
+
+@requires_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_matches_cpu_float32(rng, d):
+    """Same algorithm on both devices: CUDA bf16 vs the CPU path in float32 on bf16-rounded inputs."""
+    lay = make_layout(rng, 1500, max_doc_len=600, pad_tail=11)
+    q, k, v, _ = make_inputs(rng, lay, 8, 2, d, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=rng).to("cuda", torch.bfloat16)
+    out = cod_attention(q, k, v, lay.to("cuda"), window=200, sink=4)
+    gq = torch.autograd.grad(out, [q, k, v], go)
+    cq, ck, cv = (x.detach().cpu().float().requires_grad_(True) for x in (q, k, v))
+    cout = cod_attention(cq, ck, cv, lay, window=200, sink=4)
+    cg = torch.autograd.grad(cout, [cq, ck, cv], go.cpu().float())
+    assert_close_all(["out", "dq", "dk", "dv"], [out.cpu()] + [x.cpu() for x in gq], [cout] + list(cg), tol=1e-2,
+                     what=f"cuda vs cpu D={d}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("cross", [False, True])
+def test_cuda_tiny_and_padding(cross):
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 2, 3, 5, 9):  # T = 1, N < K
+        doc = torch.zeros(n, dtype=torch.int32)
+        lay = cod_sample(doc, torch.ones(n, dtype=torch.bool), num_depths=8, depth0="anchors" if cross else "all",
+                         seed=3).to("cuda")
+        if lay.num_tokens == 0:
+            continue
+        for d in (64, 128):
+            q, k, v, ctx = make_inputs(g, lay, 4, 2, d, torch.bfloat16, "cuda", cross)
+            names, ours, refs = run_both(g, lay, q, k, v, ctx, window=2)
+            assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda tiny n={n} D={d} cross={cross}")
+    doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
+    lay = cod_sample(doc, doc >= 0, num_depths=5, depth0="anchors" if cross else "all", seed=2).to("cuda")
+    q, k, v, ctx = make_inputs(g, lay, 4, 1, 64, torch.float16, "cuda", cross)
+    names, ours, refs = run_both(g, lay, q, k, v, ctx, window=6, sink=2)
+    assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda padding cross={cross}")
+    out = cod_attention(q, k, v, lay, window=6, sink=2, **ctx)
+    pad = lay.document_ids[lay.anchor.long()] < 0
+    if pad.any():
+        assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+
+
+@requires_cuda
+def test_cuda_all_padding_gives_zeros():
+    doc = torch.full((300,), -1, dtype=torch.int32)
+    lay = cod_sample(doc, torch.zeros(300, dtype=torch.bool), num_depths=4, seed=0).to("cuda")
+    g = torch.Generator().manual_seed(1)
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False)
+    out = cod_attention(q, k, v, lay)
+    grads = torch.autograd.grad(out.float().sum(), [q, k, v])
+    assert torch.equal(out, torch.zeros_like(out))
+    for gr in grads:
+        assert torch.equal(gr, torch.zeros_like(gr))
+
+
+@requires_cuda
+@pytest.mark.parametrize("cross", [False, True])
+def test_cuda_backward_is_deterministic(cross):
+    g = torch.Generator().manual_seed(5)
+    lay = make_layout(g, 4000, cross=cross, max_doc_len=1500, device="cuda")
+    q, k, v, ctx = make_inputs(g, lay, 8, 2, 128, torch.bfloat16, "cuda", cross)
+    ins = [q, k, v] + list(ctx.values())
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        out = cod_attention(q, k, v, lay, window=512, sink=4, **ctx)
+        runs.append([out] + list(torch.autograd.grad(out, ins, go)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@requires_cuda
+def test_cuda_graph_capture():
+    g = torch.Generator().manual_seed(9)
+    lay = make_layout(g, 2000, max_doc_len=700, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 8, 2, 64, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+
+    def step():
+        out = cod_attention(q, k, v, lay, window=300, sink=2)
+        return [out] + list(torch.autograd.grad(out, [q, k, v], go))
+
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up on the side stream, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, static):
+        assert torch.equal(a, b)
+
+
+def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
+    """Exact float64 outputs and dq for selected query rows (keys from the rules, not the kernel)."""
+    doc = lay.document_ids.long()
+    a, d = lay.anchor.long(), lay.depth.long()
+    starts = document_starts(doc)
+    n = doc.shape[0]
+    group = q.shape[1] // k.shape[1]
+    outs, dqs = [], []
+    for i in rows.tolist():
+        if doc[a[i]] < 0:
+            outs.append(torch.zeros(q.shape[1:], dtype=torch.float64, device=q.device))
+            dqs.append(torch.zeros(q.shape[1:], dtype=torch.float64, device=q.device))
+            continue
+        pos = torch.arange(n, device=q.device)
+        ok = (pos <= a[i]) & (pos >= starts[a[i]])
+        if window is not None:
+            w = pos > a[i] + d[i] - window
+            if sink > 0:
+                w |= (pos - starts[a[i]]) < sink
+            ok &= w
+        keys = set(pos[ok].tolist())
+        chain = ((a == a[i]) & (d <= d[i])).nonzero().flatten().tolist()
+        keys |= set(chain)  # depth-0 rows are rows 0..N-1 (symmetric)
+        idx = torch.tensor(sorted(keys), device=q.device)
+        kk = k[idx].double().repeat_interleave(group, 1)  # [J, Hq, D]
+        vv = v[idx].double().repeat_interleave(group, 1)
+        qi = q[i].double()
+        s = torch.einsum("hd,jhd->hj", qi, kk) * scale
+        p = torch.softmax(s, -1)
+        o = torch.einsum("hj,jhd->hd", p, vv)
+        dp = torch.einsum("hd,jhd->hj", go[i].double(), vv)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        outs.append(o)
+        dqs.append(torch.einsum("hj,jhd->hd", ds, kk) * scale)
+    return torch.stack(outs), torch.stack(dqs)
+
+
+@requires_cuda
+@pytest.mark.parametrize("n,window,max_anchors", [(32768, None, None), (65536, 2048, 1024), (131072, 4096, None)])
+def test_cuda_large_n_spot_checks(n, window, max_anchors):
+    """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
+    the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head."""
+    g = torch.Generator().manual_seed(n)
+    lay = make_layout(g, n, max_anchors=max_anchors, max_doc_len=8192, pad_tail=100, device="cuda")
+    hq, hkv, d = 8, 2, 128
+    q, k, v, _ = make_inputs(g, lay, hq, hkv, d, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    sink = 4 if window else 0
+    out = cod_attention(q, k, v, lay, window=window, sink=sink)
+    dq, dk, dv = torch.autograd.grad(out, [q, k, v], go)
+    for x, name in ((out, "out"), (dq, "dq"), (dk, "dk"), (dv, "dv")):
+        assert torch.isfinite(x).all(), f"{name} has non-finite values"
+    t = lay.num_tokens
+    o = lay.depth_offsets
+    picks = [torch.randint(o[e], o[e + 1], (24,), generator=g) for e in range(len(o) - 1) if o[e + 1] > o[e]]
+    rows = torch.cat(picks + [torch.tensor([0, t - 1])]).unique().to("cuda")
+    ro, rdq = _row_reference(q.detach(), k.detach(), v.detach(), lay, rows, go, window, sink, 1 / math.sqrt(d))
+    assert rel_l2(out[rows], ro) <= 1e-2, f"out rows rel err {rel_l2(out[rows], ro):.2e}"
+    assert rel_l2(dq[rows], rdq) <= 1e-2, f"dq rows rel err {rel_l2(dq[rows], rdq):.2e}"
+    valid = (lay.document_ids[lay.anchor.long()] >= 0)
+    want_dv = (go.double() * valid[:, None, None]).reshape(t, hkv, hq // hkv, d).sum((0, 2))
+    got_dv = dv.double().sum(0)
+    assert rel_l2(got_dv, want_dv) <= 1e-2, f"sum dV identity rel err {rel_l2(got_dv, want_dv):.2e}"
+    dk_sum = dk.double().sum(0).norm().item()
+    dk_scale = dk.double().norm().item()
+    assert dk_sum <= 0.05 * dk_scale, f"sum dK identity: |sum| {dk_sum:.3e} vs |dK| {dk_scale:.3e}"

@@ -497,3 +497,22 @@ def test_cuda_peak_memory_is_bounded_by_chunks(rng):
     bound = plan.logit_bytes + 2 * grads_bf16 + 4 * w_d.numel() + (8 << 20)
     assert extra <= bound, (extra, bound)
     assert extra < t * v * 2  # never one [T, V] bf16 tensor
+
+
+def test_torch_compile_fullgraph(rng):
+    # The op's fake impl and the autograd.Function trace without graph breaks (validate=False:
+    # the value checks are host syncs).
+    xd, w_d, xt, w_t, weight, depth = make_inputs(rng, 21, 8, 19, dtype=torch.float32)
+
+    def f(a, b):
+        loss, m = fused_linear_kl(a, b, xt, w_t, weight, depth, num_depths=3, chunk_size=4, validate=False)
+        return 2 * loss, m["correct"]
+
+    grads = []
+    for fn in (torch.compile(f, fullgraph=True, backend="aot_eager"), f):
+        a, b = xd.clone().requires_grad_(), w_d.clone().requires_grad_()
+        loss, correct = fn(a, b)
+        loss.backward()
+        grads.append((loss.detach(), correct, a.grad, b.grad))
+    for x, y in zip(*grads):
+        torch.testing.assert_close(x, y)

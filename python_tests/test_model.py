@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
+from conftest import requires_cuda
 from peagle_ext.cod import CodLayout
 from peagle_ext.data import TrainingExample
 from peagle_ext.model import (PEagleConfig, PEagleDraftModel, PEagleOptions, acceptance_length,
@@ -82,6 +83,7 @@ def test_checkpoint_round_trip_exact_format(tmp_path, rng, layer_type):
     assert cfg["transformer_layer_config"]["model_type"] == layer_type
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
     assert cfg["transformer_layer_config"]["vocab_size"] == V + 1  # MASK grew the embedding
+    assert cfg["transformer_layer_config"]["rope_theta"] == 10000.0  # flat key for pre-v5 readers
     assert cfg["draft_vocab_size"] == V and cfg["target_hidden_size"] == H and cfg["mask_token_id"] == V
     assert cfg["embed_requires_grad"] is True and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
     assert cfg["speculators_config"] == {
@@ -209,6 +211,26 @@ def test_mask_token_rules(rng):
     assert grown.mask_hidden.grad.abs().sum() > 0
 
 
+def test_mask_only_embedding_training(rng, tmp_path):
+    """train_embeddings="mask": only the MASK row learns, and checkpoints carry it in embed_tokens."""
+    m = make_model(rng, num_layers=1, k=3, options=PEagleOptions(train_embeddings="mask"))
+    assert not m.embed_tokens.weight.requires_grad and m.mask_embed.requires_grad
+    assert torch.equal(m.mask_embed.detach(), m.embed_tokens.weight[V].detach())
+    ex = make_example(rng)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
+    before = m.embed_tokens.weight.detach().clone()
+    m(ex, m.sample_layout(ex, seed=2))[0].backward()
+    opt.step()
+    assert torch.equal(m.embed_tokens.weight.detach(), before)
+    assert not torch.equal(m.mask_embed.detach(), before[V])
+    sd = m.checkpoint_state_dict()
+    assert "mask_embed" not in sd and torch.equal(sd["embed_tokens.weight"][V], m.mask_embed.detach())
+    assert torch.equal(sd["embed_tokens.weight"][:V], before[:V])
+    m.save_pretrained(tmp_path)
+    m2 = PEagleDraftModel.from_pretrained(tmp_path, options=PEagleOptions(train_embeddings="mask"))
+    assert torch.equal(m2.mask_embed.detach(), m.mask_embed.detach())
+
+
 def test_vocab_mapping_and_restricted_kl(rng):
     counts = torch.zeros(V, dtype=torch.long)
     counts[[5, 9, 200, 17]] = torch.tensor([10, 30, 30, 1])
@@ -323,3 +345,31 @@ def test_acceptance_length_formula():
     assert acceptance_length([1.0, 1.0, 1.0]) == 3.0
     assert abs(acceptance_length([0.8, 0.5, 0.5]) - (0.8 + 0.4 + 0.2)) < 1e-12
     assert acceptance_length([0.0, 0.9]) == 0.0
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["symmetric", "cross"])
+def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
+    """bf16 autocast on the GPU vs the fp32 CPU model on the same layout (the layout is sampled on
+    the CPU and moved), and segments on the GPU vs one pass on the GPU."""
+    m = make_model(rng, num_layers=2, k=4, options=PEagleOptions(attention=mode))
+    ex = make_example(rng, n=160, docs=(90, 60))
+    lay = m.sample_layout(ex, seed=4)
+    ref = m.forward_backward(ex, lay)
+    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    mc = m.to("cuda")
+    mc.zero_grad()
+    exc = TrainingExample(*(t.cuda() for t in (ex.input_ids, ex.document_ids, ex.loss_mask, ex.hidden, ex.last_hidden)))
+    got = mc.forward_backward(exc, lay.to("cuda"), autocast_dtype=torch.bfloat16)
+    assert got["total"].tolist() == ref["total"].tolist()
+    assert abs(got["loss_sum"] - ref["loss_sum"]) <= 3e-2 * abs(ref["loss_sum"])
+    for k, g in gref.items():
+        gc = dict(mc.named_parameters())[k].grad.float().cpu()
+        assert float((gc - g).norm() / (g.norm() + 1e-12)) < 5e-2, k
+    g1 = {k: p.grad.clone() for k, p in mc.named_parameters() if p.grad is not None}
+    mc.zero_grad()
+    seg = mc.forward_backward(exc, lay.to("cuda"), autocast_dtype=torch.bfloat16, segments=3)
+    assert seg["total"].tolist() == got["total"].tolist()
+    for k, g in g1.items():
+        g2 = dict(mc.named_parameters())[k].grad
+        assert float((g2 - g).norm() / (g.norm() + 1e-12)) < 2e-2, k

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import requires_cuda
 from tiny_verifier import make_chat_jsonl, make_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,8 @@ def settings(tiny, out, **kw):
     v, data = tiny
     base = dict(verifier=str(v), data=str(data), output=str(out), seq_len=64, num_depths=3, num_layers=1,
                 max_steps=4, draft_vocab_size=None, dtype="float32", device="cpu", checkpoint_every=2,
-                val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3, progress=False, num_conversations=None)
+                val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3, progress=False, num_conversations=None,
+                log_every=1)
     base.update(kw)
     return TrainSettings(**base)
 
@@ -58,7 +60,8 @@ def test_cli_train_end_to_end_smoke(tiny, tmp_path):
     out = tmp_path / "run"
     r = _run_cli(["train", "--verifier", str(v), "--data", str(data), "--output", str(out), "--max-steps", "3",
                   "--seq-len", "64", "--num-depths", "3", "--num-layers", "1", "--device", "cpu",
-                  "--draft-vocab-size", "64", "--dtype", "float32", "--checkpoint-every", "2", "--no-progress"])
+                  "--draft-vocab-size", "64", "--dtype", "float32", "--checkpoint-every", "2", "--log-every", "1",
+                  "--no-progress"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "per-depth accuracy" in r.stdout and "d0=" in r.stdout and "d2=" in r.stdout
     assert f"checkpoint: {out / 'final'}" in r.stdout and "accuracy.png" in r.stdout
@@ -171,6 +174,11 @@ def test_bad_inputs_have_clear_messages(tiny, tmp_path):
         train(settings(tiny, tmp_path / "d", data=str(tmp_path / "missing.jsonl")))
     with pytest.raises(TrainError, match="--resume: no complete checkpoint"):
         train(settings(tiny, tmp_path / "e", resume=True))
+    done = tmp_path / "done"
+    train(settings(tiny, done, max_steps=1, val_fraction=0.0))
+    with pytest.raises(TrainError, match="already holds checkpoints"):
+        train(settings(tiny, done, max_steps=1, val_fraction=0.0))
+    assert (done / "checkpoint-1").is_dir()
     with pytest.raises(TrainError, match="--seq-len must be >= 8"):
         settings(tiny, tmp_path / "f", seq_len=4).validate()
     cfg = tmp_path / "c.yaml"
@@ -244,3 +252,34 @@ def test_lr_schedule_shapes():
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
     g = lr_lambda(TrainSettings(max_steps=110, warmup_steps=10, schedule="linear", min_lr_ratio=0.0))
     assert g(60) == pytest.approx(0.5) and g(110) == pytest.approx(0.0)
+
+
+@requires_cuda
+def test_train_on_cuda_smoke(tiny, tmp_path):
+    """The same trainer on the GPU: bf16 autocast, fp32 master weights, finite loss, a final dir."""
+    from peagle_ext.train import train
+    r = train(settings(tiny, tmp_path / "gpu", device="cuda", dtype="auto", max_steps=4, seq_partition=2,
+                       attention="cross"))
+    assert r.final_dir is not None and r.skipped_steps == 0
+    w = _weights(r.final_dir)
+    assert w["fc.weight"].dtype == torch.float32 and all(torch.isfinite(t).all() for t in w.values()
+                                                         if t.is_floating_point())
+
+
+def test_hidden_state_disk_cache_is_reused_and_bitwise_equal(tiny, tmp_path, monkeypatch):
+    import peagle_ext.data as D
+    from peagle_ext.train import train
+    mem = train(settings(tiny, tmp_path / "mem", max_steps=3))
+    cache = tmp_path / "hcache"
+    a = train(settings(tiny, tmp_path / "a", max_steps=3, hidden_cache_dir=str(cache)))
+    assert (cache / "train" / "index.json").is_file() and list((cache / "train").glob("shard-*.safetensors"))
+
+    def no_verifier(*a, **k):
+        raise AssertionError("the cache should have been used")
+    monkeypatch.setattr(D, "verifier_hidden_states", no_verifier)
+    b = train(settings(tiny, tmp_path / "b", max_steps=3, hidden_cache_dir=str(cache)))
+    wm, wa, wb = (_weights(r.final_dir) for r in (mem, a, b))
+    for k in wm:
+        assert torch.equal(wm[k], wa[k]) and torch.equal(wa[k], wb[k]), k
+    with pytest.raises(ValueError, match="different settings"):
+        train(settings(tiny, tmp_path / "c", max_steps=3, seq_len=48, hidden_cache_dir=str(cache)))

@@ -40,6 +40,8 @@ inline void check_metadata_inputs(const at::Tensor& anchor, const at::Tensor& de
   TORCH_CHECK_VALUE(cross || depth_offsets[1] == document_ids.size(0),
                     "cod_attention_metadata: symmetric mode needs the first N=", document_ids.size(0),
                     " layout tokens to be depth 0 (cod_sample depth0='all'), got ", depth_offsets[1]);
+  TORCH_CHECK_VALUE(anchor.size(0) == 0 || document_ids.size(0) > 0,
+                    "cod_attention_metadata: a layout with tokens needs N >= 1 positions");
   TORCH_CHECK_VALUE(window == -1 || window >= 1, "cod_attention_metadata: window must be >= 1 (or -1 for none), got ",
                     window);
   TORCH_CHECK_VALUE(sink >= 0, "cod_attention_metadata: sink must be >= 0, got ", sink);

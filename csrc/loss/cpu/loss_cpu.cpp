@@ -12,6 +12,7 @@
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -232,8 +233,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_lin
   at::Tensor target_rows = target_head;
   if (d2t.has_value()) {
     const at::Tensor ids = at::arange(vd, long_opts).add(*d2t);
-    const auto lo = ids.min().item<int64_t>();
-    const auto hi = ids.max().item<int64_t>();
+    const at::Tensor range = at::stack({ids.min(), ids.max()}).cpu();  // one host sync
+    const int64_t lo = range[0].item<int64_t>();
+    const int64_t hi = range[1].item<int64_t>();
     TORCH_CHECK_VALUE(lo >= 0 && hi < v, "fused_linear_kl: d2t maps draft ids outside the target vocab [0, ", v,
                       "): i + d2t[i] ranges over [", lo, ", ", hi, "]");
     target_rows = target_head.index_select(0, ids);

@@ -1,0 +1,8 @@
+// Instantiations of the COD attention fwd kernels for head dim 128 (bf16 and fp16), one
+// file per (pass, head dim) so they compile in parallel.
+#include "attention/cuda/cod_attn_configs.cuh"
+
+namespace peagle::attention::cuda {
+template cudaError_t run_fwd<128, __nv_bfloat16>(const CodAttnParams&, cudaStream_t);
+template cudaError_t run_fwd<128, __half>(const CodAttnParams&, cudaStream_t);
+}  // namespace peagle::attention::cuda
