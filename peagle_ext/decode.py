@@ -244,7 +244,12 @@ class PEagleDrafter(Drafter):
         for li, layer in enumerate(m.layers):
             attn = layer.self_attn
             if layer.first:
-                a_in, res = layer.pre_attention(m.embed_tokens(ids), hid)
+                emb = m.embed_tokens(ids)
+                mask_embed = getattr(m, "mask_embed", None)
+                if mask_embed is not None:  # trained with train_embeddings="mask": the MASK row lives apart
+                    is_mask = batch.is_masked[:num_rows].to(self.device)[:, None]
+                    emb = torch.where(is_mask, mask_embed.to(emb.dtype), emb)
+                a_in, res = layer.pre_attention(emb, hid)
             else:
                 a_in, res = layer.pre_attention(x)
             k, v = attn.kv(a_in)

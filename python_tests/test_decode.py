@@ -243,14 +243,19 @@ def _training_hidden(dm, tokens_next, hidden, k):
     return h
 
 
-@pytest.mark.parametrize("layer_type,num_layers,k", [("llama", 1, 5), ("llama", 2, 1), ("qwen3", 2, 4)])
-def test_draft_forward_matches_training_forward(vm32, layer_type, num_layers, k):
-    from peagle_ext.vllm import prepare_parallel_draft_inputs
+@pytest.mark.parametrize("layer_type,num_layers,k,embeddings", [("llama", 1, 5, "all"), ("llama", 2, 1, "all"),
+                                                               ("qwen3", 2, 4, "all"), ("llama", 1, 3, "mask")])
+def test_draft_forward_matches_training_forward(vm32, layer_type, num_layers, k, embeddings):
     from peagle_ext.decode import BLOCK_SIZE
+    from peagle_ext.model import PEagleOptions
+    from peagle_ext.vllm import prepare_parallel_draft_inputs
     g = torch.Generator().manual_seed(num_layers * 10 + k)
-    dm = _drafter_model(vm32, num_depths=6, num_layers=num_layers, layer_type=layer_type, seed=k)
+    dm = _drafter_model(vm32, num_depths=6, num_layers=num_layers, layer_type=layer_type, seed=k,
+                        options=PEagleOptions(train_embeddings=embeddings))
     with torch.no_grad():  # non-trivial learned vectors
         dm.mask_hidden.normal_(generator=g)
+        if dm.mask_embed is not None:  # the live MASK row differs from the embedding table's
+            dm.mask_embed.normal_(generator=g)
     dr = PEagleDrafter(dm)
     w = dm.config.num_aux * 64
     n = 9
