@@ -124,7 +124,7 @@ def reference_cod_sample(document_ids, loss_mask, *, num_depths=8, down_sample_r
         order = torch.from_numpy(numpy.lexsort((cand.numpy(), r.numpy())))
         return cand[order[:k]].sort().values
 
-    p = torch.arange(1, n)
+    p = torch.arange(1, max(n, 1))  # N = 0: no seeds (arange(1, 0) would raise)
     seeds = p[lm[1:] & (doc[1:] >= 0) & (doc[1:] == doc[:-1])] if n > 1 else torch.zeros(0, dtype=torch.long)
     if max_anchors is not None:
         seeds = keep_smallest(seeds, max_anchors, 0x41, 0)
