@@ -400,7 +400,7 @@ def print_table(s, k):
     print(f"|loss diff| per step: max {max(first):.2e} over the first 20 steps, {s['max_abs_step_loss_diff']:.2e} "
           f"over all (rounding differences grow under AdamW)")
     print(f"parameters at the end: ||ours - speculators|| / ||ours - init|| = "
-          f"{s['param_distance_over_update_norm']:.3f}; max elementwise rel diff {s['max_rel_param_drift_end']:.2e}")
+          f"{s['param_distance_over_update_norm']:.2e}; max elementwise rel diff {s['max_rel_param_drift_end']:.2e}")
     print(f"train loss (last 20 steps): ours {s['train_last20']['ours']['loss']:.5f}  speculators "
           f"{s['train_last20']['spec']['loss']:.5f}")
     print(f"held-out loss: ours {e['ours']['loss']:.5f}  speculators {e['spec']['loss']:.5f}  "
