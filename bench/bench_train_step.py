@@ -308,6 +308,7 @@ def child_main(a):
                     or isinstance(e, torch.cuda.OutOfMemoryError):
                 raise
             res.event("dynamic flex variant failed, retrying static", error=repr(e)[:800])
+            torch._dynamo.reset()  # drop whatever the failed attempt cached on flex_attention's code
             torch.cuda.empty_cache()
             use_flex("static")
             t = time.perf_counter()
