@@ -197,6 +197,13 @@ def child_main(a):
                              doc_len=doc_len, seed=1234)
     res.d["loss_tokens"] = int(ex.loss_mask.sum())
     res.d["docs"] = int(ex.document_ids.max()) + 1
+    # the work floor of this step, from one of OUR layouts of this row (T differs by < 1% from
+    # step to step; speculators' own sampler gives a slightly larger T, see "T")
+    from peagle_ext.cod import cod_sample
+    fl = E.step_flops_floor(cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, max_anchors=c["max_anchors"],
+                                       seed=7), vcfg, c["layers"])
+    res.d["floor_tflop"] = round(fl["total"] / 1e12, 3)
+    res.d["floor_attention_tflop"] = round(fl["attention"] / 1e12, 3)
 
     if impl.startswith("spec"):
         spec, core = E.make_speculators_twin(ours, attn_impl="sdpa" if dev.type == "cpu" else "simple_flex_attention",
@@ -436,7 +443,8 @@ def run_case(a, c, timeout, logdir, cpus=None):
 def summarize(r):
     med = r.get("median_s")
     tok_s = round(r["n"] / med) if med else None
-    return {**r, "tokens_per_s": tok_s}
+    floor_tfs = round(r["floor_tflop"] / med, 1) if med and r.get("floor_tflop") else None
+    return {**r, "tokens_per_s": tok_s, "floor_tflops_per_s": floor_tfs}
 
 
 def write_outputs(a, results, logdir):
@@ -499,15 +507,19 @@ def print_table(meta, res):
     print(f"\n== train step: {meta['gpu'] or meta['device']}, torch {meta['torch']}, {meta['elapsed_s']}s of "
           f"{meta['budget_s']}s budget ==")
     print(meta["drafter"])
-    print("| case | N | T | step ms (median) | tokens/s | peak GB | at rest GB | first step s | status |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("floor TF/s = the step's unavoidable matmul FLOPs (bench/_e2e_common.py: step_flops_floor) / step "
+          "time; H200 dense bf16 peak is ~989 TF/s")
+    print("| case | N | T | step ms (median) | min ms | tokens/s | floor TF/s | peak GB | at rest GB | first step s | status |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in res:
         med = r.get("median_s")
         warm = r.get("warmup_s")
-        print(f"| {r['name']} | {r['n']} | {r.get('T') or '-'} | {med * 1e3:.0f} | {r['tokens_per_s']} | "
-              f"{r.get('peak_gb', '-')} | {r.get('rest_gb', '-')} | {warm[0] if warm else '-'} | {r.get('status')} |"
+        note = " (beside bg)" if r.get("beside_background") else ""
+        print(f"| {r['name']}{note} | {r['n']} | {r.get('T') or '-'} | {med * 1e3:.0f} | {min(r['step_s']) * 1e3:.0f} | "
+              f"{r['tokens_per_s']} | {r.get('floor_tflops_per_s')} | {r.get('peak_gb', '-')} | {r.get('rest_gb', '-')} | "
+              f"{warm[0] if warm else '-'} | {r.get('status')} |"
               if med else
-              f"| {r['name']} | {r['n']} | {r.get('T') or '-'} | - | - | {r.get('peak_first_gb', '-')} | - | "
+              f"| {r['name']}{note} | {r['n']} | {r.get('T') or '-'} | - | - | - | - | {r.get('peak_first_gb', '-')} | - | "
               f"{warm[0] if warm else '-'} | {r.get('status')} |")
     by = {r["name"]: r for r in res}
     o, s = by.get("peagle-1L-8K"), by.get("spec_eager-1L-8K")
@@ -523,7 +535,9 @@ def parent_main(a):
         names = {x["name"] for x in cases}
         cases = [c for c in cases if c["name"] in want] + \
                 [c for w in want if w not in names for c in [parse_case(w)] if c]
-    logdir = os.path.join(a.out, "train_step_logs")
+    # per-case logs live outside --out (the GPU device returns only a few files from $OUT); they
+    # travel as one archive, bench_train_step_logs.tgz
+    logdir = a.logdir or os.path.join("/tmp", f"bench_train_step_logs_{os.getpid()}")
     os.makedirs(logdir, exist_ok=True)
     results = []
     deadline = T0 + a.budget_s - a.final_reserve_s
@@ -631,7 +645,7 @@ def main(argv=None):
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--deadline", help=argparse.SUPPRESS)
-    p.add_argument("--logdir", help=argparse.SUPPRESS)
+    p.add_argument("--logdir", default=None, help="per-case logs (default /tmp/bench_train_step_logs_<pid>)")
     p.add_argument("--cpus", help=argparse.SUPPRESS)
     p.add_argument("--gpu-lock", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
