@@ -266,3 +266,43 @@ def speculators_loss_config(implementation: str):
     import_speculators()
     from speculators.losses import resolve_loss_config
     return resolve_loss_config("kl_div", implementation)
+
+
+def step_flops_floor(layout, cfg, num_layers: int) -> dict:
+    """Matmul FLOPs a P-EAGLE training step cannot avoid for this layout (bf16 tensor-core work;
+    elementwise ops, norms, softmax, the optimizer are not counted):
+      fc            fwd + weight grad on the N unique stream rows        4 * N * 3H * H
+      layer-0 q/k/v on the N unique rows (fwd, input grad, weight grad)  6 * N * 2H * (Hq + 2 Hkv) D
+      o_proj + MLP  on all T tokens, every layer                         6 * T * (Hq D H + 3 H I)
+      layers >= 1   q/k/v on all T tokens                                6 * T * H * (Hq + 2 Hkv) D
+      attention     4 D Hq per (query, allowed key) pair forward, x3.5 with the backward
+                    (flash-style backward recomputes QK^T), pairs counted from the COD rule
+      heads         draft lm_head fwd + input grad (frozen weight)       4 * T * H * V
+                    verifier logits at the N unique positions            2 * N * H * V
+    Returns {"total": flops, "attention": ..., "pairs": ...} (floats)."""
+    import torch as _t
+    from peagle_ext.reference import document_starts
+    h = cfg.hidden_size
+    i_sz = cfg.intermediate_size
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or h // hq
+    v = cfg.vocab_size
+    n = layout.seq_len
+    t = layout.num_tokens
+    doc = layout.document_ids.long()
+    a = layout.anchor.long()
+    dep = layout.depth.long()
+    valid = doc[a] >= 0
+    starts = document_starts(doc)
+    # keys of query i: depth-0 positions start(a_i)..a_i of its document, plus its chain's deeper
+    # tokens with depth <= d_i (d_i of them); padding rows attend nothing
+    pairs = float(_t.where(valid, (a - starts[a] + 1) + dep, _t.zeros_like(a)).sum())
+    f_fc = 4.0 * n * 3 * h * h
+    f_l0 = 6.0 * n * 2 * h * (hq + 2 * hkv) * d
+    f_post = 6.0 * t * (hq * d * h + 3 * h * i_sz) * num_layers
+    f_deep = 6.0 * t * h * (hq + 2 * hkv) * d * max(0, num_layers - 1)
+    f_attn = 3.5 * 4.0 * d * hq * pairs * num_layers
+    f_heads = 4.0 * t * h * v + 2.0 * n * h * v
+    return {"total": f_fc + f_l0 + f_post + f_deep + f_attn + f_heads, "attention": f_attn, "pairs": pairs,
+            "heads": f_heads}
