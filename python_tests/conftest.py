@@ -37,3 +37,23 @@ def random_documents(n: int, g: torch.Generator, *, max_doc_len: int = 200, pad_
     lm = torch.rand(n, generator=g) < p_loss
     lm[doc < 0] = False
     return doc, lm
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP barrier stalls on a busy 2-core CI.
+    Test files that build tiny models opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama verifier directory and a small chat JSONL: (verifier_dir, data_path)."""
+    from tiny_verifier import make_chat_jsonl, make_tiny_verifier
+    d = tmp_path_factory.mktemp("tiny")
+    v = make_tiny_verifier(d / "verifier")
+    data = make_chat_jsonl(d / "chat.jsonl", n=14, turns=1, words=(4, 12))
+    return v, data

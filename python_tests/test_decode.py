@@ -23,13 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 300
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy 2-core CI."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ requires_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_ava
                                    reason="torch.distributed with the gloo backend is not available")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _env():
@@ -46,14 +41,6 @@ def _torchrun(nproc: int, args: list[str], timeout=180):
 COMMON = dict(seq_len=64, num_depths=3, num_layers=1, draft_vocab_size=None, dtype="float32", device="cpu",
               checkpoint_every=2, keep_checkpoints=3, val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3,
               schedule="constant", num_conversations=None, log_every=1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    v = make_tiny_verifier(d / "verifier")
-    data = make_chat_jsonl(d / "chat.jsonl", n=14, turns=1, words=(4, 12))
-    return v, data
 
 
 def settings(tiny, out, **kw):

@@ -16,13 +16,7 @@ from peagle_ext.model import (PEagleConfig, PEagleDraftModel, PEagleOptions, acc
 H, V = 64, 300
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP barrier stalls on busy 2-core CI."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def verifier_config(model_type="llama", layers=6):

@@ -15,21 +15,7 @@ from tiny_verifier import make_chat_jsonl, make_tiny_verifier
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP barrier stalls on busy 2-core CI."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    v = make_tiny_verifier(d / "verifier")
-    data = make_chat_jsonl(d / "chat.jsonl", n=14, turns=1, words=(4, 12))
-    return v, data
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def settings(tiny, out, **kw):
