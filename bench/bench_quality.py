@@ -145,8 +145,9 @@ def build_models(a, device, verifier, tok, vcfg, aux_ids, counts):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         import speculators.models.attention as spec_attn
         type(spec).forward = E.uncompiled(type(spec).forward)
-        spec_attn.flex_attention = torch.compile(flex_attention)
-        spec._create_mask_fn = torch.compile(create_block_mask)
+        # dynamic shapes: T changes every step (as in bench_train_step.py's spec_eager case)
+        spec_attn.flex_attention = torch.compile(flex_attention, dynamic=True)
+        spec._create_mask_fn = torch.compile(create_block_mask, dynamic=True)
     print(f"models: {a.num_layers} layer(s), K={a.num_depths}, draft vocab {dv or vocab} of {vocab}, mask token "
           f"{mask_id} ({how}); speculators attention: {impl}", flush=True)
     return ours, spec, core, impl
