@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Callable
 
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
@@ -128,9 +127,9 @@ def _export_args(p: argparse.ArgumentParser):
 def _run_export(args) -> int:
     from .train import export
     d = export(args.src, args.dst, dtype=args.dtype)
-    print(f"exported {args.src} -> {d} ({args.dtype}); serve with vLLM: "
-          f"--speculative-config '{{\"model\": \"{d}\", \"num_speculative_tokens\": "
-          f"{json.loads((d / 'config.json').read_text())['speculators_config']['proposal_methods'][0]['speculative_tokens']}}}'")
+    k = json.loads((d / "config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    spec = json.dumps({"model": str(d), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": k})
+    print(f"exported {args.src} -> {d} ({args.dtype}); serve with vLLM >= 0.16: --speculative-config '{spec}'")
     return 0
 
 
@@ -141,12 +140,12 @@ register("export", "write a vLLM-loadable checkpoint", _export_args, _run_export
 def _load_plugins():
     """Optional subcommands living in other modules (e.g. peagle_ext.eval registers `eval`)."""
     import importlib
-    for mod in ("peagle_ext.eval",):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    for name in ("eval",):
+        # only a module of THIS package directory (an editable install elsewhere must not leak in)
+        if (here / f"{name}.py").is_file():
+            importlib.import_module(f"peagle_ext.{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:

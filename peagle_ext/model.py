@@ -28,15 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.activations import ACT2FN
 
@@ -817,7 +815,6 @@ class PEagleDraftModel(nn.Module):
                              f"({self.num_depths}) so a chain's own depth-0 token stays in its window")
         dev = self.fc.weight.device
         layout = layout.to(dev)
-        n = layout.seq_len
         tgt = self._target_normed(example)
         weight_all = example.loss_mask.to(dev)[(layout.anchor.long() + layout.depth.long())].float()
         scale = loss_scale if loss_scale is not None else (1.0 / float(weight_all.sum()) if float(weight_all.sum()) > 0 else 0.0)

@@ -14,7 +14,6 @@ COMPLETE marker written last; resume takes the newest complete one and ignores .
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -420,7 +419,9 @@ class HiddenStates:
 
 def _tqdm(it, **kw):
     from tqdm import tqdm
-    return tqdm(it, dynamic_ncols=True, file=sys.stderr, mininterval=1.0, **kw)
+    # redrawn every second on a terminal; into a log file only every 30 s
+    interval = 1.0 if sys.stderr.isatty() else 30.0
+    return tqdm(it, dynamic_ncols=True, file=sys.stderr, mininterval=interval, **kw)
 
 
 def concat_examples(examples):
@@ -590,7 +591,6 @@ class TrainResult:
 def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training. stop_after: leave after that many steps of THIS process without
     the final save, as a killed run would (tests use it for resume)."""
-    from . import data as D
     t_start = time.time()
     s.validate()
     out = Path(s.output)
