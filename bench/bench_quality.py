@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-noise-ref", dest="noise_ref", action="store_false",
+                   help="skip the noise reference (a rounding-perturbed copy of our model trained alongside)")
     p.add_argument("--spec-attn", default=None, help="speculators attention: sdpa (CPU default) | flex (CUDA default)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -143,8 +145,9 @@ def build_models(a, device, verifier, tok, vcfg, aux_ids, counts):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         import speculators.models.attention as spec_attn
         type(spec).forward = E.uncompiled(type(spec).forward)
-        spec_attn.flex_attention = torch.compile(flex_attention)
-        spec._create_mask_fn = torch.compile(create_block_mask)
+        # dynamic shapes: T changes every step (as in bench_train_step.py's spec_eager case)
+        spec_attn.flex_attention = torch.compile(flex_attention, dynamic=True)
+        spec._create_mask_fn = torch.compile(create_block_mask, dynamic=True)
     print(f"models: {a.num_layers} layer(s), K={a.num_depths}, draft vocab {dv or vocab} of {vocab}, mask token "
           f"{mask_id} ({how}); speculators attention: {impl}", flush=True)
     return ours, spec, core, impl
@@ -170,35 +173,47 @@ def same_trainable_sets(ours, spec):
     return sorted(a)
 
 
-def evaluate(ours, spec, core, loss_cfg, rows, layouts, k, amp, device):
-    """Held-out loss and per-depth (correct, total) of both models on fixed layouts."""
-    res = {"ours": {"loss_sum": 0.0, "w": 0.0, "c": [0.0] * k, "t": [0.0] * k},
-           "spec": {"loss_sum": 0.0, "w": 0.0, "c": [0.0] * k, "t": [0.0] * k}}
+def evaluate(model, rows, layouts, k, amp, device, *, spec_core=None, loss_cfg=None):
+    """Held-out loss and per-depth accuracy of one model on fixed layouts (a peagle_ext model, or
+    speculators' when spec_core is given)."""
+    loss_sum = w_sum = 0.0
+    cs, ts = [0.0] * k, [0.0] * k
     ctx = torch.autocast(device.type, dtype=amp) if amp else torch.autocast(device.type, enabled=False)
     with torch.no_grad(), ctx:
         for ex, lay in zip(rows, layouts):
             ex = ex.to(device)
-            lo, mo = ours(ex, lay)
-            w = float(mo["weight"])
-            r = res["ours"]
-            r["loss_sum"] += float(lo) * w
-            r["w"] += w
-            r["c"] = [x + float(y) for x, y in zip(r["c"], mo["correct"])]
-            r["t"] = [x + float(y) for x, y in zip(r["t"], mo["total"])]
-            ls, ms = E.speculators_forward(spec, core, E.speculators_batch(ex, device), num_depths=k,
-                                           loss_config=loss_cfg, layout=lay)
-            c, t = E.speculators_per_depth(ms, k)
-            r = res["spec"]
-            r["loss_sum"] += float(ls) * w
-            r["w"] += w
-            r["c"] = [x + y for x, y in zip(r["c"], c)]
-            r["t"] = [x + y for x, y in zip(r["t"], t)]
-    out = {}
-    for name, r in res.items():
-        out[name] = {"loss": r["loss_sum"] / max(r["w"], 1e-9),
-                     "acc": [c / t if t else 0.0 for c, t in zip(r["c"], r["t"])],
-                     "counted": [int(t) for t in r["t"]]}
-    return out
+            w = float(ex.loss_mask.to(device)[(lay.anchor.long() + lay.depth.long())].float().sum())
+            if spec_core is None:
+                lo, mo = model(ex, lay)
+                c, t = [float(x) for x in mo["correct"]], [float(x) for x in mo["total"]]
+            else:
+                lo, mo = E.speculators_forward(model, spec_core, E.speculators_batch(ex, device), num_depths=k,
+                                               loss_config=loss_cfg, layout=lay)
+                c, t = E.speculators_per_depth(mo, k)
+            loss_sum += float(lo) * w
+            w_sum += w
+            cs = [x + y for x, y in zip(cs, c)]
+            ts = [x + y for x, y in zip(ts, t)]
+    return {"loss": loss_sum / max(w_sum, 1e-9), "acc": [c / t if t else 0.0 for c, t in zip(cs, ts)],
+            "counted": [int(t) for t in ts]}
+
+
+def evaluate_all(models, spec_core, loss_cfg, rows, layouts, k, amp, device):
+    return {name: evaluate(m, rows, layouts, k, amp, device,
+                           spec_core=spec_core if name == "spec" else None, loss_cfg=loss_cfg)
+            for name, m in models.items()}
+
+
+def param_distance(m1, m2, init):
+    """||theta_1 - theta_2|| / ||theta_1 - theta_init|| over the trainable parameters."""
+    p2 = dict(m2.named_parameters())
+    num = den = 0.0
+    for n, p in m1.named_parameters():
+        if not p.requires_grad:
+            continue
+        num += float((p.detach() - p2[n].detach()).double().pow(2).sum())
+        den += float((p.detach() - init[n]).double().pow(2).sum())
+    return math.sqrt(num) / max(math.sqrt(den), 1e-30)
 
 
 def compare_gradients(ours, spec, core, loss_cfg, ex, k, amp, device):
@@ -236,12 +251,14 @@ def verdict(ev, k):
     ok = True
     for d in range(k):
         n = ev["ours"]["counted"][d]
+        ref = ev["ref"]["acc"][d] if "ref" in ev else None
         p1, p2 = ev["ours"]["acc"][d], ev["spec"]["acc"][d]
         se = math.sqrt(max(p1 * (1 - p1), 1e-12) / max(n, 1) + max(p2 * (1 - p2), 1e-12) / max(n, 1))
         diff = p1 - p2
         good = abs(diff) <= 3 * se + 0.005
         ok &= good
-        rows.append({"depth": d, "ours": p1, "speculators": p2, "diff": diff, "se": se, "within_noise": good, "n": n})
+        rows.append({"depth": d, "ours": p1, "speculators": p2, "diff": diff, "se": se, "within_noise": good, "n": n,
+                     "noise_ref": ref, "ref_diff": None if ref is None else p1 - ref})
     l1, l2 = ev["ours"]["loss"], ev["spec"]["loss"]
     loss_ok = abs(l1 - l2) <= 0.05 * max(abs(l1), abs(l2), 1e-6)
     return ok and loss_ok, rows, loss_ok
@@ -271,6 +288,21 @@ def main(argv=None):
         print("note: parameter order differs (AdamW is per-parameter, so this does not matter)", flush=True)
 
     init = {n: p.detach().clone() for n, p in ours.named_parameters() if p.requires_grad}
+    # noise reference: our model again, every trainable weight scaled by (1 + 1e-6 * N(0, 1)) (a
+    # few fp32 ulps), trained on the same rows and layouts. How far it ends from `ours` is the
+    # spread that rounding alone produces under this training; ours-vs-speculators is judged
+    # against it.
+    ref = None
+    if a.noise_ref:
+        import copy as _copy
+        ref = _copy.deepcopy(ours)
+        gen = torch.Generator(device="cpu").manual_seed(a.seed + 99)
+        with torch.no_grad():
+            for p in ref.parameters():
+                if p.requires_grad:
+                    p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=gen).to(p.device, p.dtype))
+        opt_r, sch_r, par_r = make_opt(ref, a)
+    models = {"ours": ours, "spec": spec, **({"ref": ref} if ref is not None else {})}
     from peagle_ext.cod import cod_sample
     val_layouts = [cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, seed=10_000 + i).to(device)
                    for i, ex in enumerate(val)]
@@ -278,7 +310,7 @@ def main(argv=None):
     print(f"step-0 gradients on one row: loss ours {grad_check['loss_ours']:.6f} speculators "
           f"{grad_check['loss_spec']:.6f}; worst relative grad difference {grad_check['worst_rel']:.2e} "
           f"({grad_check['worst_param']})", flush=True)
-    ev0 = evaluate(ours, spec, core, loss_cfg, val, val_layouts, k, amp, device)
+    ev0 = evaluate_all(models, core, loss_cfg, val, val_layouts, k, amp, device)
     print(f"step 0 held-out: ours loss {ev0['ours']['loss']:.5f}, speculators {ev0['spec']['loss']:.5f}", flush=True)
 
     g = torch.Generator().manual_seed(a.seed + 1)
@@ -316,26 +348,31 @@ def main(argv=None):
         time_s += time.perf_counter() - t0
         c, t = E.speculators_per_depth(ms, k)
         rec["spec"] = {"loss": float(ls), "grad_norm": gn_s, "correct": [int(x) for x in c], "total": [int(x) for x in t]}
+        if ref is not None:
+            opt_r.zero_grad(set_to_none=True)
+            mr = ref.forward_backward(ex, lay, autocast_dtype=amp)
+            torch.nn.utils.clip_grad_norm_(par_r, 1.0)
+            opt_r.step()
+            sch_r.step()
+            rec["ref"] = {"loss": mr["loss_sum"] / max(mr["weight"], 1e-9),
+                          "correct": [int(x) for x in mr["correct"]], "total": [int(x) for x in mr["total"]]}
         log.append(rec)
         if step % 10 == 0 or step == a.steps - 1:
             print(f"step {step:4d} T={lay.num_tokens:5d}  loss ours {rec['ours']['loss']:.5f} spec "
                   f"{rec['spec']['loss']:.5f}  |grad| {gn_o:.4f} / {gn_s:.4f}  "
                   f"({time.time() - t_loop:.0f}s)", flush=True)
 
-    ev1 = evaluate(ours, spec, core, loss_cfg, val, val_layouts, k, amp, device)
+    ev1 = evaluate_all(models, core, loss_cfg, val, val_layouts, k, amp, device)
     ok, rows, loss_ok = verdict(ev1, k)
     # parameter drift between the two after identical updates
     sp = dict(spec.named_parameters())
     drift = max(float((p.detach() - sp[n].detach()).abs().max() / (p.detach().abs().max() + 1e-12))
                 for n, p in ours.named_parameters() if p.requires_grad)
-    # ||theta_ours - theta_spec|| / ||theta_ours - theta_init||: how far apart the two runs ended
-    # relative to how far training moved them (identical math would give ~0; AdamW amplifies
-    # rounding differences in weakly-driven parameters, so some chaotic drift is expected)
-    num = sum(float((p.detach() - sp[n].detach()).double().pow(2).sum()) for n, p in ours.named_parameters()
-              if p.requires_grad)
-    den = sum(float((p.detach() - init[n]).double().pow(2).sum()) for n, p in ours.named_parameters()
-              if p.requires_grad)
-    drift_l2 = math.sqrt(num) / max(math.sqrt(den), 1e-30)
+    # how far apart the runs ended relative to how far training moved them (identical math would
+    # give ~0; training amplifies rounding differences, see the noise reference)
+    dist = {"ours_vs_spec": param_distance(ours, spec, init)}
+    if ref is not None:
+        dist["ours_vs_ref"] = param_distance(ours, ref, init)
     last = log[-min(20, len(log)):]
 
     def window(side):
@@ -350,8 +387,9 @@ def main(argv=None):
         "step0_gradients": grad_check,
         "max_abs_step_loss_diff": max(abs(r["ours"]["loss"] - r["spec"]["loss"]) for r in log),
         "max_rel_param_drift_end": drift,
-        "param_distance_over_update_norm": drift_l2,
-        "train_last20": {"ours": window("ours"), "spec": window("spec")},
+        "param_distance_over_update_norm": dist,
+        "max_abs_step_loss_diff_ref": max(abs(r["ours"]["loss"] - r["ref"]["loss"]) for r in log) if ref is not None else None,
+        "train_last20": {name: window(name) for name in models},
         "heldout_step0": ev0, "heldout_end": ev1, "per_depth_end": rows,
         "agree_within_noise": ok, "loss_agrees": loss_ok,
         "seconds": {"total": time.time() - t_start, "ours_steps": time_o, "spec_steps": time_s},
@@ -374,43 +412,63 @@ def plot(log, ev, k, path):
     except Exception as e:  # plotting is a convenience; the JSON holds everything
         print(f"no plot: {e}")
         return
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4))
     s = [r["step"] for r in log]
     ax[0].plot(s, [r["ours"]["loss"] for r in log], label="peagle_ext", lw=1)
     ax[0].plot(s, [r["spec"]["loss"] for r in log], label="speculators", lw=1, ls="--")
     ax[0].set_xlabel("step")
-    ax[0].set_ylabel("train KL loss")
+    ax[0].set_ylabel("train KL loss (same rows, same COD samples)")
     ax[0].legend()
+    ax[1].semilogy(s, [abs(r["ours"]["loss"] - r["spec"]["loss"]) + 1e-12 for r in log], label="|ours - speculators|", lw=1)
+    if "ref" in log[0]:
+        ax[1].semilogy(s, [abs(r["ours"]["loss"] - r["ref"]["loss"]) + 1e-12 for r in log],
+                       label="|ours - ours(weights x (1+1e-6 N(0,1)))|", lw=1, ls="--")
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("|train loss difference|")
+    ax[1].legend(fontsize=8)
     d = list(range(k))
-    ax[1].bar([x - 0.2 for x in d], ev["ours"]["acc"], 0.4, label="peagle_ext")
-    ax[1].bar([x + 0.2 for x in d], ev["spec"]["acc"], 0.4, label="speculators")
-    ax[1].set_xlabel("depth")
-    ax[1].set_ylabel("held-out argmax agreement")
-    ax[1].legend()
+    names = [n for n in ("ours", "spec", "ref") if n in ev]
+    width = 0.8 / len(names)
+    labels = {"ours": "peagle_ext", "spec": "speculators", "ref": "peagle_ext, perturbed (noise ref)"}
+    for j, n in enumerate(names):
+        ax[2].bar([x - 0.4 + width * (j + 0.5) for x in d], ev[n]["acc"], width, label=labels[n])
+    ax[2].set_xlabel("depth")
+    ax[2].set_ylabel("held-out argmax agreement")
+    ax[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def print_table(s, k):
     e = s["heldout_end"]
-    print("\n== quality at equal work (" + s["device"] + ", " + str(s["settings"]["steps"]) + " steps) ==")
+    has_ref = "ref" in e
+    print("\n== quality at equal work (" + s["device"] + ", " + str(s["settings"]["steps"]) + " steps, speculators attention "
+          + s["speculators_attention"] + ") ==")
     g = s["step0_gradients"]
-    print(f"step-0 gradients: worst relative difference {g['worst_rel']:.2e} ({g['worst_param']})")
+    print(f"step-0 gradients (same weights, row, layout): worst relative difference {g['worst_rel']:.2e} ({g['worst_param']})")
     first = [abs(r["ours"]["loss"] - r["spec"]["loss"]) for r in s["log"][:20]]
-    print(f"|loss diff| per step: max {max(first):.2e} over the first 20 steps, {s['max_abs_step_loss_diff']:.2e} "
-          f"over all (rounding differences grow under AdamW)")
-    print(f"parameters at the end: ||ours - speculators|| / ||ours - init|| = "
-          f"{s['param_distance_over_update_norm']:.2e}; max elementwise rel diff {s['max_rel_param_drift_end']:.2e}")
-    print(f"train loss (last 20 steps): ours {s['train_last20']['ours']['loss']:.5f}  speculators "
-          f"{s['train_last20']['spec']['loss']:.5f}")
-    print(f"held-out loss: ours {e['ours']['loss']:.5f}  speculators {e['spec']['loss']:.5f}  "
-          f"(step 0: {s['heldout_step0']['ours']['loss']:.5f} / {s['heldout_step0']['spec']['loss']:.5f})")
-    print("| depth | n | ours acc | speculators acc | diff | 3 SE | within noise |")
-    print("|---:|---:|---:|---:|---:|---:|:--:|")
+    line = (f"|train loss diff| ours vs speculators: max {max(first):.2e} over the first 20 steps, "
+            f"{s['max_abs_step_loss_diff']:.2e} over all")
+    if has_ref:
+        first_r = [abs(r["ours"]["loss"] - r["ref"]["loss"]) for r in s["log"][:20]]
+        line += f"; ours vs noise ref: {max(first_r):.2e} / {s['max_abs_step_loss_diff_ref']:.2e}"
+    print(line)
+    dist = s["param_distance_over_update_norm"]
+    print("parameters at the end, ||a - b|| / ||ours - init||: ours vs speculators "
+          f"{dist['ours_vs_spec']:.3g}" + (f", ours vs noise ref {dist['ours_vs_ref']:.3g}" if has_ref else ""))
+    tl = s["train_last20"]
+    print("train loss (last 20 steps): " + ", ".join(f"{n} {tl[n]['loss']:.5f}" for n in tl))
+    print("held-out loss: " + ", ".join(f"{n} {e[n]['loss']:.5f}" for n in e) +
+          f"  (step 0: ours {s['heldout_step0']['ours']['loss']:.5f} / speculators {s['heldout_step0']['spec']['loss']:.5f})")
+    hdr = "| depth | n | ours acc | speculators acc | diff | 3 SE |" + (" noise ref acc | ours - ref |" if has_ref else "") + " within noise |"
+    print(hdr)
+    print("|" + "---:|" * (hdr.count("|") - 2) + ":--:|")
     for r in s["per_depth_end"]:
+        extra = f" {r['noise_ref']:.4f} | {r['ref_diff']:+.4f} |" if has_ref else ""
         print(f"| {r['depth']} | {r['n']} | {r['ours']:.4f} | {r['speculators']:.4f} | {r['diff']:+.4f} | "
-              f"{3 * r['se']:.4f} | {'yes' if r['within_noise'] else 'NO'} |")
-    print(f"verdict: {'AGREE within noise' if s['agree_within_noise'] else 'DISAGREE'}")
+              f"{3 * r['se']:.4f} |{extra} {'yes' if r['within_noise'] else 'NO'} |")
+    print(f"verdict: {'AGREE within noise' if s['agree_within_noise'] else 'DISAGREE'} (|diff| <= 3 SE + 0.005 at "
+          "every depth and held-out loss within 5%)")
 
 
 if __name__ == "__main__":

@@ -26,16 +26,28 @@ Implementations (case "impl"):
   plain         our model with the two fused ops replaced by plain PyTorch: SDPA over the dense
                 [T, T] COD mask and full [T, V] logits + log_softmax KL.
 Uncompiled flex_attention is not benchmarked: PyTorch then runs an unfused reference that
-materialises [32, T, T] fp32 scores (~60 GB at N=8K for the scores alone).
+materialises [32, T, T] fp32 scores (~67 GB at N=8K, T~23K, for the scores alone).
 
-Time box: the parent (this script) runs every case in its own subprocess (own session, killed
-with its process group on timeout, so an OOM or hang cannot take down the run), in priority
-order, and stops launching cases when --budget-s is spent; each child writes its result file
-after every milestone, so a killed case still reports what it measured. At the end: JSON, a
-PNG (peak memory and step time vs N) and a compact table (printed last) under --out.
+Time box: the parent (this script, which never imports torch) runs every case in its own
+subprocess (own session, killed with its process group on timeout, so an OOM or hang cannot
+take down the run) and stops launching cases when --budget-s is spent; each child rewrites its
+result file after every milestone, so a killed case still reports what it measured.
+Order: priority order (cases 1-5 of the issue first), except that speculators' 8K case, whose
+first step compiles FlexAttention + create_block_mask and autotunes its fused loss (1-2 minutes
+of mostly CPU work on a cold machine), starts at t=0 in the BACKGROUND on the upper half of the
+CPUs while our cases run in the foreground on the lower half. One file lock (GpuLock) is held
+by every timed step (and second warmup step) of every case and by speculators' Triton autotune
+benchmarks, so no timed step and no autotune measurement shares the GPU (time spent waiting for
+the lock is not timed). Only cases whose memory fits beside it run beside it (bg_ok); the 128K
+case goes first, while the background case is still importing/compiling. Cases that ran beside
+it say so ("beside_background"), and the 8K headline case is re-run alone at the end when the
+budget allows. Outputs in --out: bench_train_step.json, bench_train_step.png (peak memory and
+step time vs N), bench_train_step_logs.tgz (per-case logs); the compact table is printed last.
 
-GPU (the lead's run; the speculators wheels installed with --no-deps into /tmp/site):
-    PYTHONPATH=/tmp/site:$PWD python bench/bench_train_step.py --budget-s 170
+GPU (the lead's run; speculators' wheels installed with --no-deps into /tmp/site; needs the
+CUDA build of peagle_ext, e.g. `bash bench/gpu_suite.sh build`):
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD python bench/bench_train_step.py --budget-s 160
 CPU smoke test of the harness (tiny shapes; speculators with its sdpa backend + eager loss):
     PYTHONPATH=/tmp/specsite:$PWD python bench/bench_train_step.py --device cpu --tiny --budget-s 300
 """
