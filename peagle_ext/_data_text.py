@@ -110,28 +110,41 @@ def iter_sharegpt_records(path: str | os.PathLike):
         yield rec
 
 
+def _jsonl_objects(path: pathlib.Path, not_object: str):
+    """(where, record) for each non-empty line of a JSONL (or .jsonl.gz) file. Every problem is a
+    DataError naming the file (and line): invalid JSON, a line that is not an object
+    (`not_object` says what was expected), non-UTF-8 text, a truncated or corrupt gzip."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}: "
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}invalid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"{where}{not_object}")
+                yield where, rec
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason}): expected a JSONL file") from None
+    except (EOFError, gzip.BadGzipFile) as e:  # a truncated or corrupt .jsonl.gz
+        raise DataError(f"{path}: corrupt or truncated gzip file ({e})") from None
+
+
 def _parse_jsonl(path: pathlib.Path, limit: int | None) -> list[list[dict]]:
     convs: list[list[dict]] = []
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}: "
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}each line must be a JSON object with a 'messages' list")
-            turns = rec.get("messages", rec.get("conversations"))
-            if turns is None:
-                raise DataError(f"{where}missing 'messages' (a list of {{role, content}} objects)")
-            msgs = normalize_messages(turns, where=where)
-            if msgs is not None:
-                convs.append(msgs)
-                if limit is not None and len(convs) >= limit:
-                    break
+    for where, rec in _jsonl_objects(path, "each line must be a JSON object with a 'messages' list"):
+        turns = rec.get("messages", rec.get("conversations"))
+        if turns is None:
+            raise DataError(f"{where}missing 'messages' (a list of {{role, content}} objects)")
+        msgs = normalize_messages(turns, where=where)
+        if msgs is not None:
+            convs.append(msgs)
+            if limit is not None and len(convs) >= limit:
+                break
     return convs
 
 
@@ -174,12 +187,7 @@ def load_conversations(source: str, *, limit: int | None = None) -> list[list[di
             raise DataError(f"data file not found: {source} (pass 'sharegpt' or a JSONL path)")
         if path.is_dir():
             raise DataError(f"data path {source} is a directory, expected a JSONL file")
-        try:
-            convs = _parse_jsonl(path, limit)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{source}: not UTF-8 text ({e.reason}): expected a JSONL file") from None
-        except (EOFError, gzip.BadGzipFile) as e:  # a truncated or corrupt .jsonl.gz
-            raise DataError(f"{source}: corrupt or truncated gzip file ({e})") from None
+        convs = _parse_jsonl(path, limit)
         where = str(path)
     if not convs:
         raise DataError(f"{where}: no usable conversation (need at least one user turn followed "
@@ -219,36 +227,25 @@ def load_eval_prompts(source: str, *, limit: int | None = None) -> list[list[dic
         path = pathlib.Path(source).expanduser()
         if not path.is_file():
             raise DataError(f"prompt file not found: {source} (pass mtbench, humaneval or a JSONL path)")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}: "
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}expected a JSON object")
-            if source.lower() == "humaneval":
-                msgs = [{"role": "user", "content": "Complete the following Python function.\n\n"
-                         "```python\n" + rec["prompt"] + "```"}]
-            elif "messages" in rec:
-                msgs = [dict(role=m.get("role"), content=m.get("content")) for m in rec["messages"]]
-                while msgs and msgs[-1]["role"] == "assistant":
-                    msgs.pop()
-                if not msgs or msgs[-1]["role"] != "user":
-                    raise DataError(f"{where}'messages' must end with a user turn")
-            elif isinstance(rec.get("turns"), list) and rec["turns"]:
-                msgs = [{"role": "user", "content": str(rec["turns"][0])}]
-            elif isinstance(rec.get("prompt"), str):
-                msgs = [{"role": "user", "content": rec["prompt"]}]
-            else:
-                raise DataError(f"{where}expected 'messages', 'turns' or 'prompt'")
-            out.append(msgs)
-            if limit is not None and len(out) >= limit:
-                break
+    for where, rec in _jsonl_objects(path, "expected a JSON object"):
+        if source.lower() == "humaneval":
+            msgs = [{"role": "user", "content": "Complete the following Python function.\n\n"
+                     "```python\n" + rec["prompt"] + "```"}]
+        elif "messages" in rec:
+            msgs = [dict(role=m.get("role"), content=m.get("content")) for m in rec["messages"]]
+            while msgs and msgs[-1]["role"] == "assistant":
+                msgs.pop()
+            if not msgs or msgs[-1]["role"] != "user":
+                raise DataError(f"{where}'messages' must end with a user turn")
+        elif isinstance(rec.get("turns"), list) and rec["turns"]:
+            msgs = [{"role": "user", "content": str(rec["turns"][0])}]
+        elif isinstance(rec.get("prompt"), str):
+            msgs = [{"role": "user", "content": rec["prompt"]}]
+        else:
+            raise DataError(f"{where}expected 'messages', 'turns' or 'prompt'")
+        out.append(msgs)
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise DataError(f"{path}: no prompts")
     return out
