@@ -579,6 +579,7 @@ def parent_main(a):
         bg_alive = bg is not None and bg.alive()
         if bg is not None and not bg_alive and not bg.collected:
             results.append(bg.collect())
+            continue
         if not queue:
             print(f"[{time.time() - T0:6.1f}s] waiting for {bg.c['name']}", flush=True)
             results.append(bg.wait(until=deadline))
