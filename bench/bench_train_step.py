@@ -515,7 +515,11 @@ def plot(res, path):
         key = f"{r['impl']} {r['layers']}L" + (f" anchors<={r['max_anchors']}" if r.get("max_anchors") else "")
         groups.setdefault(key, []).append(r)
     for key, rs in sorted(groups.items()):
-        rs = sorted(rs, key=lambda r: r["n"])
+        by_n = {}
+        for r in rs:  # one point per N: prefer a run that had the machine to itself
+            if r["n"] not in by_n or (by_n[r["n"]].get("beside_background") and not r.get("beside_background")):
+                by_n[r["n"]] = r
+        rs = sorted(by_n.values(), key=lambda r: r["n"])
         xs = [r["n"] for r in rs]
         style = "o-" if len(rs) > 1 else "s"
         ax[0].plot(xs, [r["peak_gb"] for r in rs], style, label=key)
