@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_verifier import run_cli
 import torch
 
 from conftest import requires_cuda
@@ -558,13 +559,6 @@ def _settings(tiny, out, **kw):
     return TrainSettings(**base)
 
 
-def _run_cli(args, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "peagle_ext.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
-
-
 def test_verifier_with_corrupt_files(tiny, tmp_path):
     from peagle_ext.data import DataError, load_verifier
     v, _ = tiny
@@ -698,7 +692,7 @@ def test_cli_bad_inputs_exit_2_without_traceback(tiny, tmp_path, saved_model):
         (["export", str(corrupt), str(tmp_path / "e")], "not a readable safetensors"),
     ]
     for args, match in runs:
-        r = _run_cli(args)
+        r = run_cli(args)
         assert r.returncode == 2, (args, r.stderr[-2000:])
         assert match in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
@@ -721,6 +715,6 @@ def test_eval_bad_inputs(tiny, tmp_path):
         (["--draft", str(tmp_path)], "not a P-EAGLE checkpoint"),
     ]
     for extra, match in runs:
-        r = _run_cli(["eval", "--verifier", str(v), "--bench", "mtbench", "--max-new-tokens", "4", *extra])
+        r = run_cli(["eval", "--verifier", str(v), "--bench", "mtbench", "--max-new-tokens", "4", *extra])
         assert r.returncode == 2, (extra, r.stderr[-2000:])
         assert match in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

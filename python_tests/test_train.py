@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from tiny_verifier import make_chat_jsonl, make_tiny_verifier
+from tiny_verifier import run_cli, make_chat_jsonl, make_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,17 +34,10 @@ def _weights(path):
     return load_file(str(Path(path) / "model.safetensors"))
 
 
-def _run_cli(args, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "peagle_ext.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
-
-
 def test_cli_train_end_to_end_smoke(tiny, tmp_path):
     v, data = tiny
     out = tmp_path / "run"
-    r = _run_cli(["train", "--verifier", str(v), "--data", str(data), "--output", str(out), "--max-steps", "3",
+    r = run_cli(["train", "--verifier", str(v), "--data", str(data), "--output", str(out), "--max-steps", "3",
                   "--seq-len", "64", "--num-depths", "3", "--num-layers", "1", "--device", "cpu",
                   "--draft-vocab-size", "64", "--dtype", "float32", "--checkpoint-every", "2", "--log-every", "1",
                   "--no-progress"])
@@ -63,7 +56,7 @@ def test_cli_train_end_to_end_smoke(tiny, tmp_path):
     assert any(x.get("split") == "val" for x in recs)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     # export for vLLM: bf16 copy with the same keys and config
-    r = _run_cli(["export", str(out), str(tmp_path / "exported")])
+    r = run_cli(["export", str(out), str(tmp_path / "exported")])
     assert r.returncode == 0, r.stderr
     e = _weights(tmp_path / "exported")
     assert set(e) == set(w) and e["fc.weight"].dtype == torch.bfloat16 and e["d2t"].dtype == torch.int64
@@ -183,7 +176,7 @@ def test_bad_inputs_have_clear_messages(tiny, tmp_path):
     with pytest.raises(ValueError, match="(?i)chat template"):
         train(settings(tiny, tmp_path / "g", verifier=str(nochat)))
     # CLI: exit code 2 and a one-line message, no traceback
-    r = _run_cli(["train", "--verifier", str(tmp_path / "nope"), "--data", str(data), "--output",
+    r = run_cli(["train", "--verifier", str(tmp_path / "nope"), "--data", str(data), "--output",
                   str(tmp_path / "h"), "--max-steps", "1"])
     assert r.returncode == 2 and "peagle train: error:" in r.stderr and "Traceback" not in r.stderr
 

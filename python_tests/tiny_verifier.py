@@ -78,3 +78,15 @@ def make_chat_jsonl(path, *, n: int = 24, seed: int = 0, turns: int = 2, words=(
                 msgs.append({"role": "assistant", "content": sentence(rng, rng.randint(*words))})
             f.write(json.dumps({"messages": msgs}) + "\n")
     return p
+
+
+def run_cli(args, timeout=120):
+    """`python -m peagle_ext.cli ARGS` in a subprocess from the repo root (one OpenMP thread)."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "peagle_ext.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(root))
