@@ -32,7 +32,12 @@ def _env():
 def _torchrun(nproc: int, args: list[str], timeout=180):
     """torchrun --standalone (it picks a free rendezvous port) with nproc CPU processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
+        # a known, rare gloo abort at process-group teardown (seen in CI once in ~25 runs), after
+        # the work is done; run once more rather than fail on it. Real failures fail twice.
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    return r
 
 
 # ---------------------------------------------------------------------------------------------
