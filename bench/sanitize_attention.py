@@ -19,11 +19,7 @@ from bench_attention import sanitize_case  # noqa: E402
 
 from peagle_ext.attention import cod_attention  # noqa: E402
 from peagle_ext.cod import cod_sample  # noqa: E402
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+from peagle_ext.reference import reference_cod_attention  # noqa: E402
 
 
 def _check(doc, *, cross, d, hq, hkv, window, sink, num_depths=4, seed=3):
@@ -43,14 +39,29 @@ def _check(doc, *, cross, d, hq, hkv, window, sink, num_depths=4, seed=3):
     grads_g = torch.autograd.grad(out_g, gpu, go.cuda()) if t else [torch.zeros_like(x) for x in gpu]
     out_c = call(cpu, lay)
     grads_c = torch.autograd.grad(out_c, cpu, go.float()) if t else [torch.zeros_like(x) for x in cpu]
+    # torch's own SDPA (dense mask) on the same bf16 inputs, on the CPU (so no torch kernel runs
+    # under the sanitizer): with 1-3 keys per row (T = 1: the exact dq is 0) bf16 rounding alone
+    # exceeds a relative bound, so the bound is 2e-2 relative or twice torch's own error
+    base = [x.detach().bfloat16().requires_grad_(True) for x in cpu]
+    bctx = dict(context_k=base[3], context_v=base[4]) if cross else {}
+    out_t = reference_cod_attention(base[0], base[1], base[2], lay, window=window, sink=sink, **bctx)
+    grads_t = torch.autograd.grad(out_t, base, go) if t else [torch.zeros_like(x) for x in base]
     torch.cuda.synchronize()
-    for name, a, b in zip(["out", "dq", "dk", "dv", "dck", "dcv"], [out_g] + list(grads_g), [out_c] + list(grads_c)):
-        a, b = a.detach().float().cpu(), b.detach()
+    names = ["out", "dq", "dk", "dv", "dck", "dcv"]
+    for name, a, b, c in zip(names, [out_g] + list(grads_g), [out_c] + list(grads_c), [out_t] + list(grads_t)):
+        a, b, c = a.detach().float().cpu(), b.detach(), c.detach().float().cpu()
         assert torch.isfinite(a).all(), (name, cross, d, hq, hkv, window, sink)
-        if b.numel() and float(b.norm()) > 0:
-            assert _rel(a, b) < 2e-2, (name, _rel(a, b), cross, d, hq, hkv, window, sink)
+        if not b.numel():
+            continue
+        err, torch_err = float((a - b).norm()), float((c - b).norm())
+        # + a floor of 1e-4 x |grad_out| (the natural scale of every gradient here, inputs are
+        # unit-variance): at T = 1 torch's bf16 path cancels to exactly 0 while the delta-based
+        # backward leaves fp32 rounding (~1e-6); a real indexing bug is of order |grad_out|
+        bound = max(2e-2 * float(b.norm()), 2.0 * torch_err, 1e-4 * float(go.float().norm()))
+        if bound > 0:
+            assert err <= bound, (name, err, bound, cross, d, hq, hkv, window, sink)
         else:
-            assert not a.numel() or float(a.abs().max()) == 0.0, (name, "expected zeros")
+            assert float(a.abs().max()) == 0.0, (name, "expected zeros")
 
 
 def run():

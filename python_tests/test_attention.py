@@ -42,8 +42,9 @@ def make_inputs(g, lay, hq, hkv, d, dtype, device, cross, requires_grad=True):
     return q, k, v, ctx
 
 
-def run_both(g, lay, q, k, v, ctx, *, window=None, sink=0, scale=None):
-    """(ours, reference) outputs and gradients; the reference runs in float64 on the same device."""
+def run_both(g, lay, q, k, v, ctx, *, window=None, sink=0, scale=None, return_go=False):
+    """(ours, reference) outputs and gradients; the reference runs in float64 on the same device.
+    return_go: also return the float64 grad_out used."""
     ins = [q, k, v] + list(ctx.values())
     out = cod_attention(q, k, v, lay, window=window, sink=sink, scale=scale, **ctx)
     go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device)
@@ -53,7 +54,23 @@ def run_both(g, lay, q, k, v, ctx, *, window=None, sink=0, scale=None):
     ref = reference_cod_attention(*ref_ins[:3], lay, window=window, sink=sink, scale=scale, **rctx)
     rgrads = torch.autograd.grad(ref, ref_ins, go) if ref.numel() else [torch.zeros_like(x) for x in ref_ins]
     names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx.keys()]
+    if return_go:
+        return names, [out] + list(grads), [ref] + list(rgrads), go
     return names, [out] + list(grads), [ref] + list(rgrads)
+
+
+def torch_low_precision_errors(lay, q, k, v, ctx, go, *, window=None, sink=0, scale=None):
+    """Relative L2 errors of the plain SDPA reference run in q's dtype on q's device (torch's own
+    fused kernel) against the float64 reference, with run_both's float64 grad_out `go`."""
+    ins = [x.detach().clone().requires_grad_(True) for x in [q, k, v] + list(ctx.values())]
+    rctx = dict(zip(ctx.keys(), ins[3:]))
+    out = reference_cod_attention(*ins[:3], lay, window=window, sink=sink, scale=scale, **rctx)
+    grads = torch.autograd.grad(out, ins, go.to(out.dtype))
+    ref_ins = [x.detach().double().requires_grad_(True) for x in ins]
+    ref = reference_cod_attention(*ref_ins[:3], lay, window=window, sink=sink, scale=scale,
+                                  **dict(zip(ctx.keys(), ref_ins[3:])))
+    rgrads = torch.autograd.grad(ref, ref_ins, go)
+    return [rel_l2(a, b) for a, b in zip([out] + list(grads), [ref] + list(rgrads))]
 
 
 def rel_l2(x, ref):
@@ -67,7 +84,8 @@ def assert_close_all(names, ours, refs, *, tol, what, rel=True):
     """Checks every tensor and reports all of them at once (one GPU run should say exactly
     which outputs of which configuration are off, and by how much)."""
     report, bad = [], False
-    for name, a, b in zip(names, ours, refs):
+    tols = list(tol) if isinstance(tol, (list, tuple)) else [tol] * len(names)
+    for name, a, b, tol in zip(names, ours, refs, tols):
         if a.shape != b.shape:
             report.append(f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
             bad = True
@@ -81,9 +99,10 @@ def assert_close_all(names, ours, refs, *, tol, what, rel=True):
         if err > tol and nonfinite == 0 and a.numel():
             diff = (a.double() - b.double()).abs().reshape(a.shape[0], -1).amax(1)
             worst = f" worst rows {diff.topk(min(3, diff.numel())).indices.tolist()}"
-        report.append(f"{name}: err {err:.2e}{' NONFINITE=' + str(nonfinite) if nonfinite else ''}{worst}")
+        report.append(f"{name}: err {err:.2e} (tol {tol:.1e})"
+                      f"{' NONFINITE=' + str(nonfinite) if nonfinite else ''}{worst}")
         bad |= not (err <= tol)
-    assert not bad, f"{what} (tol {tol:.0e}): " + "; ".join(report)
+    assert not bad, f"{what}: " + "; ".join(report)
 
 
 # ---------------------------------------------------------------- metadata
@@ -412,8 +431,13 @@ def test_cuda_tiny_and_padding(cross):
             continue
         for d in (64, 128):
             q, k, v, ctx = make_inputs(g, lay, 4, 2, d, torch.bfloat16, "cuda", cross)
-            names, ours, refs = run_both(g, lay, q, k, v, ctx, window=2)
-            assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda tiny n={n} D={d} cross={cross}")
+            names, ours, refs, go = run_both(g, lay, q, k, v, ctx, window=2, return_go=True)
+            # With 1-3 keys per row the gradients are differences of nearly equal terms (at T = 1
+            # the exact dq is 0): bf16 inputs/outputs alone then cost more than 1e-2 relative
+            # error, whatever the kernel. Bound: 1e-2, or 2x what torch's own SDPA kernel
+            # reaches in bf16 on the same inputs, whichever is larger.
+            tols = [max(1e-2, 2.0 * e) for e in torch_low_precision_errors(lay, q, k, v, ctx, go, window=2)]
+            assert_close_all(names, ours, refs, tol=tols, what=f"cuda tiny n={n} D={d} cross={cross}")
     doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
     lay = cod_sample(doc, doc >= 0, num_depths=5, depth0="anchors" if cross else "all", seed=2).to("cuda")
     q, k, v, ctx = make_inputs(g, lay, 4, 1, 64, torch.float16, "cuda", cross)
@@ -463,7 +487,11 @@ def test_cuda_graph_capture():
 
     def step():
         out = cod_attention(q, k, v, lay, window=300, sink=2)
-        return [out] + list(torch.autograd.grad(out, [q, k, v], go))
+        grads = torch.autograd.grad(out, [q, k, v], go)
+        # detached: an autograd graph kept alive past the step keeps the leaves' AccumulateGrad
+        # nodes, made on the default stream, and the captured backward would then sync with the
+        # legacy stream (cudaErrorStreamCaptureImplicit; torch warns about exactly this)
+        return [out.detach()] + list(grads)
 
     eager = step()
     s = torch.cuda.Stream()

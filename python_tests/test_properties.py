@@ -483,12 +483,21 @@ def test_cuda_cod_attention_matches_reference(case, hkv, group, d, dtype, value_
     go = torch.randn(out.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad(out, ins, go.to("cuda", dtype))
     rgrads = torch.autograd.grad(ref, ref_ins, go)
-    for name, a, b in zip(["out", "dq", "dk", "dv", "dctx_k", "dctx_v"], [out, *grads], [ref, *rgrads]):
+    # torch's own SDPA in the same dtype on the GPU: with a small window rows have 1-3 keys and
+    # the gradients are differences of nearly equal terms, where 16-bit rounding alone exceeds
+    # 2e-2; the bound is 2e-2 or twice torch's own error, whichever is larger
+    low = [x.detach().clone().requires_grad_(True) for x in ins]
+    lctx = dict(context_k=low[3], context_v=low[4]) if cross else {}
+    lout = reference_cod_attention(*low[:3], lay_gpu, window=window, sink=sink, **lctx)
+    lgrads = torch.autograd.grad(lout, low, go.to("cuda", dtype))
+    names = ["out", "dq", "dk", "dv", "dctx_k", "dctx_v"]
+    for name, a, b, c in zip(names, [out, *grads], [ref, *rgrads], [lout, *lgrads]):
         a = a.detach().cpu()
         assert bool(torch.isfinite(a).all()), name
         err = _rel(a, b.detach())
-        assert err <= 2e-2, f"{name}: rel err {err:.3e} ({dtype}, D={d}, T={t}, N={n}, cross={cross}, " \
-                            f"window={window}, sink={sink}, hq={hq}, hkv={hkv})"
+        bound = max(2e-2, 2.0 * _rel(c.detach().cpu(), b.detach()))
+        assert err <= bound, f"{name}: rel err {err:.3e} > {bound:.3e} ({dtype}, D={d}, T={t}, N={n}, " \
+                             f"cross={cross}, window={window}, sink={sink}, hq={hq}, hkv={hkv})"
 
 
 @requires_cuda
