@@ -98,7 +98,7 @@ def default_cases():
         case("peagle-1L-4K", "peagle", 4 * 1024, timeout_s=30, bg_ok=True),
         case("peagle-4L-8K", "peagle", 8 * 1024, layers=4, timeout_s=35, bg_ok=True),
         case("peagle-1L-64K", "peagle", 64 * 1024, timeout_s=45, min_s=20),
-        case("spec_compiled-1L-8K", "spec_compiled", 8 * 1024, timeout_s=60, min_s=25),
+        case("spec_compiled-1L-8K", "spec_compiled", 8 * 1024, timeout_s=150, min_s=25),
         case("peagle-4L-32K", "peagle", 32 * 1024, layers=4, timeout_s=45, min_s=20),
         case("spec_eager-4L-8K", "spec_eager", 8 * 1024, layers=4, timeout_s=90, min_s=40),
         case("peagle-1L-128K", "peagle", 128 * 1024, timeout_s=60, min_s=25),
@@ -236,6 +236,10 @@ def child_main(a):
         batch = E.speculators_batch(ex, dev)
         fwd_raw = E.uncompiled(type(spec).forward)
         seen_t = []
+        # Python stacks every 15 s: if its first step does not finish, the log says where it is
+        import faulthandler
+        stacks = open(os.path.join(a.logdir, f"{c['name']}.stacks.txt"), "w")
+        faulthandler.dump_traceback_later(15, repeat=True, file=stacks)
         if impl == "spec_eager":
             if hasattr(fwd_raw, "_torchdynamo_orig_callable"):
                 raise RuntimeError("could not unwrap speculators' compiled forward")
@@ -270,10 +274,7 @@ def child_main(a):
                 return anchor, depth
             core.generate_cod_sample_indices = recording_sampler
         else:  # spec_compiled
-            import faulthandler
             import logging
-            stacks = open(os.path.join(a.logdir, f"{c['name']}.stacks.txt"), "w")
-            faulthandler.dump_traceback_later(10, repeat=True, file=stacks)
             torch._logging.set_logs(dynamo=logging.INFO, recompiles=True, graph_breaks=True)
             if a.spec_compile_dynamic == "true":
                 type(spec).forward = torch.compile(fwd_raw, dynamic=True)

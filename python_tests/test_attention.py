@@ -60,12 +60,25 @@ def run_both(g, lay, q, k, v, ctx, *, window=None, sink=0, scale=None, return_go
 
 
 def torch_low_precision_errors(lay, q, k, v, ctx, go, *, window=None, sink=0, scale=None):
-    """Relative L2 errors of the plain SDPA reference run in q's dtype on q's device (torch's own
-    fused kernel) against the float64 reference, with run_both's float64 grad_out `go`."""
-    ins = [x.detach().clone().requires_grad_(True) for x in [q, k, v] + list(ctx.values())]
-    rctx = dict(zip(ctx.keys(), ins[3:]))
-    out = reference_cod_attention(*ins[:3], lay, window=window, sink=sink, scale=scale, **rctx)
-    grads = torch.autograd.grad(out, ins, go.to(out.dtype))
+    """Relative L2 errors of the plain SDPA reference run in q's dtype on q's device against the
+    float64 reference, with run_both's float64 grad_out `go`. On CUDA it uses torch's fused
+    memory-efficient kernel, which, like ours and FlashAttention, takes the backward's
+    delta = rowsum(dO * O) from the rounded 16-bit output (the math backend differentiates the
+    softmax itself and so is not the same algorithm)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def grads_with(backends):
+        ins = [x.detach().clone().requires_grad_(True) for x in [q, k, v] + list(ctx.values())]
+        rctx = dict(zip(ctx.keys(), ins[3:]))
+        with sdpa_kernel(backends):
+            out = reference_cod_attention(*ins[:3], lay, window=window, sink=sink, scale=scale, **rctx)
+            return ins, out, torch.autograd.grad(out, ins, go.to(out.dtype))
+
+    try:
+        ins, out, grads = grads_with([SDPBackend.EFFICIENT_ATTENTION] if q.is_cuda else [SDPBackend.MATH])
+    except RuntimeError:  # no efficient kernel for this shape: torch's default choice
+        ins, out, grads = grads_with([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                      SDPBackend.CUDNN_ATTENTION])
     ref_ins = [x.detach().double().requires_grad_(True) for x in ins]
     ref = reference_cod_attention(*ref_ins[:3], lay, window=window, sink=sink, scale=scale,
                                   **dict(zip(ctx.keys(), ref_ins[3:])))
