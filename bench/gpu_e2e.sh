@@ -14,7 +14,7 @@ OUT="$work/suite" bash bench/gpu_suite.sh build > /dev/null 2>&1 || { cat "$work
 {
   cat "$work/suite/summary.txt"
   if [ -n "${E2E_TESTS:-}" ]; then
-    timeout 240 python3 -m pytest -q -ra $E2E_TESTS > "$work/tests.log" 2>&1
+    timeout 240 python3 -m pytest -q -ra $E2E_TESTS ${E2E_K:+-k "$E2E_K"} > "$work/tests.log" 2>&1
     echo "tests ($E2E_TESTS): rc=$? $(tail -1 "$work/tests.log")"
     grep -E "^(FAILED|ERROR)" "$work/tests.log" | head
   fi
