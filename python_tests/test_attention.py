@@ -372,6 +372,84 @@ def test_cuda_matches_reference(dtype, d, cross, scen):
     _gpu_case(dtype, d, cross, scen)
 
 
+# Forward CTA shapes (env read per call by the CUDA glue, see csrc/attention/cuda/cod_attn_configs.cuh):
+# default = 8 warps x 16 rows; mf1w4 = 4 warps x 16 rows; mf2w4 / mf2w8 = 4 / 8 warps x 32 rows
+# (two m16 fragments per warp).
+FWD_CONFIGS = {
+    "default": {},
+    "mf1w4": {"PEAGLE_ATTN_FWD_WARPS": "4"},
+    "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
+    "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
+}
+
+
+def set_fwd_config(monkeypatch, name):
+    for key in ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in FWD_CONFIGS[name].items():
+        monkeypatch.setenv(key, value)
+
+
+# The non-default forward shapes on the reference scenarios: mf2w4 (the candidate default) on
+# every scenario, head dim and mode; mf2w8 on every scenario and head dim, alternating the mode;
+# mf1w4 on half of them. dtype alternates by scenario (both are covered for every shape).
+FWD_VARIANT_CASES = (
+    [("mf2w4", d, cross, i) for d in (64, 128) for cross in (False, True) for i in range(len(GPU_SCENARIOS))]
+    + [("mf2w8", d, (i + d // 64) % 2 == 1, i) for d in (64, 128) for i in range(len(GPU_SCENARIOS))]
+    + [("mf1w4", d, i % 4 == 2, i) for d in (64, 128) for i in range(0, len(GPU_SCENARIOS), 2)]
+)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg,d,cross,scen_idx", FWD_VARIANT_CASES,
+                         ids=[f"{c}-D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}"
+                              for c, d, x, i in FWD_VARIANT_CASES])
+def test_cuda_fwd_configs_match_reference(monkeypatch, cfg, d, cross, scen_idx):
+    """Every forward CTA shape against the float64 reference (grads too: they read the forward's
+    out and LSE)."""
+    set_fwd_config(monkeypatch, cfg)
+    dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
+    _gpu_case(dtype, d, cross, GPU_SCENARIOS[scen_idx], seed_extra=cfg)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", ["default", "mf2w4", "mf2w8"])
+def test_cuda_fwd_configs_deep_chains(monkeypatch, cfg):
+    """K = 64 depths (the maximum) needs the most chain scratch: mf2w8 at D = 128 would exceed the
+    shared memory per block and runs with 4 warps instead."""
+    set_fwd_config(monkeypatch, cfg)
+    _gpu_case(torch.bfloat16, 128, False, ("deep-chains", 600, 4, 2, None, 0, None, 64, 300, 0), seed_extra=cfg)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8"])
+def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
+    """The forward CTA shapes compute the same function: outputs and LSE agree with the default
+    shape to bf16 rounding (the key-block partition differs, so not bitwise)."""
+    g = torch.Generator().manual_seed(21)
+    lay = make_layout(g, 3000, max_doc_len=1400, pad_tail=13, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 8, 2, 128, torch.bfloat16, "cuda", False, requires_grad=False)
+    meta = cod_attention_metadata(lay, window=300, sink=3)
+
+    def forward():
+        return torch.ops.peagle.cod_attention_fwd(q, k, v, None, None, meta.ranges, meta.chains, meta.depth_offsets,
+                                                  1 / math.sqrt(128), meta.use_sink)
+
+    set_fwd_config(monkeypatch, "default")
+    ref_out, ref_lse = forward()
+    set_fwd_config(monkeypatch, cfg)
+    out, lse = forward()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), f"{cfg}: rows without keys differ"
+    fin = torch.isfinite(ref_lse)  # [Hq, T]
+    assert fin.any(), "layout should have rows with keys"
+    assert (lse[fin] - ref_lse[fin]).abs().max() <= 1e-3, f"{cfg}: lse differs"
+    rows = fin.T  # [T, Hq]
+    row_err = (out.float() - ref_out.float()).norm(dim=-1) / ref_out.float().norm(dim=-1).clamp_min(1e-6)
+    assert row_err[rows].max() <= 0.05, f"{cfg}: worst row rel err {row_err[rows].max():.3e}"
+    assert rel_l2(out.float(), ref_out.float()) <= 1e-2, f"{cfg}: out differs"
+    assert torch.equal(out[~rows], torch.zeros_like(out[~rows])), f"{cfg}: rows without keys not zero"
+
+
 @requires_cuda
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("window,sink", [(None, 0), (40, 0), (9, 4), (2, 0)])
@@ -385,9 +463,11 @@ def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
 
 
 @requires_cuda
+@pytest.mark.parametrize("cfg", ["default", "mf2w4"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_matches_cpu_float32(rng, d):
+def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg):
     """Same algorithm on both devices: CUDA bf16 vs the CPU path in float32 on bf16-rounded inputs."""
+    set_fwd_config(monkeypatch, cfg)
     lay = make_layout(rng, 1500, max_doc_len=600, pad_tail=11)
     q, k, v, _ = make_inputs(rng, lay, 8, 2, d, torch.bfloat16, "cuda", False)
     go = torch.randn(q.shape, generator=rng).to("cuda", torch.bfloat16)
@@ -397,12 +477,14 @@ def test_cuda_matches_cpu_float32(rng, d):
     cout = cod_attention(cq, ck, cv, lay, window=200, sink=4)
     cg = torch.autograd.grad(cout, [cq, ck, cv], go.cpu().float())
     assert_close_all(["out", "dq", "dk", "dv"], [out.cpu()] + [x.cpu() for x in gq], [cout] + list(cg), tol=1e-2,
-                     what=f"cuda vs cpu D={d}")
+                     what=f"cuda vs cpu D={d} fwd {cfg}")
 
 
 @requires_cuda
+@pytest.mark.parametrize("cfg", ["default", "mf2w4", "mf2w8"])
 @pytest.mark.parametrize("cross", [False, True])
-def test_cuda_tiny_and_padding(cross):
+def test_cuda_tiny_and_padding(monkeypatch, cross, cfg):
+    set_fwd_config(monkeypatch, cfg)
     g = torch.Generator().manual_seed(11)
     for n in (1, 2, 3, 5, 9):  # T = 1, N < K
         doc = torch.zeros(n, dtype=torch.int32)
@@ -413,12 +495,12 @@ def test_cuda_tiny_and_padding(cross):
         for d in (64, 128):
             q, k, v, ctx = make_inputs(g, lay, 4, 2, d, torch.bfloat16, "cuda", cross)
             names, ours, refs = run_both(g, lay, q, k, v, ctx, window=2)
-            assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda tiny n={n} D={d} cross={cross}")
+            assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda tiny n={n} D={d} cross={cross} fwd {cfg}")
     doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
     lay = cod_sample(doc, doc >= 0, num_depths=5, depth0="anchors" if cross else "all", seed=2).to("cuda")
     q, k, v, ctx = make_inputs(g, lay, 4, 1, 64, torch.float16, "cuda", cross)
     names, ours, refs = run_both(g, lay, q, k, v, ctx, window=6, sink=2)
-    assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda padding cross={cross}")
+    assert_close_all(names, ours, refs, tol=1e-2, what=f"cuda padding cross={cross} fwd {cfg}")
     out = cod_attention(q, k, v, lay, window=6, sink=2, **ctx)
     pad = lay.document_ids[lay.anchor.long()] < 0
     if pad.any():
@@ -426,7 +508,9 @@ def test_cuda_tiny_and_padding(cross):
 
 
 @requires_cuda
-def test_cuda_all_padding_gives_zeros():
+@pytest.mark.parametrize("cfg", ["default", "mf2w4"])
+def test_cuda_all_padding_gives_zeros(monkeypatch, cfg):
+    set_fwd_config(monkeypatch, cfg)
     doc = torch.full((300,), -1, dtype=torch.int32)
     lay = cod_sample(doc, torch.zeros(300, dtype=torch.bool), num_depths=4, seed=0).to("cuda")
     g = torch.Generator().manual_seed(1)
@@ -518,10 +602,14 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
 
 
 @requires_cuda
-@pytest.mark.parametrize("n,window,max_anchors", [(32768, None, None), (65536, 2048, 1024), (131072, 4096, None)])
-def test_cuda_large_n_spot_checks(n, window, max_anchors):
+@pytest.mark.parametrize("n,window,max_anchors,cfg", [(32768, None, None, "default"), (32768, None, None, "mf2w4"),
+                                                      (65536, 2048, 1024, "default"),
+                                                      (131072, 4096, None, "default"),
+                                                      (131072, 4096, None, "mf2w4")])
+def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):
     """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
     the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head."""
+    set_fwd_config(monkeypatch, cfg)
     g = torch.Generator().manual_seed(n)
     lay = make_layout(g, n, max_anchors=max_anchors, max_doc_len=8192, pad_tail=100, device="cuda")
     hq, hkv, d = 8, 2, 128
