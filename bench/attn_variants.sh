@@ -2,12 +2,15 @@
 # GPU check of the COD attention forward CTA shapes (PEAGLE_ATTN_FWD_MF=1|2 x PEAGLE_ATTN_FWD_WARPS=4|8,
 # see csrc/attention/cuda/cod_attn_configs.cuh), for one unattended run after the CUDA build:
 #   OUT=/path bash bench/attn_variants.sh          (about 2-3 minutes of GPU time)
-# 1. the CUDA attention tests that cover the shapes (every shape against the float64 reference,
-#    against the default shape, tiny / padding / large-N layouts), 2. the forward-only timing of
-#    every shape (bench_attention.py --fwd-configs, QUICK sizes), 3. compute-sanitizer memcheck of
-#    the MF=2 kernels (4 and 8 warps) on bench/sanitize_attention.py's small shapes (skipped if
-#    compute-sanitizer is absent; SANITIZE=0 skips it, SANITIZE=race adds racecheck). Logs and JSON under $OUT; the summary is
-#    $OUT/attn_variants_summary.txt. Exit code non-zero if any phase failed.
+# 1. the CUDA attention tests of the non-default shapes (test_cuda_fwd_configs_*: every shape
+#    against the float64 reference, against the default shape, tiny / padding / K=64 layouts;
+#    the mf2w4 cases of the CPU-equality, all-padding and large-N tests; the default shape's
+#    cases run in the main suite), 2. the forward-only timing of every shape
+#    (bench_attention.py --fwd-configs, QUICK sizes), 3. compute-sanitizer memcheck of the MF=2
+#    kernels (4 and 8 warps) on bench/sanitize_attention.py's small shapes (skipped if
+#    compute-sanitizer is absent; SANITIZE=0 skips it, SANITIZE=race adds racecheck).
+# Logs and JSON under $OUT; the summary is $OUT/attn_variants_summary.txt. Exit code non-zero if
+# any phase failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -32,7 +35,7 @@ python3 -c "import peagle_ext; print(peagle_ext.build_info())" | tee -a "$summar
 
 t0=$(date +%s)
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -ra --timeout=180 python_tests/test_attention.py \
-  -k "cuda_fwd_configs or cuda_matches_cpu_float32 or cuda_tiny_and_padding or cuda_all_padding or cuda_large_n" \
+  -k "cuda_fwd_configs or (mf2w4 and (cuda_matches_cpu_float32 or cuda_all_padding or cuda_large_n))" \
   --junitxml="$OUT/attn_variants_tests.xml" > "$OUT/attn_variants_tests.log" 2>&1
 rc=$?; note "tests: rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/attn_variants_tests.log")"
 [ $rc -eq 0 ] || status=1
@@ -46,11 +49,21 @@ rc=$?; note "bench --fwd-configs: rc=$rc in $(( $(date +%s) - t0 ))s"
 cat "$OUT/attn_variants_bench.log" >> "$summary"; tail -12 "$OUT/attn_variants_bench.log"
 
 if [ "${SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
-  # one process per tool: bench/sanitize_attention.py's shapes with MF=2 at 4 and then 8 warps
+  # one process per tool: bench/sanitize_attention.py's shapes with MF=2 at 4 and then 8 warps.
+  # Its CPU-vs-CUDA tolerance checks are reported but do not stop the run (a known bf16 dq
+  # tolerance miss at T = 1, bench/RESULTS.md run 7): the verdict here is compute-sanitizer's.
   driver='import os, sys; sys.path.insert(0, "bench"); import sanitize_attention as s
+strict_check, soft = s._check, []
+def soft_check(*a, **k):
+    try:
+        strict_check(*a, **k)
+    except AssertionError as e:
+        soft.append(repr(e)); print("tolerance miss (not a sanitizer error):", repr(e), flush=True)
+s._check = soft_check
 os.environ["PEAGLE_ATTN_FWD_MF"] = "2"
 for w in ("4", "8"):
-    os.environ["PEAGLE_ATTN_FWD_WARPS"] = w; s.run(); print("MF=2 warps", w, "done", flush=True)'
+    os.environ["PEAGLE_ATTN_FWD_WARPS"] = w; s.run(); print("MF=2 warps", w, "done", flush=True)
+print("tolerance misses:", len(soft))'
   tools=(memcheck); [ "${SANITIZE:-1}" = "race" ] && tools+=(racecheck)
   for tool in "${tools[@]}"; do
     t0=$(date +%s)
