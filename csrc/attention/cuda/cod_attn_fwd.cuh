@@ -342,6 +342,13 @@ cudaError_t launch_fwd(const CodAttnParams& p, cudaStream_t stream) {
   const int smem = Cfg::kSmemBytes + Cfg::chain_bytes(p.K);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
+  if constexpr (MF > 1) {
+    // a hint: two CTAs of 4 warps per SM need ~2 x 107 KiB of shared memory (MF = 2, D = 128);
+    // if refused, clear the error it left and go on
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared) != cudaSuccess)
+      (void)cudaGetLastError();
+  }
   kernel<<<dim3(ntiles, p.Hq), Cfg::kThreads, smem, stream>>>(p, tm);
   return cudaGetLastError();
 }
