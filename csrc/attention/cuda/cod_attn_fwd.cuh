@@ -131,7 +131,12 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
       for (int r = 0; r < 2; ++r) {
         const int rl = 16 * f + g + 8 * r;
         float mc = -INFINITY;
-        for (int e = 0; e < K; ++e) mc = fmaxf(mc, cs[rl * K + e]);
+        // NaN-propagating max (fmaxf drops NaN): a row whose only chain key is NaN must come out
+        // NaN, not skip the chain as if it had no keys (the block part propagates through exp2)
+        for (int e = 0; e < K; ++e) {
+          const float x = cs[rl * K + e];
+          mc = (x > mc || x != x) ? x : mc;
+        }
         if (mc == -INFINITY) continue;
         float lc = 0.f;
 #pragma unroll 2
