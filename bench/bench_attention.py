@@ -8,6 +8,8 @@ heads, D=128, bf16. Times include the metadata build (ours) / create_block_mask 
 
   python bench/bench_attention.py            # table + $OUT/bench_attention.json (or ./bench_out)
   QUICK=1 python bench/bench_attention.py    # fewer sizes
+  python bench/bench_attention.py --fwd-configs   # forward only, every CTA shape (FWD_CONFIGS) vs
+                                                  # the default: ms, TF/s, ratio, max|diff|
   python bench/bench_attention.py --sanitize # one small fwd+bwd (for compute-sanitizer)
   pytest bench/bench_attention.py            # pytest-benchmark entries (GPU ones skip without a GPU)
 
@@ -75,6 +77,33 @@ def peagle_mask_mod(anchor, depth, document_ids, window=None, sink=0):
         return ok & (ctx | chain)
 
     return mask_mod
+
+
+# Forward CTA shapes (env read per call by the CUDA glue, csrc/attention/cuda/cod_attn_configs.cuh):
+# 16 or 32 query rows per warp (PEAGLE_ATTN_FWD_MF=1|2) x 4 or 8 warps (PEAGLE_ATTN_FWD_WARPS).
+FWD_CONFIGS = {
+    "mf1w8": {},  # the default
+    "mf1w4": {"PEAGLE_ATTN_FWD_WARPS": "4"},
+    "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
+    "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
+}
+_FWD_ENV_KEYS = ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS")
+
+
+class fwd_config:
+    """Context manager: run the CUDA forward with the CTA shape `name` of FWD_CONFIGS."""
+
+    def __init__(self, name):
+        self.env = FWD_CONFIGS[name]
+
+    def __enter__(self):
+        self.saved = {k: os.environ.pop(k) for k in _FWD_ENV_KEYS if k in os.environ}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k in _FWD_ENV_KEYS:
+            os.environ.pop(k, None)
+        os.environ.update(self.saved)
 
 
 def cuda_time(fn, warmup=2, reps=5, target_s=1.5):
@@ -235,13 +264,17 @@ def main():
             row = {"N": n, "max_anchors": cap, "T": t}
             row["ours"] = bench_ours(lay)
             if (n, cap) in ((8192, 1024), (4096, None)):
-                # forward CTA shape A/B (PEAGLE_ATTN_FWD_WARPS): 8 warps x 16 rows vs 4 warps x 16 rows
-                os.environ["PEAGLE_ATTN_FWD_WARPS"] = "4"
-                alt = bench_ours(lay)
-                os.environ.pop("PEAGLE_ATTN_FWD_WARPS")
-                row["ours_fwd4warps"] = {"fwd_ms": alt["fwd_ms"], "fwd_bwd_ms": alt["fwd_bwd_ms"]}
-                print(f"  fwd CTA A/B at N={n} cap={cap}: 8 warps fwd {row['ours']['fwd_ms']:.2f} ms, "
-                      f"4 warps fwd {alt['fwd_ms']:.2f} ms", flush=True)
+                # forward CTA shapes (FWD_CONFIGS) against the default one
+                row["ours_fwd_configs"] = {}
+                for name in FWD_CONFIGS:
+                    if name == "mf1w8":
+                        continue
+                    with fwd_config(name):
+                        alt = bench_ours(lay)
+                    row["ours_fwd_configs"][name] = {"fwd_ms": alt["fwd_ms"], "fwd_bwd_ms": alt["fwd_bwd_ms"]}
+                    print(f"  fwd CTA shape at N={n} cap={cap}: default (mf1w8) fwd {row['ours']['fwd_ms']:.2f} ms, "
+                          f"{name} fwd {alt['fwd_ms']:.2f} ms ({row['ours']['fwd_ms'] / alt['fwd_ms']:.2f}x), "
+                          f"f+b {alt['fwd_bwd_ms']:.2f} vs {row['ours']['fwd_bwd_ms']:.2f} ms", flush=True)
             pairs = row["ours"]["pairs"]
             o = row["ours"]
             o["fwd_tflops"] = tflops(pairs, o["fwd_ms"])
@@ -328,6 +361,56 @@ def print_summary(rows):
               f"{o['fwd_bwd_tflops']:>10.0f} {sdpa_tf:>10} {ratio:>6} {o['fwd_bwd_mem_mib']:>8.0f}")
 
 
+def fwd_configs_main():
+    """Forward only, every CTA shape of FWD_CONFIGS on the bench layouts (plus a windowed one):
+    time, useful TF/s, speed-up over the default shape, and max |diff| of out against it."""
+    quick = os.environ.get("QUICK", "0") not in ("", "0")
+    out_dir = Path(os.environ.get("OUT", "bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cases = [(4096, None, None, 0), (8192, 1024, None, 0), (8192, None, None, 0), (8192, None, 1024, 4)]
+    if not quick:
+        cases += [(32768, None, None, 0), (131072, 1024, None, 0)]
+    dev = torch.cuda.get_device_name()
+    print(f"# COD attention forward CTA shapes on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
+          f"ratio = default ms / shape ms (>1: faster than the default mf1w8)")
+    names = list(FWD_CONFIGS)
+    print(f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} " + " ".join(f"{nm + ' ms':>10} {'TF/s':>5} {'ratio':>5}"
+                                                                  for nm in names) + "  max|diff| vs default")
+    rows = []
+    for n, cap, window, sink in cases:
+        lay = make_layout(n, cap)
+        t = lay.num_tokens
+        q, k, v, _ = inputs(t)
+        pairs = allowed_pairs(cod_attention_metadata(lay, window=window, sink=sink))
+        row = {"N": n, "max_anchors": cap, "window": window, "sink": sink, "T": t, "pairs": pairs, "configs": {}}
+        ref = None
+        for name in names:
+            with fwd_config(name), torch.no_grad():
+                out = cod_attention(q, k, v, lay, window=window, sink=sink)
+                ms = cuda_time(lambda: cod_attention(q, k, v, lay, window=window, sink=sink))  # noqa: B023
+            if ref is None:
+                ref = out.float()
+            diff = float((out.float() - ref).abs().max())
+            row["configs"][name] = {"fwd_ms": ms, "fwd_tflops": tflops(pairs, ms), "max_abs_diff_vs_default": diff,
+                                    "finite": bool(torch.isfinite(out).all())}
+            del out
+        base = row["configs"][names[0]]["fwd_ms"]
+        for c in row["configs"].values():
+            c["speedup_vs_default"] = base / c["fwd_ms"]
+        cs = row["configs"]
+        print(f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} "
+              + " ".join(f"{cs[nm]['fwd_ms']:>10.3f} {cs[nm]['fwd_tflops']:>5.0f} {cs[nm]['speedup_vs_default']:>5.2f}"
+                         for nm in names)
+              + "  " + " ".join(f"{nm}:{cs[nm]['max_abs_diff_vs_default']:.4f}" for nm in names[1:])
+              + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE OUTPUT"), flush=True)
+        rows.append(row)
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    (out_dir / "bench_attention_fwd_configs.json").write_text(
+        json.dumps({"device": dev, "torch": torch.__version__, "configs": FWD_CONFIGS, "rows": rows}, indent=1))
+    print(f"wrote {out_dir / 'bench_attention_fwd_configs.json'}")
+
+
 def sanitize_case():
     """A small fwd+bwd through every kernel (symmetric and cross, both head dims, sink, GQA)."""
     for cross in (False, True):
@@ -391,5 +474,7 @@ except ImportError:  # pragma: no cover
 if __name__ == "__main__":
     if "--sanitize" in sys.argv:
         sanitize_case()
+    elif "--fwd-configs" in sys.argv:
+        fwd_configs_main()
     else:
         main()

@@ -4,7 +4,9 @@ CPU: forward and every gradient in float64 against reference_cod_attention (tigh
 bf16 loosely. CUDA (skipped without a GPU): bf16/fp16 kernels against the float64 reference with
 relative L2 error <= 1e-2 on out, dq, dk, dv (+ context grads), for symmetric and cross layouts,
 windows, sinks, GQA 1/4/8, D 64/128, odd sizes; determinism; CUDA-graph capture; large N spot
-checks; metadata equal on both devices. A failing GPU case names its configuration.
+checks; metadata equal on both devices; the non-default forward CTA shapes
+(PEAGLE_ATTN_FWD_MF / PEAGLE_ATTN_FWD_WARPS) on a subset of those cases and against the default
+shape. A failing GPU case names its configuration.
 """
 import math
 import os
@@ -422,6 +424,126 @@ def test_cuda_matches_reference(dtype, d, cross, scen):
     _gpu_case(dtype, d, cross, scen)
 
 
+# Forward CTA shapes (env read per call by the CUDA glue, see csrc/attention/cuda/cod_attn_configs.cuh):
+# default = 8 warps x 16 rows; mf1w4 = 4 warps x 16 rows; mf2w4 / mf2w8 = 4 / 8 warps x 32 rows
+# (two m16 fragments per warp).
+FWD_CONFIGS = {
+    "default": {},
+    "mf1w4": {"PEAGLE_ATTN_FWD_WARPS": "4"},
+    "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
+    "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
+}
+
+
+def set_fwd_config(monkeypatch, name):
+    for key in ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in FWD_CONFIGS[name].items():
+        monkeypatch.setenv(key, value)
+
+
+# The non-default forward shapes on the reference scenarios, a subset of the cross product (the
+# default shape runs all 64 cases above): mf2w4 (the candidate default) on every scenario and head
+# dim, the mode alternating so each scenario runs in both modes; mf2w8 on every scenario; mf1w4
+# on half. dtype alternates by scenario.
+FWD_VARIANT_CASES = (
+    [("mf2w4", d, (i + d // 64) % 2 == 1, i) for d in (64, 128) for i in range(len(GPU_SCENARIOS))]
+    + [("mf2w8", 64 if i % 2 else 128, i % 4 >= 2, i) for i in range(len(GPU_SCENARIOS))]
+    + [("mf1w4", 64 if i % 4 else 128, i % 4 == 2, i) for i in range(0, len(GPU_SCENARIOS), 2)]
+)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg,d,cross,scen_idx", FWD_VARIANT_CASES,
+                         ids=[f"{c}-D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}"
+                              for c, d, x, i in FWD_VARIANT_CASES])
+def test_cuda_fwd_configs_match_reference(monkeypatch, cfg, d, cross, scen_idx):
+    """Every forward CTA shape against the float64 reference (grads too: they read the forward's
+    out and LSE)."""
+    set_fwd_config(monkeypatch, cfg)
+    dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
+    _gpu_case(dtype, d, cross, GPU_SCENARIOS[scen_idx], seed_extra=cfg)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8"])
+@pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
+def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
+    """test_cuda_tiny_and_padding's layouts (T = 1, N < K, padding runs) for every forward CTA
+    shape: the forward against the float64 reference (the bf16 gradients of T <= 3 are a known
+    tolerance issue of the backward, not this test's subject), zero rows without keys."""
+    set_fwd_config(monkeypatch, cfg)
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for n in (1, 2, 3, 5, 9):  # T = 1, N < K
+        doc = torch.zeros(n, dtype=torch.int32)
+        lay = cod_sample(doc, torch.ones(n, dtype=torch.bool), num_depths=8, depth0="anchors" if cross else "all",
+                         seed=3).to("cuda")
+        if lay.num_tokens:
+            cases += [(lay, d, torch.bfloat16, 2, 2, 0) for d in (64, 128)]
+    doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
+    lay = cod_sample(doc, doc >= 0, num_depths=5, depth0="anchors" if cross else "all", seed=2).to("cuda")
+    cases += [(lay, d, torch.float16, 1, 6, 2) for d in (64, 128)]
+    for lay, d, dtype, hkv, window, sink in cases:
+        q, k, v, ctx = make_inputs(g, lay, 4, hkv, d, dtype, "cuda", cross, requires_grad=False)
+        with torch.no_grad():
+            out = cod_attention(q, k, v, lay, window=window, sink=sink, **ctx)
+        ref = reference_cod_attention(q.double(), k.double(), v.double(), lay, window=window, sink=sink,
+                                      **{name: x.double() for name, x in ctx.items()})
+        what = f"{cfg} T={lay.num_tokens} D={d} cross={cross}"
+        assert torch.isfinite(out).all(), what
+        assert rel_l2(out, ref) <= 1e-2, f"{what}: rel err {rel_l2(out, ref):.2e}"
+        pad = lay.document_ids[lay.anchor.long()] < 0
+        assert torch.equal(out[pad], torch.zeros_like(out[pad])), f"{what}: padding rows not zero"
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", ["default", "mf2w4", "mf2w8"])
+def test_cuda_fwd_configs_deep_chains(monkeypatch, cfg):
+    """K = 64 depths (the maximum) needs the most chain scratch: mf2w8 at D = 128 would exceed the
+    shared memory per block and runs with 4 warps instead. Forward only, against the CPU op in
+    float32 on the same bf16-rounded inputs."""
+    set_fwd_config(monkeypatch, cfg)
+    g = torch.Generator().manual_seed(17)
+    lay = make_layout(g, 600, num_depths=64, max_doc_len=300, pad_tail=7)
+    assert len(lay.depth_offsets) - 1 == 64
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cpu", False, requires_grad=False)
+    with torch.no_grad():
+        out = cod_attention(q.cuda(), k.cuda(), v.cuda(), lay.to("cuda"), window=64, sink=2)
+        ref = cod_attention(q.float(), k.float(), v.float(), lay, window=64, sink=2)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out.cpu().float(), ref) <= 1e-2, f"{cfg}: rel err {rel_l2(out.cpu().float(), ref):.2e}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8"])
+def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
+    """The forward CTA shapes compute the same function: outputs and LSE agree with the default
+    shape to bf16 rounding (the key-block partition differs, so not bitwise)."""
+    g = torch.Generator().manual_seed(21)
+    lay = make_layout(g, 3000, max_doc_len=1400, pad_tail=13, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 8, 2, 128, torch.bfloat16, "cuda", False, requires_grad=False)
+    meta = cod_attention_metadata(lay, window=300, sink=3)
+
+    def forward():
+        return torch.ops.peagle.cod_attention_fwd(q, k, v, None, None, meta.ranges, meta.chains, meta.depth_offsets,
+                                                  1 / math.sqrt(128), meta.use_sink)
+
+    set_fwd_config(monkeypatch, "default")
+    ref_out, ref_lse = forward()
+    set_fwd_config(monkeypatch, cfg)
+    out, lse = forward()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), f"{cfg}: rows without keys differ"
+    fin = torch.isfinite(ref_lse)  # [Hq, T]
+    assert fin.any(), "layout should have rows with keys"
+    assert (lse[fin] - ref_lse[fin]).abs().max() <= 1e-3, f"{cfg}: lse differs"
+    rows = fin.T  # [T, Hq]
+    row_err = (out.float() - ref_out.float()).norm(dim=-1) / ref_out.float().norm(dim=-1).clamp_min(1e-6)
+    assert row_err[rows].max() <= 0.05, f"{cfg}: worst row rel err {row_err[rows].max():.3e}"
+    assert rel_l2(out.float(), ref_out.float()) <= 1e-2, f"{cfg}: out differs"
+    assert torch.equal(out[~rows], torch.zeros_like(out[~rows])), f"{cfg}: rows without keys not zero"
+
+
 @requires_cuda
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("window,sink", [(None, 0), (40, 0), (9, 4), (2, 0)])
@@ -435,9 +557,11 @@ def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
 
 
 @requires_cuda
+@pytest.mark.parametrize("cfg", ["default", "mf2w4"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_matches_cpu_float32(rng, d):
+def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg):
     """Same algorithm on both devices: CUDA bf16 vs the CPU path in float32 on bf16-rounded inputs."""
+    set_fwd_config(monkeypatch, cfg)
     lay = make_layout(rng, 1500, max_doc_len=600, pad_tail=11)
     q, k, v, _ = make_inputs(rng, lay, 8, 2, d, torch.bfloat16, "cuda", False)
     go = torch.randn(q.shape, generator=rng).to("cuda", torch.bfloat16)
@@ -447,7 +571,7 @@ def test_cuda_matches_cpu_float32(rng, d):
     cout = cod_attention(cq, ck, cv, lay, window=200, sink=4)
     cg = torch.autograd.grad(cout, [cq, ck, cv], go.cpu().float())
     assert_close_all(["out", "dq", "dk", "dv"], [out.cpu()] + [x.cpu() for x in gq], [cout] + list(cg), tol=1e-2,
-                     what=f"cuda vs cpu D={d}")
+                     what=f"cuda vs cpu D={d} fwd {cfg}")
 
 
 @requires_cuda
@@ -485,7 +609,9 @@ def test_cuda_tiny_and_padding(cross):
 
 
 @requires_cuda
-def test_cuda_all_padding_gives_zeros():
+@pytest.mark.parametrize("cfg", ["default", "mf2w4"])
+def test_cuda_all_padding_gives_zeros(monkeypatch, cfg):
+    set_fwd_config(monkeypatch, cfg)
     doc = torch.full((300,), -1, dtype=torch.int32)
     lay = cod_sample(doc, torch.zeros(300, dtype=torch.bool), num_depths=4, seed=0).to("cuda")
     g = torch.Generator().manual_seed(1)
@@ -581,10 +707,14 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
 
 
 @requires_cuda
-@pytest.mark.parametrize("n,window,max_anchors", [(32768, None, None), (65536, 2048, 1024), (131072, 4096, None)])
-def test_cuda_large_n_spot_checks(n, window, max_anchors):
+@pytest.mark.parametrize("n,window,max_anchors,cfg", [(32768, None, None, "default"), (32768, None, None, "mf2w4"),
+                                                      (65536, 2048, 1024, "default"),
+                                                      (131072, 4096, None, "default"),
+                                                      (131072, 4096, None, "mf2w4")])
+def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):
     """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
     the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head."""
+    set_fwd_config(monkeypatch, cfg)
     g = torch.Generator().manual_seed(n)
     lay = make_layout(g, n, max_anchors=max_anchors, max_doc_len=8192, pad_tail=100, device="cuda")
     hq, hkv, d = 8, 2, 128

@@ -37,7 +37,10 @@ struct CodAttnParams {
   int T = 0, N = 0, Hq = 0, Hkv = 0, D = 0, K = 0, group = 1;
   int symmetric = 1, use_sink = 0;
   float scale = 1.f, scale_log2 = 1.f;
-  int fwd_warps = 8;  // forward CTA size: 8 or 4 warps (env PEAGLE_ATTN_FWD_WARPS, read by the glue)
+  // forward CTA shape (env PEAGLE_ATTN_FWD_WARPS / PEAGLE_ATTN_FWD_MF, read by the glue; see
+  // run_fwd in cuda/cod_attn_configs.cuh): warps 4 or 8 (0 = the default of the MF), MF 1 or 2
+  int fwd_warps = 0;
+  int fwd_mf = 1;
   int depth_offsets[kMaxChain + 1] = {};
 };
 

@@ -24,10 +24,18 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "cod_attention: ", what, " launch failed: ", cudaGetErrorString(err));
 }
 
-// Read per call (cheap), so a benchmark can compare both forward configurations in one process.
+// Read per call (cheap), so a benchmark can compare the forward configurations in one process.
+// PEAGLE_ATTN_FWD_WARPS: 4 or 8, anything else (or unset) = 0, the default of the chosen MF.
 int fwd_warps_from_env() {
   const char* v = std::getenv("PEAGLE_ATTN_FWD_WARPS");
-  return (v != nullptr && std::atoi(v) == 4) ? 4 : 8;
+  if (v == nullptr) return 0;
+  const int w = std::atoi(v);
+  return (w == 4 || w == 8) ? w : 0;
+}
+// PEAGLE_ATTN_FWD_MF: 2 selects 32 query rows per warp; anything else (or unset) = 1.
+int fwd_mf_from_env() {
+  const char* v = std::getenv("PEAGLE_ATTN_FWD_MF");
+  return (v != nullptr && std::atoi(v) == 2) ? 2 : 1;
 }
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -67,6 +75,7 @@ CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Te
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   for (int64_t e = 0; e <= s.K; ++e) p.depth_offsets[e] = static_cast<int>(depth_offsets[e]);
   p.fwd_warps = fwd_warps_from_env();
+  p.fwd_mf = fwd_mf_from_env();
   return p;
 }
 

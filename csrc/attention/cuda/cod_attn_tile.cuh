@@ -45,32 +45,39 @@ struct TileKeys {
 template <int BM, int NTHREADS, int BN>
 __device__ TileKeys setup_query_tile(const CodAttnParams& p, const QTile& qt, int* s_meta, int* s_red, int tid) {
   constexpr int NWARPS = NTHREADS / 32;
-  static_assert(BM <= NTHREADS, "one thread per tile row");
+  static_assert(BM <= NTHREADS || BM % NTHREADS == 0, "threads take tile rows tid, tid + NTHREADS, ...");
   const int lane = tid & 31, warp = tid >> 5;
-  int lo = 0, hi = 0, slo = 0, shi = 0, valid = 0, chain_any = 0;
-  if (tid < BM && tid < qt.rows) {
-    const int64_t i = qt.row0 + tid;
-    const int64_t T = p.T;
-    lo = p.ranges[kLo * T + i];
-    hi = p.ranges[kHi * T + i];
-    if (p.use_sink) {
-      slo = p.ranges[kSinkLo * T + i];
-      shi = p.ranges[kSinkHi * T + i];
+  // identities of the reductions below (what a row past the tile contributes)
+  int v[7] = {INT_MAX, INT_MIN, INT_MAX, INT_MIN, INT_MIN, INT_MAX, 0};
+  for (int row = tid; row < BM; row += NTHREADS) {
+    int lo = 0, hi = 0, slo = 0, shi = 0, valid = 0, chain_any = 0;
+    if (row < qt.rows) {
+      const int64_t i = qt.row0 + row;
+      const int64_t T = p.T;
+      lo = p.ranges[kLo * T + i];
+      hi = p.ranges[kHi * T + i];
+      if (p.use_sink) {
+        slo = p.ranges[kSinkLo * T + i];
+        shi = p.ranges[kSinkHi * T + i];
+      }
+      valid = p.ranges[kValid * T + i];
+      if (valid)
+        for (int e = 0; e < p.K; ++e) chain_any |= p.chain[i * p.K + e] >= 0;
     }
-    valid = p.ranges[kValid * T + i];
-    if (valid)
-      for (int e = 0; e < p.K; ++e) chain_any |= p.chain[i * p.K + e] >= 0;
+    s_meta[0 * BM + row] = lo;
+    s_meta[1 * BM + row] = hi;
+    s_meta[2 * BM + row] = slo;
+    s_meta[3 * BM + row] = shi;
+    s_meta[4 * BM + row] = valid;
+    const bool has_w = valid && lo < hi, has_s = valid && slo < shi;
+    v[0] = min(v[0], has_w ? lo : INT_MAX);
+    v[1] = max(v[1], has_w ? hi : INT_MIN);
+    v[2] = min(v[2], has_s ? slo : INT_MAX);
+    v[3] = max(v[3], has_s ? shi : INT_MIN);
+    v[4] = max(v[4], valid ? lo : INT_MIN);
+    v[5] = min(v[5], valid ? hi : INT_MAX);
+    v[6] = max(v[6], chain_any);
   }
-  if (tid < BM) {
-    s_meta[0 * BM + tid] = lo;
-    s_meta[1 * BM + tid] = hi;
-    s_meta[2 * BM + tid] = slo;
-    s_meta[3 * BM + tid] = shi;
-    s_meta[4 * BM + tid] = valid;
-  }
-  const bool has_w = valid && lo < hi, has_s = valid && slo < shi;
-  int v[7] = {has_w ? lo : INT_MAX, has_w ? hi : INT_MIN, has_s ? slo : INT_MAX, has_s ? shi : INT_MIN,
-              valid ? lo : INT_MIN, valid ? hi : INT_MAX, chain_any};
   v[0] = warp_min(v[0]);
   v[1] = warp_max(v[1]);
   v[2] = warp_min(v[2]);
