@@ -1,5 +1,6 @@
 """PEagleDraftModel and PEagleConfig: checkpoint format, layer semantics vs transformers, mask
 token and vocab rules, sequence-partition gradients, learning on a tiny overfit, bad input."""
+import dataclasses
 import json
 
 import pytest
@@ -367,3 +368,27 @@ def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
     for k, g in g1.items():
         g2 = dict(mc.named_parameters())[k].grad
         assert float((g2 - g).norm() / (g.norm() + 1e-12)) < 2e-2, k
+
+
+def test_bf16_states_under_autocast_skip_the_fp32_copy_with_equal_results(rng):
+    """Under bf16 autocast, bf16 verifier states are concatenated in bf16 (no fp32 copy of
+    [N, 3H]); fc casts its input to bf16 anyway, so loss and every gradient equal those of the
+    same states passed as fp32 (the fp32 path), bit for bit."""
+    m = make_model(rng)
+    assert m.input_norm is None  # the path only applies without a norm before fc
+    ex = make_example(rng)
+    ex16 = dataclasses.replace(ex, hidden=ex.hidden.bfloat16())
+    ex32 = dataclasses.replace(ex, hidden=ex16.hidden.float())
+    lay = m.sample_layout(ex, seed=3)
+    res, fc_in = [], []
+    hook = m.fc.register_forward_pre_hook(lambda mod, args: fc_in.append(args[0].dtype))
+    for e in (ex16, ex32):
+        m.zero_grad(set_to_none=True)
+        met = m.forward_backward(e, lay, autocast_dtype=torch.bfloat16)
+        res.append((met["loss_sum"], [p.grad.clone() for p in m.parameters() if p.grad is not None]))
+    hook.remove()
+    assert fc_in == [torch.bfloat16, torch.float32]  # the bf16 path was taken, then the fp32 one
+    assert res[0][0] == res[1][0]
+    assert len(res[0][1]) == len(res[1][1]) > 0
+    for a, b in zip(res[0][1], res[1][1]):
+        assert torch.equal(a, b)
