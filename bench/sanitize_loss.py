@@ -48,6 +48,8 @@ def main():
             ref_inputs = [x.float() for x in inputs]
             for kind in ("kl", "ce"):
                 for grad in (True, False):
+                    # marks each case in the sanitizer's log (its reports are printed in order)
+                    print(f"case t={t} h={h} vd={vd} v={v} chunk={chunk} {dtype} {kind} grad={grad}", flush=True)
                     got = run(inputs, weight, depth, d2t, "cuda", kind, chunk, grad)
                     want = run(ref_inputs, weight, depth, d2t, "cpu", kind, chunk, grad)
                     tol = 1e-4 if dtype == torch.float32 else 3e-2
