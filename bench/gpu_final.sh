@@ -12,19 +12,8 @@ work="$OUT/final"
 mkdir -p "$work"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 t_end=$(( $(date +%s) + ${CALL_BUDGET:-570} ))
-left() { echo $(( t_end - $(date +%s) )); }
 sum="$OUT/summary.txt"
-note() { echo "$*" | tee -a "$sum"; }
-box() {  # box <max seconds> <log> <cmd...>: run with min(max, time left - 5)
-  local max=$1 log=$2; shift 2
-  local t=$(( $(left) - 5 )); [ $t -gt $max ] && t=$max
-  if [ $t -lt 10 ]; then note "skipped (time): $*"; return 99; fi
-  local t0=$(date +%s)
-  timeout $t "$@" > "$log" 2>&1
-  local rc=$?
-  note "rc=$rc in $(( $(date +%s) - t0 ))s (box ${t}s): $*"
-  return $rc
-}
+source bench/_gpu_box.sh
 
 OUT="$work/suite" bash bench/gpu_suite.sh build > "$work/build_phase.log" 2>&1
 cat "$work/suite/summary.txt" >> "$sum"

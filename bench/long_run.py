@@ -80,9 +80,11 @@ def run(steps: int = 2000, *, device: str = "cpu", out_dir=None, log_every: int 
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.TemporaryDirectory(prefix="peagle_long_run_") if workdir is None else None
     work = Path(workdir or tmp.name)
-    verifier = make_tiny_verifier(work / "verifier")
-    data = make_chat_jsonl(work / "chat.jsonl", n=60, turns=2, words=(4, 16))
     cuda = device.startswith("cuda")
+    # the CUDA attention kernels take head dim 64 or 128: hidden 128 x 2 heads there (hidden 64,
+    # head dim 32, on the CPU as before)
+    verifier = make_tiny_verifier(work / "verifier", hidden=128 if cuda else 64)
+    data = make_chat_jsonl(work / "chat.jsonl", n=60, turns=2, words=(4, 16))
     samples: list[dict] = []
     t_start = time.time()
 

@@ -775,6 +775,12 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         raise TrainError("the verifier has no final norm (model.norm): not a llama/qwen-style causal LM")
     if int(vcfg.hidden_size) != model.config.hidden_size:
         raise TrainError(f"verifier/draft hidden size mismatch: verifier {vcfg.hidden_size}, draft {model.config.hidden_size}")
+    head_dim = model.layers[0].self_attn.head_dim
+    if torch.device(device).type == "cuda" and head_dim not in (64, 128):
+        # say it before the verifier pass, not from inside the first forward
+        raise TrainError(f"the drafter's attention head dim is {head_dim} (from the verifier config); the CUDA "
+                         f"COD attention kernels support 64 and 128: train on --device cpu, or use a verifier "
+                         f"with head dim 64/128")
     model.attach_verifier(norm_weight=norm.weight.detach().float().cpu(),
                           lm_head_weight=verifier.get_output_embeddings().weight.detach().float().cpu(),
                           norm_eps=getattr(vcfg, "rms_norm_eps", 1e-6),

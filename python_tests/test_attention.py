@@ -94,14 +94,16 @@ def flash_backward_reference(q, k, v, ctx, lay, go, out, *, window=None, sink=0,
     return [dq, dkk[n:], dvv[n:], dkk[:n], dvv[:n]]
 
 
-def rel_l2(x, ref):
+def rel_l2(x, ref, floor=0.0):
+    """||x - ref|| / max(||ref||, floor * sqrt(numel)): floor > 0 keeps a reference that cancels
+    to ~0 (one key per row: the exact dq is 0) from turning rounding noise into a huge ratio."""
     x, ref = x.double(), ref.double()
-    den = ref.norm().item()
+    den = max(ref.norm().item(), floor * math.sqrt(ref.numel()))
     num = (x - ref).norm().item()
     return num / den if den > 0 else num
 
 
-def assert_close_all(names, ours, refs, *, tol, what, rel=True):
+def assert_close_all(names, ours, refs, *, tol, what, rel=True, floor=0.0):
     """Checks every tensor and reports all of them at once (one GPU run should say exactly
     which outputs of which configuration are off, and by how much)."""
     report, bad = [], False
@@ -113,7 +115,7 @@ def assert_close_all(names, ours, refs, *, tol, what, rel=True):
             continue
         nonfinite = int((~torch.isfinite(a)).sum())
         if rel:
-            err = rel_l2(a, b) if nonfinite == 0 else float("inf")
+            err = rel_l2(a, b, floor) if nonfinite == 0 else float("inf")
         else:
             err = (a.double() - b.double()).abs().max().item() if nonfinite == 0 else float("inf")
         worst = ""
@@ -425,11 +427,12 @@ def test_cuda_matches_reference(dtype, d, cross, scen):
 
 
 # Forward CTA shapes (env read per call by the CUDA glue, see csrc/attention/cuda/cod_attn_configs.cuh):
-# default = 8 warps x 16 rows; mf1w4 = 4 warps x 16 rows; mf2w4 / mf2w8 = 4 / 8 warps x 32 rows
-# (two m16 fragments per warp).
+# default = 16 rows per warp, 8 warps at D = 64 and 4 at D = 128; mf1w4 / mf1w8 = 4 / 8 warps x 16
+# rows; mf2w4 / mf2w8 = 4 / 8 warps x 32 rows (two m16 fragments per warp).
 FWD_CONFIGS = {
     "default": {},
     "mf1w4": {"PEAGLE_ATTN_FWD_WARPS": "4"},
+    "mf1w8": {"PEAGLE_ATTN_FWD_WARPS": "8"},
     "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
     "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
 }
@@ -450,6 +453,7 @@ FWD_VARIANT_CASES = (
     [("mf2w4", d, (i + d // 64) % 2 == 1, i) for d in (64, 128) for i in range(len(GPU_SCENARIOS))]
     + [("mf2w8", 64 if i % 2 else 128, i % 4 >= 2, i) for i in range(len(GPU_SCENARIOS))]
     + [("mf1w4", 64 if i % 4 else 128, i % 4 == 2, i) for i in range(0, len(GPU_SCENARIOS), 2)]
+    + [("mf1w8", 128, i % 4 == 3, i) for i in range(1, len(GPU_SCENARIOS), 2)]  # D=128's former default
 )
 
 
@@ -592,11 +596,14 @@ def test_cuda_tiny_and_padding(cross):
             # the exact dq is 0). The backward takes delta = rowsum(dO * O) from the rounded bf16
             # output, as FlashAttention does; that rounding alone then costs ~1e-2 relative error
             # in dq/dk (seen: 1.3e-2 at n=2). So: the gradients must match this algorithm run
-            # exactly in float64 on our own output to 1e-2, and the exact math to 3e-2.
+            # exactly in float64 on our own output to 1e-2, and the exact math to 3e-2. Norms are
+            # floored at an RMS of 1e-3 per element (gradients here are O(1) per element): at T = 1
+            # both references are ~0 and only rounding noise (~1e-7) is left to compare.
             algo = flash_backward_reference(q, k, v, ctx, lay, go, ours[0], window=2)
             assert_close_all(names[:1], ours[:1], refs[:1], tol=1e-2, what=what)
-            assert_close_all(names[1:], ours[1:], algo, tol=1e-2, what=what + " (vs its algorithm in float64)")
-            assert_close_all(names[1:], ours[1:], refs[1:], tol=3e-2, what=what + " (vs exact gradients)")
+            assert_close_all(names[1:], ours[1:], algo, tol=1e-2, floor=1e-3,
+                             what=what + " (vs its algorithm in float64)")
+            assert_close_all(names[1:], ours[1:], refs[1:], tol=3e-2, floor=1e-3, what=what + " (vs exact gradients)")
     doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
     lay = cod_sample(doc, doc >= 0, num_depths=5, depth0="anchors" if cross else "all", seed=2).to("cuda")
     q, k, v, ctx = make_inputs(g, lay, 4, 1, 64, torch.float16, "cuda", cross)
