@@ -15,7 +15,7 @@ for variant in default noworkspace nocache; do
     nocache) envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1) ;;
   esac
   log="$OUT/initcheck_loss_$variant.log"
-  env "${envs[@]}" timeout 120 compute-sanitizer --tool initcheck --print-limit 100000 --show-backtrace none \
+  env "${envs[@]}" timeout 120 compute-sanitizer --tool initcheck --print-limit 100000 --show-backtrace no \
     python3 bench/sanitize_ops.py loss > "$log" 2>&1
   echo "== initcheck loss, $variant: rc=$? $(grep -E 'ERROR SUMMARY' "$log" | tail -1)"
   awk '/^case /{c=substr($0, 6); next} /Uninitialized/{n[c]++} END {for (k in n) print "   " n[k] " reports: " k}' "$log" | sort -k4
