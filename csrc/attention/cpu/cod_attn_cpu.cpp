@@ -59,22 +59,15 @@ std::vector<QTile> query_tiles(const std::vector<int64_t>& offsets, int64_t tile
   return out;
 }
 
-// The key ranges a tile visits: the hull of its rows' sink ranges and the hull of their window
-// ranges, merged when they touch. Keys are visited once: a block of one range is clipped to it.
-struct KeySpans {
+// Up to two disjoint index ranges [lo, hi): a window range and a sink range, merged into one
+// when they touch (so that no index is visited twice).
+struct Spans {
   int64_t lo[2], hi[2];
   int n = 0;
 };
 
-KeySpans tile_key_spans(const Ranges& R, int64_t r0, int64_t r1, bool use_sink) {
-  int64_t wlo = std::numeric_limits<int64_t>::max(), whi = std::numeric_limits<int64_t>::min();
-  int64_t slo = wlo, shi = whi;
-  for (int64_t i = r0; i < r1; ++i) {
-    if (!R.valid[i]) continue;
-    if (R.lo[i] < R.hi[i]) { wlo = std::min<int64_t>(wlo, R.lo[i]); whi = std::max<int64_t>(whi, R.hi[i]); }
-    if (use_sink && R.slo[i] < R.shi[i]) { slo = std::min<int64_t>(slo, R.slo[i]); shi = std::max<int64_t>(shi, R.shi[i]); }
-  }
-  KeySpans s;
+inline Spans merge_spans(int64_t wlo, int64_t whi, int64_t slo, int64_t shi) {
+  Spans s;
   const bool has_w = wlo < whi, has_s = slo < shi;
   if (has_w && has_s && slo <= whi && wlo <= shi) {
     s.lo[0] = std::min(slo, wlo); s.hi[0] = std::max(shi, whi); s.n = 1;
@@ -83,6 +76,19 @@ KeySpans tile_key_spans(const Ranges& R, int64_t r0, int64_t r1, bool use_sink) 
     if (has_w) { s.lo[s.n] = wlo; s.hi[s.n] = whi; ++s.n; }
   }
   return s;
+}
+
+// The key ranges a tile visits: the hull of its rows' sink ranges and the hull of their window
+// ranges, merged when they touch. Keys are visited once: a block of one range is clipped to it.
+Spans tile_key_spans(const Ranges& R, int64_t r0, int64_t r1, bool use_sink) {
+  int64_t wlo = std::numeric_limits<int64_t>::max(), whi = std::numeric_limits<int64_t>::min();
+  int64_t slo = wlo, shi = whi;
+  for (int64_t i = r0; i < r1; ++i) {
+    if (!R.valid[i]) continue;
+    if (R.lo[i] < R.hi[i]) { wlo = std::min<int64_t>(wlo, R.lo[i]); whi = std::max<int64_t>(whi, R.hi[i]); }
+    if (use_sink && R.slo[i] < R.shi[i]) { slo = std::min<int64_t>(slo, R.slo[i]); shi = std::max<int64_t>(shi, R.shi[i]); }
+  }
+  return merge_spans(wlo, whi, slo, shi);
 }
 
 template <typename acc_t>
@@ -169,7 +175,7 @@ void forward_impl(const Geometry& G, const Inputs<acc_t>& in, const Ranges& R, c
           update(r, sv, in.v + c * ks + hk * D);
         }
       }
-      const KeySpans spans = tile_key_spans(R, tile.r0, tile.r1, use_sink);
+      const Spans spans = tile_key_spans(R, tile.r0, tile.r1, use_sink);
       for (int sp = 0; sp < spans.n; ++sp) {
         for (int64_t j0 = spans.lo[sp]; j0 < spans.hi[sp]; j0 += kTileK) {
           const int64_t nj = std::min(kTileK, spans.hi[sp] - j0);
@@ -243,7 +249,7 @@ void dq_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<acc_t>&
           for (int64_t d = 0; d < D; ++d) g[d] += ds * kc[d];
         }
       }
-      const KeySpans spans = tile_key_spans(R, tile.r0, tile.r1, use_sink);
+      const Spans spans = tile_key_spans(R, tile.r0, tile.r1, use_sink);
       for (int sp = 0; sp < spans.n; ++sp) {
         for (int64_t j0 = spans.lo[sp]; j0 < spans.hi[sp]; j0 += kTileK) {
           const int64_t nj = std::min(kTileK, spans.hi[sp] - j0);
@@ -276,24 +282,11 @@ void dq_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<acc_t>&
 // window: hi > j0 and lo < j1; sink: shi > j0 and slo < j1 (each a contiguous run because the
 // bounds are nondecreasing within a depth). Overlapping runs are merged so no query is visited
 // twice for the same key block.
-struct QuerySpans {
-  int64_t lo[2], hi[2];
-  int n = 0;
-};
-
-inline QuerySpans key_block_queries(const Ranges& R, int64_t b, int64_t e, int64_t j0, int64_t j1, bool use_sink) {
-  QuerySpans q;
+inline Spans key_block_queries(const Ranges& R, int64_t b, int64_t e, int64_t j0, int64_t j1, bool use_sink) {
   const int64_t wb = lower_bound_i32(R.hi, b, e, j0 + 1), we = lower_bound_i32(R.lo, b, e, j1);
   int64_t sb = 0, se = 0;
   if (use_sink) { sb = lower_bound_i32(R.shi, b, e, j0 + 1); se = lower_bound_i32(R.slo, b, e, j1); }
-  const bool has_w = wb < we, has_s = sb < se;
-  if (has_w && has_s && sb <= we && wb <= se) {
-    q.lo[0] = std::min(wb, sb); q.hi[0] = std::max(we, se); q.n = 1;
-  } else {
-    if (has_s) { q.lo[q.n] = sb; q.hi[q.n] = se; ++q.n; }
-    if (has_w) { q.lo[q.n] = wb; q.hi[q.n] = we; ++q.n; }
-  }
-  return q;
+  return merge_spans(wb, we, sb, se);
 }
 
 // dK/dV of the range keys (symmetric: rows 0..N-1 of k/v; cross: context rows), key-major.
@@ -312,7 +305,7 @@ void dkv_range_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<
       for (int64_t j = j0; j < j1; ++j)
         for (int64_t d = 0; d < D; ++d) dk[j * ks + hk * D + d] = dv[j * ks + hk * D + d] = 0;
       for (int64_t e = 0; e < ndepths; ++e) {
-        const QuerySpans qsp = key_block_queries(R, offsets[e], offsets[e + 1], j0, j1, use_sink);
+        const Spans qsp = key_block_queries(R, offsets[e], offsets[e + 1], j0, j1, use_sink);
         for (int sp = 0; sp < qsp.n; ++sp) {
           for (int64_t i0 = qsp.lo[sp]; i0 < qsp.hi[sp]; i0 += kTileQB) {
             const int64_t ni = std::min(kTileQB, qsp.hi[sp] - i0);
