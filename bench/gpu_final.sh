@@ -7,16 +7,8 @@
 # $OUT/final.tgz plus $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-work="$OUT/final"
-mkdir -p "$work"
-export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
-t_end=$(( $(date +%s) + ${CALL_BUDGET:-570} ))
-sum="$OUT/summary.txt"
 source bench/_gpu_box.sh
-
-OUT="$work/suite" bash bench/gpu_suite.sh build > "$work/build_phase.log" 2>&1
-cat "$work/suite/summary.txt" >> "$sum"
+call_start final 570
 
 # 0. the default forward after the MF-generalised rewrite: every default-shape CUDA attention test
 box 150 "$work/attn_default_tests.log" python3 -m pytest -q -ra --timeout=120 python_tests/test_attention.py \
@@ -51,5 +43,4 @@ for mf in 1 2; do
     --cases peagle-1L-8K --budget-s 40 --out "$work/train_step_mf$mf" --logdir "$work/train_step_mf${mf}_logs"
   grep -E "^\| peagle" "$work/train_step_mf$mf.log" | sed "s/^/MF=$mf /" | tee -a "$sum"
 done
-note "== final done, $(left)s of the call budget left"
-(cd "$OUT" && tar czf final.tgz final && rm -rf final)
+call_end

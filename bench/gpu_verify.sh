@@ -5,16 +5,8 @@
 # Everything lands in $OUT/verify.tgz plus $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-work="$OUT/verify"
-mkdir -p "$work"
-export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
-t_end=$(( $(date +%s) + ${CALL_BUDGET:-400} ))
-sum="$OUT/summary.txt"
 source bench/_gpu_box.sh
-
-OUT="$work/suite" bash bench/gpu_suite.sh build > "$work/build_phase.log" 2>&1
-cat "$work/suite/summary.txt" >> "$sum"
+call_start verify 400
 
 # every default-shape CUDA attention test (D=128 forward now 4 warps) + the former default shape
 box 120 "$work/attn_tests.log" python3 -m pytest -q -ra --timeout=100 python_tests/test_attention.py \
@@ -37,5 +29,4 @@ cat "$work/initcheck_diag.log" | tee -a "$sum"
 
 box 200 "$work/long_run.log" python3 bench/long_run.py --device cuda --steps 2000 --out "$work/long_run"
 tail -8 "$work/long_run.log" | tee -a "$sum"
-note "== verify done, $(left)s of the call budget left"
-(cd "$OUT" && tar czf verify.tgz verify && rm -rf verify)
+call_end
