@@ -876,8 +876,8 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
 def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):
     """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
     the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head.
-    cfg "atomic": the default forward with the atomic-dQ backward (up to 512 atomic adds per dq
-    element at N = 32K uncapped)."""
+    cfg "atomic": the default forward with the atomic-dQ backward (documents up to 8192 tokens:
+    up to 128 key blocks, i.e. atomic adds, per dq element)."""
     set_fwd_config(monkeypatch, "default" if cfg == "atomic" else cfg)
     set_bwd_variant(monkeypatch, "atomic" if cfg == "atomic" else "default")
     g = torch.Generator().manual_seed(n)
