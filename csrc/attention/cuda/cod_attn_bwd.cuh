@@ -254,17 +254,19 @@ struct DkvConfig {
       kTileBytes + kDsBytes + (2 * kMetaFields * BMQ + 4 * kMaxChain + 2 * kMaxChain + 1) * 4;
 };
 
-// Byte offset of the 16-bit element pair (key, queries 8 * qchunk + 2w, +1) ... of the dS^T tile:
-// rows = keys (BMQ halfwords = BMQ / 8 chunks of 16 bytes each), chunk qchunk of row `key` stored
-// at chunk qchunk ^ swizzle(key). The swizzle makes both accesses conflict-free:
+// Byte offset of 16-byte chunk `qchunk` (queries 8 qchunk .. 8 qchunk + 7) of row `key` of the
+// dS^T tile [kBN keys][BMQ queries] (16-bit; BMQ / 8 chunks per row), stored at chunk
+// qchunk ^ swizzle(key). The swizzle makes both accesses bank-conflict-free:
 //  * ldmatrix (one 8x8 matrix = 8 consecutive keys key0 + r, r = 0..7, key0 % 8 == 0, one logical
-//    chunk): the 8 rows must hit 8 different 16-byte bank groups, i.e. distinct (addr / 16) % 8.
-//    BMQ = 64 (8 chunks, 128-byte rows): addr / 16 = 8 key + (c ^ r) -> (c ^ r) % 8, distinct.
-//    BMQ = 32 (4 chunks, 64-byte rows): addr / 16 = 4 key + (c ^ ((r >> 1) & 3)) -> % 8 is
-//    4 (r & 1) + (c ^ ((r >> 1) & 3)): r & 1 and (r >> 1) & 3 together take 8 distinct values.
-//  * the 32-bit stores of a warp (fixed chunk, keys 16 warp + g (+ 8), word t of the chunk):
-//    bank = (addr / 4) % 32 = 4 ((addr / 16) % 8) + t with the same (addr / 16) % 8 as above over
-//    g = 0..7 (16 warp and the + 8 change neither key & 7's low bits used nor key & 1), distinct.
+//    chunk c): the 8 row addresses must fall in 8 different 16-byte bank groups, i.e. have
+//    distinct (addr / 16) % 8.
+//    BMQ = 64 (8 chunks, 128-byte rows): addr / 16 = 8 key + (c ^ r): % 8 = c ^ r, distinct.
+//    BMQ = 32 (4 chunks, 64-byte rows): addr / 16 = 4 key + (c ^ ((r >> 1) & 3)): % 8 =
+//    4 (r & 1) + (c ^ ((r >> 1) & 3)); (r & 1, (r >> 1) & 3) takes 8 distinct values.
+//  * the warp's 32-bit stores (fixed chunk; keys 16 warp + g or 16 warp + g + 8, g = 0..7; word t
+//    of the chunk): bank = (addr / 4) % 32 = 4 ((addr / 16) % 8) + t, and (addr / 16) % 8 depends
+//    only on the key's low 3 bits (= g, as 16 warp and + 8 leave them alone): the same 8 distinct
+//    values as above, so 32 distinct banks.
 template <int BMQ>
 __device__ __forceinline__ uint32_t ds_swz(int key, int qchunk) {
   static_assert(BMQ == 32 || BMQ == 64, "dS^T tile swizzle is defined for 4 or 8 chunks per row");
