@@ -671,6 +671,31 @@ def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
 
 
 @requires_cuda
+@pytest.mark.parametrize("bwd", ["default", "atomic"])
+def test_cuda_bwd_variants_select_kernels(monkeypatch, bwd):
+    """The env switch really picks the backward: the kernels launched by one backward (profiler)
+    are the query-major dQ kernel for the default and the dQ finish kernel (no dQ kernel) for
+    "atomic". Without this, every atomic test above would also pass if the glue ignored the env."""
+    from torch.profiler import ProfilerActivity, profile
+    set_bwd_variant(monkeypatch, bwd)
+    g = torch.Generator().manual_seed(41)
+    lay = make_layout(g, 400, max_doc_len=200, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 64, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    out = cod_attention(q, k, v, lay, window=50, sink=2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, [q, k, v], go)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "cod_attn_" in e.name]
+    if not names:
+        pytest.skip("the profiler recorded no kernels here")
+    has_dq = any("cod_attn_dq_kernel" in n for n in names)
+    has_finish = any("cod_attn_dq_finish_kernel" in n for n in names)
+    assert (has_dq, has_finish) == ((False, True) if bwd == "atomic" else (True, False)), sorted(set(names))
+
+
+@requires_cuda
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("window,sink", [(None, 0), (40, 0), (9, 4), (2, 0)])
 def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
