@@ -10,6 +10,9 @@ heads, D=128, bf16. Times include the metadata build (ours) / create_block_mask 
   QUICK=1 python bench/bench_attention.py    # fewer sizes
   python bench/bench_attention.py --fwd-configs   # forward only, every CTA shape (FWD_CONFIGS) vs
                                                   # the default: ms, TF/s, ratio, max|diff|
+  python bench/bench_attention.py --bwd-configs   # fwd+bwd under each backward variant
+                                                  # (BWD_CONFIGS: deterministic / atomic dQ) vs the
+                                                  # default: ms, bwd TF/s, ratio, grad diffs, memory
   python bench/bench_attention.py --sanitize # one small fwd+bwd (for compute-sanitizer)
   pytest bench/bench_attention.py            # pytest-benchmark entries (GPU ones skip without a GPU)
 
@@ -105,6 +108,31 @@ class fwd_config:
         for k in _FWD_ENV_KEYS:
             os.environ.pop(k, None)
         os.environ.update(self.saved)
+
+
+# Backward variants (env PEAGLE_ATTN_BWD, read per call by the CUDA glue, csrc/attention/cuda/
+# cod_attn_bwd.cuh launch_bwd): the deterministic default (separate query-major dQ pass: 7 matmuls
+# per pair) and "atomic" (dQ summed with fp32 atomics in the key-major dK/dV pass: 5 matmuls).
+BWD_CONFIGS = {
+    "default": {},
+    "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
+}
+
+
+class bwd_config:
+    """Context manager: run the CUDA backward as the variant `name` of BWD_CONFIGS."""
+
+    def __init__(self, name):
+        self.env = BWD_CONFIGS[name]
+
+    def __enter__(self):
+        self.saved = os.environ.pop("PEAGLE_ATTN_BWD", None)
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        os.environ.pop("PEAGLE_ATTN_BWD", None)
+        if self.saved is not None:
+            os.environ["PEAGLE_ATTN_BWD"] = self.saved
 
 
 def cuda_time(fn, warmup=2, reps=5, target_s=1.5):
@@ -412,6 +440,85 @@ def fwd_configs_main():
     print(f"wrote {out_dir / 'bench_attention_fwd_configs.json'}")
 
 
+def bwd_configs_main():
+    """fwd+bwd under every backward variant of BWD_CONFIGS (default forward), on the bench layouts
+    plus a windowed one: fwd+bwd ms, backward ms (fwd+bwd minus the forward alone), backward
+    useful TF/s (5 matmuls per allowed pair: 2.5x the forward's FLOPs) and its distance from the
+    dense bf16 peak, speed-up over the default, peak extra memory, and the gradients' relative L2
+    difference from the default (dk/dv: same kernel code; dq: other summation order)."""
+    quick = os.environ.get("QUICK", "0") not in ("", "0")
+    out_dir = Path(os.environ.get("OUT", "bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cases = [(4096, None, None, 0), (8192, 1024, None, 0), (8192, None, None, 0), (8192, None, 1024, 4)]
+    if not quick:
+        cases += [(32768, None, None, 0), (131072, 1024, None, 0)]
+    dev = torch.cuda.get_device_name()
+    names = list(BWD_CONFIGS)
+    print(f"# COD attention backward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; default forward; "
+          f"bwd = f+b - fwd; ratio = default ms / variant ms (>1: faster); floor = bwd FLOPs at "
+          f"{PEAK_BF16_TFLOPS:.0f} TF/s")
+    print(f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} {'fwd ms':>7} "
+          + " ".join(f"{nm + ' f+b':>12} {'bwd':>7} {'TF/s':>5} {'xflr':>5} {'ratio':>5} {'MiB':>6}" for nm in names)
+          + "  grads rel-L2 vs default")
+    rows = []
+    for n, cap, window, sink in cases:
+        lay = make_layout(n, cap)
+        t = lay.num_tokens
+        q, k, v, go = inputs(t)
+        qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+        pairs = allowed_pairs(cod_attention_metadata(lay, window=window, sink=sink))
+        bwd_flop_ms = pairs * 4 * D * HQ * 2.5 / (PEAK_BF16_TFLOPS * 1e12) * 1e3
+
+        def fwd():
+            with torch.no_grad():
+                return cod_attention(q, k, v, lay, window=window, sink=sink)
+
+        def fwd_bwd():
+            out = cod_attention(qg, kg, vg, lay, window=window, sink=sink)
+            return torch.autograd.grad(out, [qg, kg, vg], go)
+
+        fwd_ms = cuda_time(fwd)
+        row = {"N": n, "max_anchors": cap, "window": window, "sink": sink, "T": t, "pairs": pairs, "fwd_ms": fwd_ms,
+               "bwd_floor_ms": bwd_flop_ms, "configs": {}}
+        ref = None
+        for name in names:
+            with bwd_config(name):
+                grads = fwd_bwd()
+                ms = cuda_time(fwd_bwd)
+                mem = peak_mem(fwd_bwd)
+            c = {"fwd_bwd_ms": ms, "bwd_ms": ms - fwd_ms, "fwd_bwd_mem_mib": mem,
+                 "finite": all(bool(torch.isfinite(x).all()) for x in grads)}
+            c["bwd_tflops"] = pairs * 4 * D * HQ * 2.5 / (max(c["bwd_ms"], 1e-6) * 1e-3) / 1e12
+            c["bwd_vs_floor"] = c["bwd_ms"] / bwd_flop_ms
+            if ref is None:
+                ref = [x.float() for x in grads]
+            c["rel_l2_vs_default"] = {
+                gname: float((x.float() - r).norm() / r.norm().clamp_min(1e-30))
+                for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)}
+            c["max_abs_diff_vs_default"] = {
+                gname: float((x.float() - r).abs().max()) for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)}
+            row["configs"][name] = c
+            del grads
+        base = row["configs"][names[0]]
+        for c in row["configs"].values():
+            c["fwd_bwd_speedup_vs_default"] = base["fwd_bwd_ms"] / c["fwd_bwd_ms"]
+            c["bwd_speedup_vs_default"] = base["bwd_ms"] / max(c["bwd_ms"], 1e-6)
+        cs = row["configs"]
+        print(f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} {fwd_ms:>7.2f} "
+              + " ".join(f"{cs[nm]['fwd_bwd_ms']:>12.2f} {cs[nm]['bwd_ms']:>7.2f} {cs[nm]['bwd_tflops']:>5.0f} "
+                         f"{cs[nm]['bwd_vs_floor']:>5.1f} {cs[nm]['bwd_speedup_vs_default']:>5.2f} "
+                         f"{cs[nm]['fwd_bwd_mem_mib']:>6.0f}" for nm in names)
+              + "  " + " ".join(f"{nm}:" + ",".join(f"{g}={e:.1e}" for g, e in cs[nm]["rel_l2_vs_default"].items())
+                                for nm in names[1:])
+              + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE GRADIENTS"), flush=True)
+        rows.append(row)
+        del q, k, v, go, qg, kg, vg, ref
+        torch.cuda.empty_cache()
+    (out_dir / "bench_attention_bwd_configs.json").write_text(
+        json.dumps({"device": dev, "torch": torch.__version__, "configs": BWD_CONFIGS, "rows": rows}, indent=1))
+    print(f"wrote {out_dir / 'bench_attention_bwd_configs.json'}")
+
+
 def sanitize_case():
     """A small fwd+bwd through every kernel (symmetric and cross, both head dims, sink, GQA)."""
     for cross in (False, True):
@@ -477,5 +584,7 @@ if __name__ == "__main__":
         sanitize_case()
     elif "--fwd-configs" in sys.argv:
         fwd_configs_main()
+    elif "--bwd-configs" in sys.argv:
+        bwd_configs_main()
     else:
         main()

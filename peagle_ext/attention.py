@@ -6,6 +6,11 @@ no host sync on CUDA) and runs the native forward; autograd runs the native, det
 backward. No T x T mask exists anywhere on this path; `peagle_ext.reference` holds the dense
 statement that the tests compare against.
 
+On CUDA, PEAGLE_ATTN_BWD=atomic (read per backward call) selects a FlashAttention-2-style backward
+instead: dq is summed with fp32 atomics inside the key-major dK/dV pass (5 matmuls per allowed
+pair instead of 7, plus a T x Hq x D float32 workspace). dq is then NOT bitwise reproducible
+between runs (it varies at the level of one bf16/fp16 rounding step); dk and dv still are.
+
 Set PEAGLE_ATTN_CHECK=1 to also validate the layout's contents (sorted anchors, depth segments,
 depth-0 rows, contiguous documents) on CUDA; this syncs with the host. The CPU path always does.
 """

@@ -41,6 +41,13 @@ struct CodAttnParams {
   // run_fwd in cuda/cod_attn_configs.cuh): warps 4 or 8 (0 = the default of the MF), MF 1 or 2
   int fwd_warps = 0;
   int fwd_mf = 1;
+  // backward variant (env PEAGLE_ATTN_BWD, read by the glue; see launch_bwd in
+  // cuda/cod_attn_bwd.cuh): 0 = deterministic (separate query-major dQ pass), 1 = "atomic": the
+  // key-major dK/dV pass also adds dS K into dq_accum with fp32 atomics (run-to-run differences
+  // at fp32 rounding level). dq_accum: float32 [T, Hq, D] workspace, 16-byte aligned, only read
+  // when bwd_atomic (the launcher zeroes it on the stream).
+  int bwd_atomic = 0;
+  float* dq_accum = nullptr;
   int depth_offsets[kMaxChain + 1] = {};
 };
 
@@ -53,7 +60,9 @@ void cod_attn_metadata_launch(const int32_t* anchor, const int32_t* depth, const
 
 // out, lse. Returns a cudaError_t from the launch (cudaSuccess when nothing to do).
 cudaError_t cod_attn_fwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
-// dq, dk, dv (+ drk/drv in cross mode); needs delta scratch [Hq, T] float32 in p.delta.
+// dq, dk, dv (+ drk/drv in cross mode); needs delta scratch [Hq, T] float32 in p.delta, and with
+// p.bwd_atomic the workspace p.dq_accum (cod_attn_bwd_dq_accum_elems(p) floats).
 cudaError_t cod_attn_bwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
+inline int64_t cod_attn_bwd_dq_accum_elems(const CodAttnParams& p) { return int64_t(p.T) * p.Hq * p.D; }
 
 }  // namespace peagle::attention

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 #include "attention/attention_host.h"
 #include "attention/attention_kernels.h"
@@ -36,6 +37,14 @@ int fwd_warps_from_env() {
 int fwd_mf_from_env() {
   const char* v = std::getenv("PEAGLE_ATTN_FWD_MF");
   return (v != nullptr && std::atoi(v) == 2) ? 2 : 1;
+}
+
+// PEAGLE_ATTN_BWD: "atomic" selects the FlashAttention-2-style backward (dQ summed with fp32
+// atomics inside the key-major dK/dV pass: faster, dq not bitwise reproducible between runs);
+// anything else (or unset) = 0, the deterministic backward. See launch_bwd in cod_attn_bwd.cuh.
+int bwd_atomic_from_env() {
+  const char* v = std::getenv("PEAGLE_ATTN_BWD");
+  return (v != nullptr && std::strcmp(v, "atomic") == 0) ? 1 : 0;
 }
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -160,6 +169,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
   p.dv = dv.data_ptr();
   p.drk = s.cross ? dck.data_ptr() : dk.data_ptr();
   p.drv = s.cross ? dcv.data_ptr() : dv.data_ptr();
+  p.bwd_atomic = bwd_atomic_from_env();
+  at::Tensor dq_accum;  // fp32 [T, Hq, D] workspace of the atomic variant (zeroed by the launcher)
+  if (p.bwd_atomic) {
+    dq_accum = at::empty({s.T, s.Hq, s.D}, q.options().dtype(at::kFloat));
+    check_aligned("dq workspace", dq_accum);
+    p.dq_accum = dq_accum.data_ptr<float>();
+  }
   check_launch(cod_attn_bwd_launch(p, attn_dtype(q), c10::cuda::getCurrentCUDAStream()), "backward");
   return {dq, dk, dv, dck, dcv};
 }
