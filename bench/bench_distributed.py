@@ -159,7 +159,7 @@ def time_config(ctx, shape, device, amp, n, steps, warmup):
     run = Run(ctx, shape, device, amp)
     layouts = [run.model.sample_layout(u, seed=1000 + i) for i, u in enumerate(units)]
     layout_tokens = sum(lay.num_tokens for lay in layouts)
-    times, toks = [], 0
+    times, toks, peak_first = [], 0, 0.0
     for i in range(warmup + steps):
         if ctx.world > 1:
             dist.barrier()
@@ -169,12 +169,18 @@ def time_config(ctx, shape, device, amp, n, steps, warmup):
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        if i == 0 and device.type == "cuda":
+            # the first step also holds one-off allocations (DDP rebuilds its buckets after it,
+            # AdamW creates its state): reported apart from the steady-state peak
+            peak_first = torch.cuda.max_memory_allocated(device) / GIB
+            torch.cuda.reset_peak_memory_stats(device)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
     grad_bytes = sum(p.numel() for p in run.params) * 4
     run.close()
     step_s = statistics.mean(times)
     return {"n": n, "step_s": step_s, "step_s_min": min(times), "tokens_per_step_per_rank": toks,
-            "tokens_per_s_per_rank": toks / step_s, "peak_gib": peak, "layout_tokens_global": layout_tokens,
+            "tokens_per_s_per_rank": toks / step_s, "peak_gib": peak, "peak_gib_first_step": peak_first,
+            "layout_tokens_global": layout_tokens,
             "trainable_grad_gib": grad_bytes / GIB}
 
 
@@ -227,6 +233,39 @@ def check_config(mode, ctx1, ctx2, shape, device, n, steps, rank):
             "passed": grad_rel <= tol_grad and par_rel <= tol_par}
 
 
+def write_outputs(args, world, device, shape, sizes, steps, runs, correctness):
+    """bench_distributed.json / .md under args.out (rank 0; called after the timing and again after the check,
+    so a failing check still leaves the timing)."""
+    base = {r["n"]: r for r in runs if r["mode"] == "single"}
+    for r in runs:
+        b = base.get(r["n"])
+        if r["mode"] != "single" and b:
+            # throughput 2 GPUs / (2 x throughput 1 GPU); both process the same global batch
+            r["scaling_efficiency"] = b["step_s"] / (r["gpus"] * r["step_s"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "shape": shape, "sizes": sizes, "steps": steps, "warmup": args.warmup,
+            "units_per_step": 2, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+    (out / "bench_distributed.json").write_text(json.dumps({**meta, "runs": runs, "correctness": correctness},
+                                                           indent=1))
+    lines = ["| mode | GPUs | N | step ms | tokens/s per GPU | peak GiB per GPU | first-step peak GiB | scaling efficiency |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        eff = f"{r['scaling_efficiency']:.2f}" if "scaling_efficiency" in r else "-"
+        lines.append(f"| {r['mode']} | {r['gpus']} | {r['n']} | {r['step_s'] * 1e3:.1f} | "
+                     f"{r['tokens_per_s_per_rank']:.0f} | {r['peak_gib']:.1f} | {r.get('peak_gib_first_step', 0.0):.1f} | {eff} |")
+    if correctness:
+        lines += ["", "| check | N | precision | step-1 grad rel. L2 | param max abs diff | param diff / update | "
+                  "pass |", "|---|---|---|---|---|---|---|"]
+        for c in correctness:
+            lines.append(f"| {c['mode']} 2 vs 1 | {c['n']} | {c['precision']} | {c['grad_rel_l2']:.3g} | "
+                         f"{c['max_abs_diff']:.3g} | {c['rel_to_update']:.3g} | {c['passed']} |")
+    table = "\n".join(lines) + "\n"
+    (out / "bench_distributed.md").write_text(f"# bench_distributed ({meta['device']})\n\n" + table)
+    print(table)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU/gloo dry run of this script)")
@@ -270,7 +309,7 @@ def main():
             r = time_config(single, shape, device, amp, n, steps, args.warmup)
             runs.append({"mode": "single", "gpus": 1, **r})
             say(f"  N={n} 1 rank : {r['step_s'] * 1e3:8.1f} ms/step, {r['tokens_per_s_per_rank']:10.0f} tok/s, "
-                f"peak {r['peak_gib']:.1f} GiB")
+                f"peak {r['peak_gib']:.1f} GiB (first step {r['peak_gib_first_step']:.1f})")
         dist.barrier()
         for mode in modes:
             r = time_config(DistContext.from_env(mode, device.type), shape, device, amp, n, steps, args.warmup)
@@ -280,14 +319,19 @@ def main():
                 agg = {**r, "step_s": max(x["step_s"] for x in per_rank),
                        "tokens_per_s_per_rank": statistics.mean(x["tokens_per_s_per_rank"] for x in per_rank),
                        "peak_gib": max(x["peak_gib"] for x in per_rank),
-                       "per_rank": [{k: x[k] for k in ("step_s", "tokens_per_step_per_rank", "peak_gib")}
+                       "peak_gib_first_step": max(x["peak_gib_first_step"] for x in per_rank),
+                       "per_rank": [{k: x[k] for k in ("step_s", "tokens_per_step_per_rank", "peak_gib",
+                                                       "peak_gib_first_step")}
                                     for x in per_rank]}
                 runs.append({"mode": mode, "gpus": world, **agg})
                 say(f"  N={n} {world} ranks {mode:4s}: {agg['step_s'] * 1e3:8.1f} ms/step, "
-                    f"{agg['tokens_per_s_per_rank']:10.0f} tok/s per rank, peak {agg['peak_gib']:.1f} GiB")
+                    f"{agg['tokens_per_s_per_rank']:10.0f} tok/s per rank, peak {agg['peak_gib']:.1f} GiB "
+                    f"(first step {agg['peak_gib_first_step']:.1f})")
             dist.barrier()
 
     correctness = []
+    if rank == 0:
+        write_outputs(args, world, device, shape, sizes, steps, runs, correctness)
     if not args.no_check:
         n_check = sizes[0]
         for mode in modes:
@@ -301,34 +345,7 @@ def main():
             dist.barrier()
 
     if rank == 0:
-        base = {r["n"]: r for r in runs if r["mode"] == "single"}
-        for r in runs:
-            b = base.get(r["n"])
-            if r["mode"] != "single" and b:
-                # throughput 2 GPUs / (2 x throughput 1 GPU); both process the same global batch
-                r["scaling_efficiency"] = b["step_s"] / (r["gpus"] * r["step_s"])
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "torch": torch.__version__, "shape": shape, "sizes": sizes, "steps": steps, "warmup": args.warmup,
-                "units_per_step": 2, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
-        (out / "bench_distributed.json").write_text(json.dumps({**meta, "runs": runs, "correctness": correctness},
-                                                               indent=1))
-        lines = ["| mode | GPUs | N | step ms | tokens/s per GPU | peak GiB per GPU | scaling efficiency |",
-                 "|---|---|---|---|---|---|---|"]
-        for r in runs:
-            eff = f"{r['scaling_efficiency']:.2f}" if "scaling_efficiency" in r else "-"
-            lines.append(f"| {r['mode']} | {r['gpus']} | {r['n']} | {r['step_s'] * 1e3:.1f} | "
-                         f"{r['tokens_per_s_per_rank']:.0f} | {r['peak_gib']:.1f} | {eff} |")
-        if correctness:
-            lines += ["", "| check | N | precision | step-1 grad rel. L2 | param max abs diff | param diff / update | "
-                      "pass |", "|---|---|---|---|---|---|---|"]
-            for c in correctness:
-                lines.append(f"| {c['mode']} 2 vs 1 | {c['n']} | {c['precision']} | {c['grad_rel_l2']:.3g} | "
-                             f"{c['max_abs_diff']:.3g} | {c['rel_to_update']:.3g} | {c['passed']} |")
-        table = "\n".join(lines) + "\n"
-        (out / "bench_distributed.md").write_text(f"# bench_distributed ({meta['device']})\n\n" + table)
-        print(table)
+        write_outputs(args, world, device, shape, sizes, steps, runs, correctness)
     failed = rank == 0 and any(not c["passed"] for c in correctness)
     dist.barrier()
     probe.close()

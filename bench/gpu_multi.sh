@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200-x2: issue 9's distributed bench (1 vs 2 GPUs, DDP and FSDP2,
-# N = 8K and 32K, plus the 2-vs-1 parameter check), then, with the time left, the atomic-dQ
-# attention backward's GPU check (bench/attn_bwd_variants.sh) on GPU 0. Time-boxed (CALL_BUDGET,
-# default 570 s). Logs in $OUT/multi.tgz, summary in $OUT/summary.txt, the bench's JSON/MD in $OUT.
+# One device call on nvidia-h200-x2 (phases switched by env, 1 = run):
+#   DIST      issue 9's distributed bench (1 vs 2 GPUs, DDP and FSDP2, N = 8K and 32K, and the
+#             2-vs-1 parameter check)
+#   MODELTEST the CUDA model tests (fp32 parameters without autocast among them)
+#   PROFILE   per-kernel attention time (bench/profile_attention.py, default and atomic backward)
+#             and Nsight Compute sections of the forward, dQ and dK/dV kernels
+#   ATTN_BWD  the atomic-dQ attention backward's GPU check (bench/attn_bwd_variants.sh)
+# Time-boxed (CALL_BUDGET, default 570 s). Logs in $OUT/multi.tgz, summary in $OUT/summary.txt,
+# the distributed bench's JSON/MD in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/_gpu_box.sh
@@ -11,12 +16,47 @@ nvidia-smi topo -m > "$work/topo.txt" 2>&1; head -4 "$work/topo.txt" | tee -a "$
 
 # NVLink multicast off (shared host); the bench also sets these when unset
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-box ${DIST_BOX:-300} "$work/bench_distributed.log" torchrun --standalone --nproc_per_node 2 \
-  bench/bench_distributed.py --sizes ${DIST_SIZES:-8192,32768} --steps 3 --warmup 1 --out "$OUT"
-grep -E "N=|check|^\|" "$work/bench_distributed.log" | tee -a "$sum"
-grep -E "Error|error" "$work/bench_distributed.log" | head -10 | tee -a "$sum"
+if [ "${DIST:-1}" = "1" ]; then
+  box ${DIST_BOX:-300} "$work/bench_distributed.log" torchrun --standalone --nproc_per_node 2 \
+    bench/bench_distributed.py --sizes ${DIST_SIZES:-8192,32768} --steps 3 --warmup 1 --out "$OUT"
+  grep -E "N=|check|^\|" "$work/bench_distributed.log" | tee -a "$sum"
+  grep -E "Error|error" "$work/bench_distributed.log" | head -10 | tee -a "$sum"
+fi
 
-if [ "${ATTN_BWD:-1}" = "1" ]; then
+if [ "${MODELTEST:-0}" = "1" ]; then
+  box 90 "$work/model_tests.log" python3 -m pytest -q -ra --timeout=60 python_tests/test_model.py -k cuda
+  tail -1 "$work/model_tests.log" | tee -a "$sum"
+  grep -E "^(FAILED|ERROR)" "$work/model_tests.log" | head -8 | tee -a "$sum"
+fi
+
+if [ "${PROFILE:-0}" = "1" ]; then
+  for cfg in "8192 1024" "8192 none"; do
+    set -- $cfg
+    for bwd in default atomic; do
+      if [ $bwd = atomic ]; then export PEAGLE_ATTN_BWD=atomic; else unset PEAGLE_ATTN_BWD; fi
+      box 60 "$work/profile_${1}_${2}_$bwd.log" python3 bench/profile_attention.py --n $1 --cap $2 --out "$work"
+      cat "$work/profile_${1}_${2}_$bwd.log" | tee -a "$sum"
+    done
+  done
+  unset PEAGLE_ATTN_BWD
+  if command -v ncu > /dev/null; then
+    sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+--section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
+    # one warm-up step (3 matching launches: fwd, dq, dkv), then the profiled step
+    box 120 "$work/ncu_default.log" ncu --clock-control none -k "regex:cod_attn_(fwd|dq|dkv)_kernel" \
+      --launch-skip 3 --launch-count 3 $sections python3 bench/profile_attention.py --ncu --n 8192 --cap 1024
+    box 90 "$work/ncu_atomic.log" env PEAGLE_ATTN_BWD=atomic ncu --clock-control none \
+      -k "regex:cod_attn_(fwd|dq|dkv)_kernel" --launch-skip 2 --launch-count 2 $sections \
+      python3 bench/profile_attention.py --ncu --n 8192 --cap 1024
+    for f in "$work"/ncu_*.log; do
+      echo "== $f" >> "$sum"
+      grep -E "cod_attn_|Duration|Compute \(SM\) Throughput|Memory Throughput|L1/TEX Cache Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Shared Memory Configuration Size|Dynamic Shared" "$f" \
+        | head -80 >> "$sum"
+    done
+  fi
+fi
+
+if [ "${ATTN_BWD:-0}" = "1" ]; then
   box $(( $(left) - 10 )) "$work/attn_bwd.log" env OUT="$work/attn_bwd" CUDA_VISIBLE_DEVICES=0 \
     TEST_TIMEOUT=150 BENCH_TIMEOUT=70 SANITIZE_TIMEOUT=60 bash bench/attn_bwd_variants.sh
   cat "$work/attn_bwd/attn_bwd_variants_summary.txt" 2>/dev/null | grep -vE "^\s*$" | head -60 >> "$sum"

@@ -704,16 +704,18 @@ class PEagleDraftModel(nn.Module):
     def _attend(self, q, k, v, tok: _Tokens, context=None):
         from .attention import cod_attention, cod_attention_metadata
         o = self.options
-        dt = self._compute_dtype(q)
+        dt, in_dt = self._compute_dtype(q), q.dtype
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if context is not None:
             context = (context[0].to(dt), context[1].to(dt))
         if tok.meta is None:  # the key ranges / chain tables serve every layer of the pass
             tok.meta = cod_attention_metadata(tok.layout, cross=context is not None, window=o.window, sink=o.sink)
-        return cod_attention(q, k, v, tok.layout,
-                             context_k=None if context is None else context[0],
-                             context_v=None if context is None else context[1],
-                             window=o.window, sink=o.sink, metadata=tok.meta)
+        out = cod_attention(q, k, v, tok.layout,
+                            context_k=None if context is None else context[0],
+                            context_v=None if context is None else context[1],
+                            window=o.window, sink=o.sink, metadata=tok.meta)
+        # fp32 parameters on CUDA without autocast: the kernel ran in bf16, o_proj is fp32
+        return out.to(in_dt)
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         """One dtype for the attention and loss ops: the autocast dtype when autocast is on;

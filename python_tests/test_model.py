@@ -370,6 +370,46 @@ def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
         assert float((g2 - g).norm() / (g.norm() + 1e-12)) < 2e-2, k
 
 
+def test_fp32_parameters_with_bf16_kernels_and_no_autocast(rng, monkeypatch):
+    """fp32 parameters on CUDA without autocast: the attention and loss ops run in bf16 (the CUDA
+    kernels take bf16/fp16 only) and their outputs go back into fp32 layers. Emulated on the CPU by
+    forcing the compute dtype to bf16 (before the fix, o_proj got a bf16 input: dtype error on the
+    GPU run of bench_distributed's FSDP check)."""
+    m = make_model(rng, num_layers=2, k=4)
+    ex = make_example(rng)
+    lay = m.sample_layout(ex, seed=3)
+    ref = m.forward_backward(ex, lay)
+    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    monkeypatch.setattr(PEagleDraftModel, "_compute_dtype", lambda self, x: torch.bfloat16)
+    got = m.forward_backward(ex, lay)
+    assert got["total"].tolist() == ref["total"].tolist()
+    assert abs(got["loss_sum"] - ref["loss_sum"]) <= 3e-2 * abs(ref["loss_sum"])
+    for k, g in gref.items():
+        p = dict(m.named_parameters())[k]
+        assert p.grad.dtype == torch.float32, k
+        assert float((p.grad - g).norm() / (g.norm() + 1e-12)) < 5e-2, k
+
+
+@requires_cuda
+def test_cuda_fp32_parameters_without_autocast(rng):
+    """The same path for real: an fp32 drafter on the GPU, no autocast, vs the fp32 CPU model."""
+    m = make_model(rng, num_layers=2, k=4)
+    ex = make_example(rng, n=160, docs=(90, 60))
+    lay = m.sample_layout(ex, seed=5)
+    ref = m.forward_backward(ex, lay)
+    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    mc = m.to("cuda")
+    mc.zero_grad()
+    exc = TrainingExample(*(t.cuda() for t in (ex.input_ids, ex.document_ids, ex.loss_mask, ex.hidden, ex.last_hidden)))
+    got = mc.forward_backward(exc, lay.to("cuda"))
+    assert abs(got["loss_sum"] - ref["loss_sum"]) <= 3e-2 * abs(ref["loss_sum"])
+    for k, g in gref.items():
+        gc = dict(mc.named_parameters())[k].grad
+        assert gc.dtype == torch.float32, k
+        assert float((gc.cpu() - g).norm() / (g.norm() + 1e-12)) < 5e-2, k
+
+
 def test_bf16_states_under_autocast_skip_the_fp32_copy_with_equal_results(rng):
     """Under bf16 autocast, bf16 verifier states are concatenated in bf16 (no fp32 copy of
     [N, 3H]); fc casts its input to bf16 anyway, so loss and every gradient equal those of the
