@@ -6,6 +6,8 @@
 #   PROFILE   per-kernel attention time (bench/profile_attention.py, default and atomic backward)
 #             and Nsight Compute sections of the forward, dQ and dK/dV kernels
 #   ATTN_BWD  the atomic-dQ attention backward's GPU check (bench/attn_bwd_variants.sh)
+#   MEMTRACE  allocator traces of one 8K step, 1 process vs DDP rank 0, and their peak breakdown
+#             (bench/memory_trace_distributed.py)
 # Time-boxed (CALL_BUDGET, default 570 s). Logs in $OUT/multi.tgz, summary in $OUT/summary.txt,
 # the distributed bench's JSON/MD in $OUT.
 set -uo pipefail
@@ -54,6 +56,14 @@ if [ "${PROFILE:-0}" = "1" ]; then
         | head -80 >> "$sum"
     done
   fi
+fi
+
+if [ "${MEMTRACE:-0}" = "1" ]; then
+  box 150 "$work/memtrace.log" torchrun --standalone --nproc_per_node 2 bench/memory_trace_distributed.py \
+    --n 8192 --out "$work/memtrace"
+  grep -E "rest|Error" "$work/memtrace.log" | tee -a "$sum"
+  box 60 "$work/memtrace_analysis.log" python3 bench/memory_trace_distributed.py --analyze "$work/memtrace"
+  cat "$work/memtrace_analysis.log" | tee -a "$sum"
 fi
 
 if [ "${ATTN_BWD:-0}" = "1" ]; then

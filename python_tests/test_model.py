@@ -20,15 +20,17 @@ H, V = 64, 300
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def verifier_config(model_type="llama", layers=6):
+def verifier_config(model_type="llama", layers=6, head_dim=32):
     cls = LlamaConfig if model_type == "llama" else Qwen3Config
-    return cls(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+    return cls(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, intermediate_size=128,
                num_hidden_layers=layers, vocab_size=V, rms_norm_eps=1e-6)
 
 
-def make_model(g, *, layer_type="llama", num_layers=2, k=4, mask=V, options=None, draft_vocab=None, d2t=None):
+def make_model(g, *, layer_type="llama", num_layers=2, k=4, mask=V, options=None, draft_vocab=None, d2t=None,
+               head_dim=32):
+    """head_dim: 32 on the CPU (fast); the CUDA kernels take 64 or 128."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
-    m = PEagleDraftModel.from_verifier(verifier_config(layer_type), num_layers=num_layers, num_depths=k,
+    m = PEagleDraftModel.from_verifier(verifier_config(layer_type, head_dim=head_dim), num_layers=num_layers, num_depths=k,
                                        mask_token_id=mask, layer_type=layer_type, options=options,
                                        draft_vocab_size=draft_vocab, d2t=d2t, verifier_name_or_path="tiny/verifier")
     m.attach_verifier(norm_weight=torch.rand(H, generator=g) + 0.5,
@@ -347,7 +349,7 @@ def test_acceptance_length_formula():
 def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
     """bf16 autocast on the GPU vs the fp32 CPU model on the same layout (the layout is sampled on
     the CPU and moved), and segments on the GPU vs one pass on the GPU."""
-    m = make_model(rng, num_layers=2, k=4, options=PEagleOptions(attention=mode))
+    m = make_model(rng, num_layers=2, k=4, options=PEagleOptions(attention=mode), head_dim=64)
     ex = make_example(rng, n=160, docs=(90, 60))
     lay = m.sample_layout(ex, seed=4)
     ref = m.forward_backward(ex, lay)
@@ -394,7 +396,7 @@ def test_fp32_parameters_with_bf16_kernels_and_no_autocast(rng, monkeypatch):
 @requires_cuda
 def test_cuda_fp32_parameters_without_autocast(rng):
     """The same path for real: an fp32 drafter on the GPU, no autocast, vs the fp32 CPU model."""
-    m = make_model(rng, num_layers=2, k=4)
+    m = make_model(rng, num_layers=2, k=4, head_dim=64)
     ex = make_example(rng, n=160, docs=(90, 60))
     lay = m.sample_layout(ex, seed=5)
     ref = m.forward_backward(ex, lay)
