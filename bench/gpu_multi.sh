@@ -60,7 +60,7 @@ fi
 
 if [ "${MEMTRACE:-0}" = "1" ]; then
   box 150 "$work/memtrace.log" torchrun --standalone --nproc_per_node 2 bench/memory_trace_distributed.py \
-    --n 8192 --out "$work/memtrace"
+    --tokens 8192 --out "$work/memtrace"
   grep -E "rest|Error" "$work/memtrace.log" | tee -a "$sum"
   box 60 "$work/memtrace_analysis.log" python3 bench/memory_trace_distributed.py --analyze "$work/memtrace"
   cat "$work/memtrace_analysis.log" | tee -a "$sum"

@@ -1,6 +1,6 @@
 """Where a training step's peak memory goes, 1 process vs DDP rank 0 (issue 9's memory table).
 
-    torchrun --standalone --nproc_per_node 2 bench/memory_trace_distributed.py --n 8192 --out DIR
+    torchrun --standalone --nproc_per_node 2 bench/memory_trace_distributed.py --tokens 8192 --out DIR
         (GPU) records the CUDA caching allocator's alloc/free trace (torch.cuda.memory
         _record_memory_history) over one warm step of bench_distributed's Qwen3-8B-shaped drafter:
         first on rank 0 alone (the single-process trainer path), then on rank 0 under DDP.
@@ -37,7 +37,7 @@ def record(args):
     out.mkdir(parents=True, exist_ok=True)
 
     def one(ctx, tag):
-        units = bd.make_units(shape, args.n, 2, device, amp, seed=args.n)
+        units = bd.make_units(shape, args.tokens, 2, device, amp, seed=args.tokens)
         run = bd.Run(ctx, shape, device, amp)
         layouts = [run.model.sample_layout(u, seed=1000 + i) for i, u in enumerate(units)]
         run.step(units, layouts)  # warm: AdamW state, DDP bucket rebuild
@@ -110,7 +110,7 @@ def analyze(d: Path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=8192, help="N, tokens per packed row")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--analyze", metavar="DIR")
     args = ap.parse_args()
