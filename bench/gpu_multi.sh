@@ -6,6 +6,8 @@
 #   PROFILE   per-kernel attention time (bench/profile_attention.py, default and atomic backward)
 #             and Nsight Compute sections of the forward, dQ and dK/dV kernels
 #   ATTN_BWD  the atomic-dQ attention backward's GPU check (bench/attn_bwd_variants.sh)
+#   TRAIN     `peagle train` on 2 GPUs: 1 GPU vs DDP vs FSDP2, FSDP resumed on 1 GPU
+#             (bench/gpu_train_smoke.sh)
 #   MEMTRACE  allocator traces of one 8K step, 1 process vs DDP rank 0, and their peak breakdown
 #             (bench/memory_trace_distributed.py)
 # Time-boxed (CALL_BUDGET, default 570 s). Logs in $OUT/multi.tgz, summary in $OUT/summary.txt,
@@ -56,6 +58,11 @@ if [ "${PROFILE:-0}" = "1" ]; then
         | head -80 >> "$sum"
     done
   fi
+fi
+
+if [ "${TRAIN:-0}" = "1" ]; then
+  box 200 "$work/train_smoke.log" bash bench/gpu_train_smoke.sh "$work/train_smoke"
+  tail -12 "$work/train_smoke.log" | tee -a "$sum"
 fi
 
 if [ "${MEMTRACE:-0}" = "1" ]; then
