@@ -63,6 +63,8 @@ fi
 if [ "${TRAIN:-0}" = "1" ]; then
   box 200 "$work/train_smoke.log" bash bench/gpu_train_smoke.sh "$work/train_smoke"
   tail -12 "$work/train_smoke.log" | tee -a "$sum"
+  # keep the logs, not the checkpoints and the verifier (the archive must stay small to come back)
+  find "$work/train_smoke" -type f ! -name "*.log" ! -name "*.jsonl" ! -name "*.png" -delete
 fi
 
 if [ "${MEMTRACE:-0}" = "1" ]; then
