@@ -49,6 +49,10 @@ struct CodAttnParams {
   int bwd_atomic = 0;
   float* dq_accum = nullptr;
   int depth_offsets[kMaxChain + 1] = {};
+  // PEAGLE_ATTN_BWD=wgmma (read by the glue): the deterministic backward with the dK/dV pass run
+  // by the sm_90a warpgroup-MMA kernel (cuda/cod_attn_bwd_wgmma.cuh). Last member, so the byte
+  // offsets of the fields above (kernel parameter layout) stay as they were.
+  int bwd_wgmma = 0;
 };
 
 // workspace for the metadata build (the document-run scan); query with ws == nullptr.
@@ -63,6 +67,10 @@ cudaError_t cod_attn_fwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStr
 // dq, dk, dv (+ drk/drv in cross mode); needs delta scratch [Hq, T] float32 in p.delta, and with
 // p.bwd_atomic the workspace p.dq_accum (cod_attn_bwd_dq_accum_elems(p) floats).
 cudaError_t cod_attn_bwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
+// PEAGLE_ATTN_BWD=wgmma: true when this build has the sm_90a kernels (90 among PEAGLE_CUDA_ARCHS)
+// and the current device has compute capability 9.0. cod_attn_bwd_launch returns
+// cudaErrorNotSupported for p.bwd_wgmma when this is false.
+bool cod_attn_wgmma_available();
 inline int64_t cod_attn_bwd_dq_accum_elems(const CodAttnParams& p) { return int64_t(p.T) * p.Hq * p.D; }
 
 }  // namespace peagle::attention

@@ -711,6 +711,12 @@ __global__ void __launch_bounds__(256) cod_attn_dq_finish_kernel(const CodAttnPa
 }
 
 // ---------------------------------------------------------------- launch
+// PEAGLE_ATTN_BWD=wgmma (p.bwd_wgmma): pass 3 runs cod_attn_dkv_wgmma_kernel (sm_90a warpgroup
+// MMAs, cod_attn_bwd_wgmma.cuh) instead of cod_attn_dkv_kernel<..., false>; everything else is
+// the deterministic default. Defined in cod_attn_bwd_wgmma_sm90a.cu (compiled for sm_90a alone),
+// or, in builds without it, in cod_attn_launch.cu as "not supported".
+cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
+
 // p.bwd_atomic == 0 (default, deterministic): delta, dQ (query-major), dK/dV (key-major), chain
 // dK/dV. p.bwd_atomic == 1 (PEAGLE_ATTN_BWD=atomic): delta, zero dq_accum, dK/dV + atomic dQ
 // (key-major), chain dK/dV, dQ finish. The atomic variant computes S and dP once per (query, key)
@@ -722,6 +728,8 @@ cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
   if (p.T == 0 || p.Hq == 0) return cudaSuccess;
   cudaError_t err;
   const bool atomic = p.bwd_atomic != 0;
+  const bool wgmma = !atomic && p.bwd_wgmma != 0;
+  if (wgmma && !cod_attn_wgmma_available()) return cudaErrorNotSupported;  // before launching anything
   if (atomic && (p.dq_accum == nullptr || reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0))
     return cudaErrorInvalidValue;
   {
@@ -753,7 +761,10 @@ cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
       kernel<<<dim3((p.N + Cfg::kBN - 1) / Cfg::kBN, p.Hkv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
       return cudaGetLastError();
     };
-    err = atomic ? launch_dkv(std::true_type{}) : launch_dkv(std::false_type{});
+    if (wgmma)
+      err = cod_attn_dkv_wgmma_launch(p, std::is_same<T, __half>::value ? AttnDtype::kFP16 : AttnDtype::kBF16, stream);
+    else
+      err = atomic ? launch_dkv(std::true_type{}) : launch_dkv(std::false_type{});
     if (err != cudaSuccess) return err;
   }
   {

@@ -46,6 +46,12 @@ int bwd_atomic_from_env() {
   const char* v = std::getenv("PEAGLE_ATTN_BWD");
   return (v != nullptr && std::strcmp(v, "atomic") == 0) ? 1 : 0;
 }
+// PEAGLE_ATTN_BWD=wgmma: the deterministic backward with its dK/dV pass on Hopper warpgroup MMAs
+// (sm_90a only; cod_attn_bwd_wgmma.cuh). Same results as the default up to summation order.
+int bwd_wgmma_from_env() {
+  const char* v = std::getenv("PEAGLE_ATTN_BWD");
+  return (v != nullptr && std::strcmp(v, "wgmma") == 0) ? 1 : 0;
+}
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& context_k, const std::optional<at::Tensor>& context_v,
@@ -170,6 +176,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
   p.drk = s.cross ? dck.data_ptr() : dk.data_ptr();
   p.drv = s.cross ? dcv.data_ptr() : dv.data_ptr();
   p.bwd_atomic = bwd_atomic_from_env();
+  p.bwd_wgmma = bwd_wgmma_from_env();
+  if (p.bwd_wgmma && !cod_attn_wgmma_available()) {
+    int dev = 0, major = 0, minor = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    TORCH_CHECK(false, "cod_attention: PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU (compute capability 9.0; this one is ",
+                major, ".", minor, ") and a build with 90 in PEAGLE_CUDA_ARCHS (this one: " PEAGLE_CUDA_ARCHS ")");
+  }
   at::Tensor dq_accum;  // fp32 [T, Hq, D] workspace of the atomic variant (zeroed by the launcher)
   if (p.bwd_atomic) {
     dq_accum = at::empty({s.T, s.Hq, s.D}, q.options().dtype(at::kFloat));

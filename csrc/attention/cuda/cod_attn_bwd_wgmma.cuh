@@ -1,0 +1,275 @@
+// COD attention backward, pass 3 (dK/dV of the range keys) for Hopper: PEAGLE_ATTN_BWD=wgmma.
+// Same function and outputs as cod_attn_dkv_kernel<D, T, BMQ, false> (cod_attn_bwd.cuh): the same
+// query-run enumeration (two spans per depth by binary search over the range bounds, `locate` /
+// `issue`), the same P^T / dS^T elements (RowRanges mask or a `full` block, LSE, delta), the same
+// dk (scaled) / dv writes for the range keys; the delta, dQ and chain passes are the default
+// ones (launch_bwd). What differs is the matrix engine: one warpgroup (4 warps) per CTA of 64
+// keys issues warpgroup MMAs (wgmma.mma_async, sm_90a) with Q / dO / K / V read by the tensor
+// cores straight from shared memory through matrix descriptors, so each Q / dO tile is read once
+// per warpgroup instead of once per warp through ldmatrix.
+// Per query block of BMQ rows (layout and descriptors: cod_attn_wgmma.cuh):
+//   S^T  = K Q^T   m64nBMQk16 x D/16, A = K, B = Q, both K-major in shared memory (SS)
+//   dP^T = V dO^T  m64nBMQk16 x D/16, A = V, B = dO (SS)
+//   P^T, dS^T elementwise in the accumulator fragments (warp w: keys 16 w .. 16 w + 15, as in the
+//   mma.sync kernel), packed to 16-bit A fragments
+//   dV  += P^T dO  m64nDk16 x BMQ/16, A = P^T from registers, B = dO MN-major (RS)
+//   dK  += dS^T Q  m64nDk16 x BMQ/16, A = dS^T from registers, B = Q MN-major (RS)
+#pragma once
+#include <climits>
+#include <cstdint>
+
+#include "attention/cuda/cod_attn_bwd.cuh"
+#include "attention/cuda/cod_attn_wgmma.cuh"
+
+namespace peagle::attention::cuda {
+
+template <int D, int BMQ>
+struct DkvWgmmaConfig {
+  static_assert(D % 64 == 0 && BMQ % 16 == 0 && (BMQ == 32 || BMQ == 64), "wgmma dK/dV tile shapes");
+  static constexpr int kBN = 64;  // keys per CTA: the m64 of the warpgroup MMA
+  static constexpr int kThreads = 128;
+  static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
+  static constexpr int kKTileBytes = kBN * D * 2;
+  static constexpr int kQTileBytes = BMQ * D * 2;  // one stage of Q (or dO)
+  static constexpr int kTileBytes = 2 * kKTileBytes + 4 * kQTileBytes;  // K, V + 2 stages of Q, dO
+  static_assert(kKTileBytes % 1024 == 0 && kQTileBytes % 1024 == 0, "tiles must keep 1024-byte alignment");
+  // + 1024: the dynamic shared memory base is aligned up to 1024 bytes in the kernel
+  static constexpr int kSmemBytes = 1024 + kTileBytes + (2 * kMetaFields * BMQ + 6 * kMaxChain + 1) * 4;
+};
+
+template <int D, typename T, int BMQ>
+__global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAttnParams p) {
+#if PEAGLE_WGMMA_DEVICE
+  using Cfg = DkvWgmmaConfig<D, BMQ>;
+  constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // B128 swizzle atoms must start on 1024-byte shared-memory boundaries (descriptor base offset 0)
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const uint32_t sKa = base, sVa = base + Cfg::kKTileBytes;
+  const uint32_t sQa = base + 2 * Cfg::kKTileBytes;         // [2 stages] B128 tiles [BMQ][D]
+  const uint32_t sdOa = sQa + 2 * Cfg::kQTileBytes;         // [2 stages]
+  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [2][MF][BMQ]
+  int* s_span_lo = s_meta + 2 * MF * BMQ;                        // [2K]
+  int* s_span_hi = s_span_lo + 2 * kMaxChain;                    // [2K]
+  int* s_blk_off = s_span_hi + 2 * kMaxChain;                    // [2K + 1]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int hk = blockIdx.y;
+  const int j0 = blockIdx.x * BN;
+  const int j1 = min(j0 + BN, p.N);
+  const int64_t T_ = p.T;
+
+  // Query runs per depth that touch keys [j0, j1) (as in cod_attn_dkv_kernel).
+  if (tid < p.K) {
+    const int e = tid;
+    const int64_t b = p.depth_offsets[e], en = p.depth_offsets[e + 1];
+    const int32_t* lo = p.ranges + kLo * T_;
+    const int32_t* hi = p.ranges + kHi * T_;
+    const int64_t wb = lower_bound_i32(hi, b, en, int64_t(j0) + 1), we = lower_bound_i32(lo, b, en, j1);
+    int64_t sb = 0, se = 0;
+    if (p.use_sink) {
+      sb = lower_bound_i32(p.ranges + kSinkHi * T_, b, en, int64_t(j0) + 1);
+      se = lower_bound_i32(p.ranges + kSinkLo * T_, b, en, j1);
+    }
+    int lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
+    const bool hw = wb < we, hs = sb < se;
+    if (hw && hs && sb <= we && wb <= se) {
+      lo0 = static_cast<int>(min(wb, sb));
+      hi0 = static_cast<int>(max(we, se));
+    } else {
+      if (hs) { lo0 = static_cast<int>(sb); hi0 = static_cast<int>(se); }
+      if (hw) { lo1 = static_cast<int>(wb); hi1 = static_cast<int>(we); }
+    }
+    s_span_lo[2 * e] = lo0;
+    s_span_hi[2 * e] = hi0;
+    s_span_lo[2 * e + 1] = lo1;
+    s_span_hi[2 * e + 1] = hi1;
+  }
+  __syncthreads();
+  const int nspans = 2 * p.K;
+  if (tid == 0) {
+    int acc = 0;
+    for (int sp = 0; sp < nspans; ++sp) {
+      s_blk_off[sp] = acc;
+      acc += (s_span_hi[sp] - s_span_lo[sp] + BMQ - 1) / BMQ;
+    }
+    s_blk_off[nspans] = acc;
+  }
+  __syncthreads();
+  const int total_blocks = s_blk_off[nspans];
+  const int n_iters = total_blocks * p.group;
+
+  const int64_t qld = int64_t(p.Hq) * D, kld = int64_t(p.Hkv) * D;
+  constexpr uint32_t kStageBytes = Cfg::kQTileBytes;
+
+  // Iteration `it`: q head h, query rows [i0, min(i0 + BMQ, iend)) of one run.
+  auto locate = [&](int it, int& h, int& i0, int& iend) {
+    h = hk * p.group + it / total_blocks;
+    const int rem = it % total_blocks;
+    int sp = 0;
+    while (s_blk_off[sp + 1] <= rem) ++sp;
+    i0 = s_span_lo[sp] + (rem - s_blk_off[sp]) * BMQ;
+    iend = s_span_hi[sp];
+  };
+  // Issues the async copies of iteration `it` (Q, dO, row metadata) into `stage`.
+  auto issue = [&](int it, int stage) {
+    int h, i0, iend;
+    locate(it, h, i0, iend);
+    wg::load_tile_sw128<BMQ, D, NT>(sQa + stage * kStageBytes, static_cast<const T*>(p.q) + int64_t(h) * D, qld, i0,
+                                    iend, tid);
+    wg::load_tile_sw128<BMQ, D, NT>(sdOa + stage * kStageBytes, static_cast<const T*>(p.dout) + int64_t(h) * D, qld,
+                                    i0, iend, tid);
+    // rows past the run are zero-filled, i.e. invalid (and never read as valid)
+    const uint32_t m = smem_u32(s_meta + stage * MF * BMQ);
+    for (int x = tid; x < MF * BMQ; x += NT) {
+      const int field = x / BMQ, r = x - field * BMQ;
+      const int64_t i = int64_t(i0) + r;
+      bool ok = i < iend && (p.use_sink || (field != kSinkLo && field != kSinkHi));
+      const void* src;
+      if (field < kNumRangeFields) src = p.ranges + field * T_ + (ok ? i : 0);
+      else if (field == 5) src = p.lse + int64_t(h) * T_ + (ok ? i : 0);
+      else src = p.delta + int64_t(h) * T_ + (ok ? i : 0);
+      cp_async4(m + x * 4, src, ok);
+    }
+  };
+
+  wg::load_tile_sw128<BN, D, NT>(sKa, static_cast<const T*>(p.rk) + int64_t(hk) * D, kld, j0, p.N, tid);
+  wg::load_tile_sw128<BN, D, NT>(sVa, static_cast<const T*>(p.rv) + int64_t(hk) * D, kld, j0, p.N, tid);
+  if (n_iters > 0) issue(0, 0);
+  cp_async_commit();
+  cp_async_wait<0>();
+  wg::fence_proxy_async_smem();  // the cp.async data is read by wgmma (async proxy)
+  __syncthreads();
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) dk[n][x] = dv[n][x] = 0.f;
+  float st[BMQ / 8][4], dpt[BMQ / 8][4];
+#pragma unroll
+  for (int n = 0; n < BMQ / 8; ++n)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) st[n][x] = dpt[n][x] = 0.f;
+  const float sl2 = p.scale_log2;
+  const int key_row[2] = {j0 + 16 * warp + g, j0 + 16 * warp + g + 8};
+
+#pragma unroll 1
+  for (int it = 0; it < n_iters; ++it) {
+    const int stage = it & 1;
+    if (it + 1 < n_iters) issue(it + 1, stage ^ 1);
+    cp_async_commit();
+    const uint32_t qt = sQa + stage * kStageBytes, dot = sdOa + stage * kStageBytes;
+    const int* m = s_meta + stage * MF * BMQ;
+
+    // S^T = K Q^T and dP^T = V dO^T: rows = the 64 keys (warp w: 16 w .. 16 w + 15), columns =
+    // BMQ queries; the first k-step overwrites (scale-d = 0) the previous block's values.
+    wg::fence_operands(st);
+    wg::fence_operands(dpt);
+    wg::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      wg::wgmma_ss<BMQ, T>(st, wg::desc_kmajor<BN>(sKa, kk), wg::desc_kmajor<BMQ>(qt, kk), kk > 0);
+      wg::wgmma_ss<BMQ, T>(dpt, wg::desc_kmajor<BN>(sVa, kk), wg::desc_kmajor<BMQ>(dot, kk), kk > 0);
+    }
+    wg::wgmma_commit();
+    wg::wgmma_wait<0>();
+    wg::fence_operands(st);
+    wg::fence_operands(dpt);
+
+    // the block is "full" when every valid query row's window range covers all 64 keys
+    auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
+    bool cov = covers(lane);
+    if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
+    const bool full = __all_sync(0xffffffffu, cov);
+    // P^T (stored in st) and dS^T (stored in dpt)
+#pragma unroll
+    for (int n = 0; n < BMQ / 8; ++n) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int qc = 8 * n + 2 * t + (x & 1);
+        const int j = key_row[x >> 1];
+        bool ok = full;
+        if (!ok) {
+          const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
+          ok = r.allows(j, INT_MAX);
+        }
+        const bool valid = m[4 * BMQ + qc] != 0;
+        const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
+        const float dl = __int_as_float(m[6 * BMQ + qc]);
+        const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
+        st[n][x] = pv;
+        dpt[n][x] = pv * (dpt[n][x] - dl);
+      }
+    }
+    // dV += P^T dO, dK += dS^T Q (k-dim = the BMQ queries): A fragments from the accumulators
+    // (accumulator n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq + 15), B = the dO / Q stage
+    // read MN-major.
+    uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
+#pragma unroll
+    for (int kq = 0; kq < BMQ / 16; ++kq) {
+      pa[kq][0] = Pack<T>::two(st[2 * kq][0], st[2 * kq][1]);
+      pa[kq][1] = Pack<T>::two(st[2 * kq][2], st[2 * kq][3]);
+      pa[kq][2] = Pack<T>::two(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+      pa[kq][3] = Pack<T>::two(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+      sa[kq][0] = Pack<T>::two(dpt[2 * kq][0], dpt[2 * kq][1]);
+      sa[kq][1] = Pack<T>::two(dpt[2 * kq][2], dpt[2 * kq][3]);
+      sa[kq][2] = Pack<T>::two(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
+      sa[kq][3] = Pack<T>::two(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
+    }
+    wg::fence_operands(pa);
+    wg::fence_operands(sa);
+    wg::fence_operands(dv);
+    wg::fence_operands(dk);
+    wg::wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < BMQ / 16; ++kq) {
+      wg::wgmma_rs<D, T>(dv, pa[kq], wg::desc_mnmajor<BMQ>(dot, kq), 1);
+      wg::wgmma_rs<D, T>(dk, sa[kq], wg::desc_mnmajor<BMQ>(qt, kq), 1);
+    }
+    wg::wgmma_commit();
+    // The next iteration overwrites st / dpt (and this stage's tiles after the barrier below):
+    // wait for this batch, which reads pa / sa and the stage.
+    wg::wgmma_wait<0>();
+    wg::fence_operands(dv);
+    wg::fence_operands(dk);
+    wg::fence_operands(pa);
+    wg::fence_operands(sa);
+    cp_async_wait<0>();
+    wg::fence_proxy_async_smem();
+    __syncthreads();
+  }
+
+  const float scale = p.scale;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = key_row[r];
+    if (j < p.N) {
+      const int64_t off = int64_t(j) * kld + int64_t(hk) * D + 2 * t;
+      T* ok = static_cast<T*>(p.drk) + off;
+      T* ov = static_cast<T*>(p.drv) + off;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(ok + 8 * n) = Pack<T>::two(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
+        *reinterpret_cast<uint32_t*>(ov + 8 * n) = Pack<T>::two(dv[n][2 * r], dv[n][2 * r + 1]);
+      }
+    }
+  }
+#endif  // PEAGLE_WGMMA_DEVICE
+}
+
+// Launch of the wgmma dK/dV pass (grid: key blocks x kv heads), on `stream`.
+template <int D, typename T, int BMQ>
+cudaError_t launch_dkv_wgmma(const CodAttnParams& p, cudaStream_t stream) {
+  using Cfg = DkvWgmmaConfig<D, BMQ>;
+  auto kernel = cod_attn_dkv_wgmma_kernel<D, T, BMQ>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  kernel<<<dim3((p.N + Cfg::kBN - 1) / Cfg::kBN, p.Hkv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace peagle::attention::cuda
