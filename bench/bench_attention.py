@@ -11,7 +11,8 @@ heads, D=128, bf16. Times include the metadata build (ours) / create_block_mask 
   python bench/bench_attention.py --fwd-configs   # forward only, every CTA shape (FWD_CONFIGS) vs
                                                   # the default: ms, TF/s, ratio, max|diff|
   python bench/bench_attention.py --bwd-configs   # fwd+bwd under each backward variant
-                                                  # (BWD_CONFIGS: deterministic / atomic dQ) vs the
+                                                  # (BWD_CONFIGS: deterministic / atomic dQ / wgmma
+                                                  # dK/dV; BWD_NAMES=default,wgmma to pick) vs the
                                                   # default: ms, bwd TF/s, ratio, grad diffs, memory
   python bench/bench_attention.py --sanitize # one small fwd+bwd (for compute-sanitizer)
   pytest bench/bench_attention.py            # pytest-benchmark entries (GPU ones skip without a GPU)
@@ -112,11 +113,21 @@ class fwd_config:
 
 # Backward variants (env PEAGLE_ATTN_BWD, read per call by the CUDA glue, csrc/attention/cuda/
 # cod_attn_bwd.cuh launch_bwd): the deterministic default (separate query-major dQ pass: 7 matmuls
-# per pair) and "atomic" (dQ summed with fp32 atomics in the key-major dK/dV pass: 5 matmuls).
+# per pair), "atomic" (dQ summed with fp32 atomics in the key-major dK/dV pass: 5 matmuls) and
+# "wgmma" (the default with its dK/dV pass on sm_90a warpgroup MMAs; only where the GPU is sm_90).
 BWD_CONFIGS = {
     "default": {},
     "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
+    "wgmma": {"PEAGLE_ATTN_BWD": "wgmma"},
 }
+
+
+def bwd_config_runs(name):
+    """wgmma needs compute capability 9.0 and a build with sm_90a kernels; the others run anywhere."""
+    if name != "wgmma":
+        return True
+    import peagle_ext
+    return torch.cuda.get_device_capability() == (9, 0) and "90" in peagle_ext.build_info().get("cuda_archs", [])
 
 
 class bwd_config:
@@ -453,7 +464,12 @@ def bwd_configs_main():
     if not quick:
         cases += [(32768, None, None, 0), (131072, 1024, None, 0)]
     dev = torch.cuda.get_device_name()
-    names = list(BWD_CONFIGS)
+    # BWD_NAMES=default,wgmma (optional) restricts the variants; the first one is the baseline
+    wanted = [x for x in os.environ.get("BWD_NAMES", "").split(",") if x] or list(BWD_CONFIGS)
+    names = [nm for nm in wanted if nm in BWD_CONFIGS and bwd_config_runs(nm)]
+    skipped = [nm for nm in wanted if nm not in names]
+    if skipped:
+        print(f"# skipped backward variants (not runnable here or unknown): {skipped}")
     print(f"# COD attention backward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; default forward; "
           f"bwd = f+b - fwd; ratio = default ms / variant ms (>1: faster); floor = bwd FLOPs at "
           f"{PEAK_BF16_TFLOPS:.0f} TF/s")

@@ -9,7 +9,9 @@ checks; metadata equal on both devices; the non-default forward CTA shapes
 shape; the opt-in atomic-dQ backward (PEAGLE_ATTN_BWD=atomic) on a subset of the reference
 scenarios, tiny / padding / all-padding / K=64 layouts, large-N spot checks, graph capture, its
 run-to-run closeness (dq is summed with fp32 atomics: not bitwise reproducible) and its agreement
-with the deterministic backward. A failing GPU case names its configuration.
+with the deterministic backward; the opt-in Hopper backward (PEAGLE_ATTN_BWD=wgmma: the dK/dV pass on
+sm_90a warpgroup MMAs) on the same subsets where the GPU is sm_90 (skipped elsewhere, where it must
+refuse to run). A failing GPU case names its configuration.
 """
 import math
 import os
@@ -17,6 +19,7 @@ import os
 import pytest
 import torch
 
+import peagle_ext
 from conftest import HAS_CUDA, random_documents, requires_cuda
 from peagle_ext.attention import cod_attention, cod_attention_metadata
 from peagle_ext.cod import CodLayout, cod_sample
@@ -553,8 +556,21 @@ def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
 
 # Backward variants (env PEAGLE_ATTN_BWD, read per call by the CUDA glue; csrc/attention/cuda/
 # cod_attn_bwd.cuh launch_bwd): "default" = the deterministic 4-launch backward; "atomic" = the
-# FlashAttention-2-style one (dQ summed with fp32 atomics in the key-major dK/dV pass).
-BWD_VARIANTS = {"default": None, "atomic": "atomic"}
+# FlashAttention-2-style one (dQ summed with fp32 atomics in the key-major dK/dV pass); "wgmma" =
+# the default with its dK/dV pass on Hopper warpgroup MMAs (cod_attn_bwd_wgmma.cuh; sm_90 only).
+BWD_VARIANTS = {"default": None, "atomic": "atomic", "wgmma": "wgmma"}
+
+
+def _wgmma_runs_here():
+    """PEAGLE_ATTN_BWD=wgmma runs on compute capability 9.0 with a build that has sm_90a kernels."""
+    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    return "90" in peagle_ext.build_info().get("cuda_archs", [])
+
+
+HAS_WGMMA = _wgmma_runs_here()
+requires_wgmma = pytest.mark.skipif(not HAS_WGMMA, reason="PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU and a build with 90")
+WGMMA = pytest.param("wgmma", marks=requires_wgmma)
 
 
 def set_bwd_variant(monkeypatch, name):
@@ -614,6 +630,62 @@ def test_cuda_bwd_atomic_matches_reference(monkeypatch, d, cross, scen_idx):
 
 
 @requires_cuda
+@requires_wgmma
+@pytest.mark.parametrize("d,cross,scen_idx", BWD_VARIANT_CASES,
+                         ids=[f"D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}" for d, x, i in BWD_VARIANT_CASES])
+def test_cuda_bwd_wgmma_matches_reference(monkeypatch, d, cross, scen_idx):
+    """The wgmma dK/dV backward against the float64 reference (same bound as the default one)."""
+    set_bwd_variant(monkeypatch, "wgmma")
+    dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
+    _gpu_case(dtype, d, cross, GPU_SCENARIOS[scen_idx], seed_extra="bwd-wgmma")
+
+
+@requires_cuda
+@requires_wgmma
+@pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_bwd_wgmma_agrees_with_default(monkeypatch, d, cross):
+    """Same function as the default backward: out and dq bitwise equal (the same forward and dQ
+    kernels), dk / dv (+ context grads) from the same P^T / dS^T elements, with tensor-core sums in
+    another order: per (row, head) to 2e-2 and rel. L2 <= 1e-3. A misplaced query block or key row
+    costs far more. Window + sink, GQA 4, padding rows, documents up to 1400 tokens."""
+    g = torch.Generator().manual_seed(37 + d + int(cross))
+    lay = make_layout(g, 3000, cross=cross, max_doc_len=1400, pad_tail=13, device="cuda")
+    q, k, v, ctx = make_inputs(g, lay, 8, 2, d, torch.bfloat16, "cuda", cross)
+    ins = [q, k, v] + list(ctx.values())
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    res = {}
+    for name in ("default", "wgmma"):
+        set_bwd_variant(monkeypatch, name)
+        out = cod_attention(q, k, v, lay, window=700, sink=3, **ctx)
+        res[name] = [out.detach()] + list(torch.autograd.grad(out, ins, go))
+    names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx]
+    what = f"wgmma vs default D={d} cross={cross}"
+    assert torch.equal(res["wgmma"][0], res["default"][0]), f"{what}: forward differs"
+    assert torch.equal(res["wgmma"][1], res["default"][1]), f"{what}: dq differs (same dQ kernel)"
+    for name, a, b in zip(names[2:], res["wgmma"][2:], res["default"][2:]):
+        assert_rows_close(a, b, f"{what}: {name}")
+        assert rel_l2(a, b) <= 1e-3, f"{what}: {name} rel err {rel_l2(a, b):.2e}"
+    pad = lay.document_ids[lay.anchor.long()] < 0
+    assert cross or pad.any(), "symmetric layout should have padding rows"
+
+
+@requires_cuda
+def test_cuda_bwd_wgmma_refused_off_sm90(monkeypatch):
+    """Where wgmma cannot run (not compute capability 9.0, or a build without sm_90a), the backward
+    raises a sentence naming the requirement instead of running anything."""
+    if HAS_WGMMA:
+        pytest.skip("this GPU runs PEAGLE_ATTN_BWD=wgmma")
+    set_bwd_variant(monkeypatch, "wgmma")
+    g = torch.Generator().manual_seed(43)
+    lay = make_layout(g, 200, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 64, torch.bfloat16, "cuda", False)
+    out = cod_attention(q, k, v, lay)
+    with pytest.raises(RuntimeError, match="PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU"):
+        torch.autograd.grad(out.float().sum(), [q, k, v])
+
+
+@requires_cuda
 @pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_bwd_atomic_agrees_with_default(monkeypatch, d, cross):
@@ -647,7 +719,7 @@ def test_cuda_bwd_atomic_agrees_with_default(monkeypatch, d, cross):
 
 @requires_cuda
 @pytest.mark.parametrize("cross", [False, True])
-@pytest.mark.parametrize("bwd", ["default", "atomic"])
+@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
 def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
     """K = 64 depths (the most chain keys per query: the atomic variant's finish kernel sums them
     per row) with window + sink, fwd and bwd against the CPU op in float32 on bf16-rounded inputs."""
@@ -671,11 +743,12 @@ def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic"])
+@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
 def test_cuda_bwd_variants_select_kernels(monkeypatch, bwd):
     """The env switch really picks the backward: the kernels launched by one backward (profiler)
     are the query-major dQ kernel for the default and the dQ finish kernel (no dQ kernel) for
-    "atomic". Without this, every atomic test above would also pass if the glue ignored the env."""
+    "atomic"; "wgmma" runs the dQ kernel and the wgmma dK/dV kernel instead of the mma.sync one.
+    Without this, every variant test above would also pass if the glue ignored the env."""
     from torch.profiler import ProfilerActivity, profile
     set_bwd_variant(monkeypatch, bwd)
     g = torch.Generator().manual_seed(41)
@@ -693,6 +766,9 @@ def test_cuda_bwd_variants_select_kernels(monkeypatch, bwd):
     has_dq = any("cod_attn_dq_kernel" in n for n in names)
     has_finish = any("cod_attn_dq_finish_kernel" in n for n in names)
     assert (has_dq, has_finish) == ((False, True) if bwd == "atomic" else (True, False)), sorted(set(names))
+    has_wgmma = any("cod_attn_dkv_wgmma_kernel" in n for n in names)
+    has_dkv = any("cod_attn_dkv_kernel" in n for n in names)
+    assert (has_wgmma, has_dkv) == ((True, False) if bwd == "wgmma" else (False, True)), sorted(set(names))
 
 
 @requires_cuda
@@ -708,7 +784,8 @@ def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic")])
+@pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic"),
+                                     pytest.param("default", "wgmma", marks=requires_wgmma)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg, bwd):
     """Same algorithm on both devices: CUDA bf16 vs the CPU path in float32 on bf16-rounded inputs."""
@@ -727,7 +804,7 @@ def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic"])
+@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
 @pytest.mark.parametrize("cross", [False, True])
 def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
     set_bwd_variant(monkeypatch, bwd)
@@ -766,7 +843,8 @@ def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic")])
+@pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic"),
+                                     pytest.param("default", "wgmma", marks=requires_wgmma)])
 def test_cuda_all_padding_gives_zeros(monkeypatch, cfg, bwd):
     set_fwd_config(monkeypatch, cfg)
     set_bwd_variant(monkeypatch, bwd)
@@ -782,10 +860,10 @@ def test_cuda_all_padding_gives_zeros(monkeypatch, cfg, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic"])
+@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
 @pytest.mark.parametrize("cross", [False, True])
 def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
-    """Default backward: bitwise reproducible. Atomic: out, dk, dv (and context grads) still are
+    """Default and wgmma backward: bitwise reproducible. Atomic: out, dk, dv (and context grads) still are
     (no atomics there); dq is summed with fp32 atomics in a run-dependent order, so two runs agree
     to one 16-bit rounding step per element."""
     set_bwd_variant(monkeypatch, bwd)
@@ -807,7 +885,7 @@ def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic"])
+@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
 def test_cuda_graph_capture(monkeypatch, bwd):
     """fwd + bwd captured in a CUDA graph (the atomic variant's workspace zeroing is a
     cudaMemsetAsync on the capturing stream) and replayed: same results as eager (dq of the atomic
@@ -897,14 +975,19 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
                                                       (131072, 4096, None, "default"),
                                                       (131072, 4096, None, "mf2w4"),
                                                       (32768, None, None, "atomic"),
-                                                      (131072, 4096, None, "atomic")])
+                                                      (131072, 4096, None, "atomic"),
+                                                      pytest.param(32768, None, None, "wgmma", marks=requires_wgmma),
+                                                      pytest.param(131072, 4096, None, "wgmma",
+                                                                   marks=requires_wgmma)])
 def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):
     """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
     the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head.
     cfg "atomic": the default forward with the atomic-dQ backward (documents up to 8192 tokens:
-    up to 128 key blocks, i.e. atomic adds, per dq element)."""
-    set_fwd_config(monkeypatch, "default" if cfg == "atomic" else cfg)
-    set_bwd_variant(monkeypatch, "atomic" if cfg == "atomic" else "default")
+    up to 128 key blocks, i.e. atomic adds, per dq element); cfg "wgmma": the default forward with
+    the wgmma dK/dV backward."""
+    bwd = cfg if cfg in ("atomic", "wgmma") else "default"
+    set_fwd_config(monkeypatch, "default" if bwd != "default" else cfg)
+    set_bwd_variant(monkeypatch, bwd)
     g = torch.Generator().manual_seed(n)
     lay = make_layout(g, n, max_anchors=max_anchors, max_doc_len=8192, pad_tail=100, device="cuda")
     hq, hkv, d = 8, 2, 128

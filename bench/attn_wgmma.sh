@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# GPU check of the Hopper backward variant PEAGLE_ATTN_BWD=wgmma (the dK/dV pass on sm_90a warpgroup
+# MMAs: csrc/attention/cuda/cod_attn_bwd_wgmma.cuh, building blocks in cod_attn_wgmma.cuh), ONE
+# unattended run on an H100/H200 after the CUDA build (about 4 minutes plus the build):
+#   OUT=/path bash bench/attn_wgmma.sh
+# 0. build (as bench/attn_bwd_variants.sh) unless the installed build already has the wgmma glue;
+# 1. tools/wgmma_selftest.cu (nvcc -arch=sm_90a here): the B128 layout, descriptors, SS / RS wgmma
+#    wrappers and fences in isolation against a CPU reference (PASS / FAIL per case, first
+#    mismatches printed) - read this first if anything below fails;
+# 2. tests (python_tests/test_attention.py -k wgmma): reference scenarios in both modes and head
+#    dims, agreement with the default backward (dq bitwise, dk / dv to rounding), K=64 chains,
+#    tiny / padding / all-padding, determinism, CUDA-graph capture, CPU float32 equality, kernel
+#    selection, the N=32K large-N spot check (FULL=1 adds N=128K);
+# 3. fwd+bwd timing of default vs wgmma (bench_attention.py --bwd-configs, QUICK sizes);
+# 4. compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS to change; SANITIZE=0 skips) of the
+#    wgmma backward on bench/sanitize_attention.py's small shapes, garbage layouts included.
+# Logs under $OUT; the summary is $OUT/attn_wgmma_summary.txt. Exit code non-zero if any phase failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
+unset PEAGLE_ATTN_FWD_MF PEAGLE_ATTN_FWD_WARPS PEAGLE_ATTN_BWD  # the tests and the bench set them per case
+summary="$OUT/attn_wgmma_summary.txt"
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+status=0
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>/dev/null | tee -a "$summary"
+
+# A build from before this variant has no wgmma glue: its error sentence is the marker.
+has_wgmma_build() {
+  python3 - <<'EOF' 2>/dev/null
+import glob, os, sys
+import peagle_ext
+if not peagle_ext.has_cuda_kernels():
+    sys.exit(1)
+so = glob.glob(os.path.join(os.path.dirname(peagle_ext.__file__), "_C*.so"))
+sys.exit(0 if so and b"PEAGLE_ATTN_BWD=wgmma needs" in open(so[0], "rb").read() else 1)
+EOF
+}
+if ! has_wgmma_build; then
+  # same build as bench/gpu_suite.sh (system compiler: see the note there)
+  if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++; fi
+  t0=$(date +%s)
+  MAX_JOBS=${MAX_JOBS:-16} PEAGLE_WITH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -e . \
+    > "$OUT/attn_wgmma_build.log" 2>&1
+  rc=$?; note "build: rc=$rc in $(( $(date +%s) - t0 ))s"
+  [ $rc -eq 0 ] || { tail -40 "$OUT/attn_wgmma_build.log"; exit 1; }
+fi
+python3 -c "import peagle_ext; print(peagle_ext.build_info())" | tee -a "$summary"
+
+# 1. building blocks
+t0=$(date +%s)
+nvcc -std=c++17 -O2 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I csrc \
+  tools/wgmma_selftest.cu -o "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest_build.log" 2>&1
+rc=$?
+if [ $rc -eq 0 ]; then
+  timeout ${SELFTEST_TIMEOUT:-60} "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest.log" 2>&1
+  rc=$?
+  cat "$OUT/wgmma_selftest.log" >> "$summary"
+  grep -E "^(FAIL|    C\[)" "$OUT/wgmma_selftest.log" | head -20
+  tail -1 "$OUT/wgmma_selftest.log"
+else
+  tail -20 "$OUT/wgmma_selftest_build.log" | tee -a "$summary"
+fi
+note "wgmma_selftest: rc=$rc in $(( $(date +%s) - t0 ))s"
+[ $rc -eq 0 ] || status=1
+rm -f "$OUT/wgmma_selftest"  # a binary does not need to come back
+
+# 2. tests
+sel="wgmma"
+[ "${FULL:-0}" = "1" ] || sel="$sel and not 131072"
+t0=$(date +%s)
+timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$sel" \
+  --junitxml="$OUT/attn_wgmma_tests.xml" > "$OUT/attn_wgmma_tests.log" 2>&1
+rc=$?; note "tests (-k \"$sel\"): rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/attn_wgmma_tests.log")"
+[ $rc -eq 0 ] || status=1
+grep -E "^(FAILED|ERROR|SKIPPED)|Fatal Python error|Error" "$OUT/attn_wgmma_tests.log" | head -30 | tee -a "$summary"
+
+# 3. timing
+t0=$(date +%s)
+BWD_NAMES=default,wgmma QUICK=${QUICK:-1} OUT="$OUT" timeout ${BENCH_TIMEOUT:-60} python3 bench/bench_attention.py \
+  --bwd-configs > "$OUT/attn_wgmma_bench.log" 2>&1
+rc=$?; note "bench --bwd-configs (default vs wgmma): rc=$rc in $(( $(date +%s) - t0 ))s"
+[ $rc -eq 0 ] || status=1
+cat "$OUT/attn_wgmma_bench.log" >> "$summary"; tail -8 "$OUT/attn_wgmma_bench.log"
+
+# 4. sanitizers
+if [ "${SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
+  # bench/sanitize_attention.py's shapes with the wgmma backward. Its CPU-vs-CUDA tolerance checks
+  # are reported but do not stop the run: the verdict here is compute-sanitizer's.
+  driver='import os, sys; sys.path.insert(0, "bench"); import sanitize_attention as s
+strict_check, soft = s._check, []
+def soft_check(*a, **k):
+    try:
+        strict_check(*a, **k)
+    except AssertionError as e:
+        soft.append(repr(e)); print("tolerance miss (not a sanitizer error):", repr(e), flush=True)
+s._check = soft_check
+os.environ["PEAGLE_ATTN_BWD"] = "wgmma"
+s.run(); print("PEAGLE_ATTN_BWD=wgmma done", flush=True)
+print("tolerance misses:", len(soft))'
+  read -r -a tools <<< "${SANITIZE_TOOLS:-memcheck racecheck}"
+  for tool in "${tools[@]}"; do
+    t0=$(date +%s)
+    timeout ${SANITIZE_TIMEOUT:-50} compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -c "$driver" \
+      > "$OUT/attn_wgmma_$tool.log" 2>&1
+    rc=$?; note "compute-sanitizer $tool (PEAGLE_ATTN_BWD=wgmma): rc=$rc in $(( $(date +%s) - t0 ))s: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/attn_wgmma_$tool.log" | tail -1); $(grep -E "tolerance misses" "$OUT/attn_wgmma_$tool.log" | tail -1)"
+    [ $rc -eq 0 ] || { status=1; grep -m 20 -E "=========|Error|error" "$OUT/attn_wgmma_$tool.log" | tee -a "$summary"; }
+  done
+else
+  note "compute-sanitizer: skipped"
+fi
+
+note "attn_wgmma: status=$status"
+exit $status
