@@ -8,10 +8,12 @@
 #    wrappers and fences in isolation against a CPU reference (PASS / FAIL per case, first
 #    mismatches printed) - read this first if anything below fails;
 # 2. tests (python_tests/test_attention.py -k wgmma): reference scenarios in both modes and head
-#    dims, agreement with the default backward (dq bitwise, dk / dv to rounding), K=64 chains,
+#    dims (and BMQ=64 at D=128), agreement with the default backward (dq bitwise, dk / dv to
+#    rounding), K=64 chains,
 #    tiny / padding / all-padding, determinism, CUDA-graph capture, CPU float32 equality, kernel
 #    selection, the N=32K large-N spot check (FULL=1 adds N=128K);
-# 3. fwd+bwd timing of default vs wgmma (bench_attention.py --bwd-configs, QUICK sizes);
+# 3. fwd+bwd timing of default vs wgmma vs wgmma64 (PEAGLE_ATTN_WGMMA_BMQ=64: 64-query blocks at
+#    D=128) (bench_attention.py --bwd-configs, QUICK sizes);
 # 4. compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS to change; SANITIZE=0 skips) of the
 #    wgmma backward on bench/sanitize_attention.py's small shapes, garbage layouts included.
 # Logs under $OUT; the summary is $OUT/attn_wgmma_summary.txt. Exit code non-zero if any phase failed.
@@ -71,7 +73,7 @@ rm -f "$OUT/wgmma_selftest"  # a binary does not need to come back
 sel="wgmma"
 [ "${FULL:-0}" = "1" ] || sel="$sel and not 131072"
 t0=$(date +%s)
-timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$sel" \
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$sel" \
   --junitxml="$OUT/attn_wgmma_tests.xml" > "$OUT/attn_wgmma_tests.log" 2>&1
 rc=$?; note "tests (-k \"$sel\"): rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/attn_wgmma_tests.log")"
 [ $rc -eq 0 ] || status=1
@@ -79,9 +81,10 @@ grep -E "^(FAILED|ERROR|SKIPPED)|Fatal Python error|Error" "$OUT/attn_wgmma_test
 
 # 3. timing
 t0=$(date +%s)
-BWD_NAMES=default,wgmma QUICK=${QUICK:-1} OUT="$OUT" timeout ${BENCH_TIMEOUT:-60} python3 bench/bench_attention.py \
+bwd_names=${BWD_NAMES:-default,wgmma,wgmma64}  # wgmma64: PEAGLE_ATTN_WGMMA_BMQ=64 (64-query blocks at D=128)
+BWD_NAMES=$bwd_names QUICK=${QUICK:-1} OUT="$OUT" timeout ${BENCH_TIMEOUT:-75} python3 bench/bench_attention.py \
   --bwd-configs > "$OUT/attn_wgmma_bench.log" 2>&1
-rc=$?; note "bench --bwd-configs (default vs wgmma): rc=$rc in $(( $(date +%s) - t0 ))s"
+rc=$?; note "bench --bwd-configs ($bwd_names): rc=$rc in $(( $(date +%s) - t0 ))s"
 [ $rc -eq 0 ] || status=1
 cat "$OUT/attn_wgmma_bench.log" >> "$summary"; tail -8 "$OUT/attn_wgmma_bench.log"
 
@@ -103,7 +106,7 @@ print("tolerance misses:", len(soft))'
   read -r -a tools <<< "${SANITIZE_TOOLS:-memcheck racecheck}"
   for tool in "${tools[@]}"; do
     t0=$(date +%s)
-    timeout ${SANITIZE_TIMEOUT:-50} compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -c "$driver" \
+    timeout ${SANITIZE_TIMEOUT:-45} compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -c "$driver" \
       > "$OUT/attn_wgmma_$tool.log" 2>&1
     rc=$?; note "compute-sanitizer $tool (PEAGLE_ATTN_BWD=wgmma): rc=$rc in $(( $(date +%s) - t0 ))s: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/attn_wgmma_$tool.log" | tail -1); $(grep -E "tolerance misses" "$OUT/attn_wgmma_$tool.log" | tail -1)"
     [ $rc -eq 0 ] || { status=1; grep -m 20 -E "=========|Error|error" "$OUT/attn_wgmma_$tool.log" | tee -a "$summary"; }

@@ -119,12 +119,14 @@ BWD_CONFIGS = {
     "default": {},
     "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
     "wgmma": {"PEAGLE_ATTN_BWD": "wgmma"},
+    "wgmma64": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64"},  # 64-query blocks at D = 128
 }
+_BWD_ENV_KEYS = ("PEAGLE_ATTN_BWD", "PEAGLE_ATTN_WGMMA_BMQ")
 
 
 def bwd_config_runs(name):
     """wgmma needs compute capability 9.0 and a build with sm_90a kernels; the others run anywhere."""
-    if name != "wgmma":
+    if not name.startswith("wgmma"):
         return True
     import peagle_ext
     return torch.cuda.get_device_capability() == (9, 0) and "90" in peagle_ext.build_info().get("cuda_archs", [])
@@ -137,13 +139,13 @@ class bwd_config:
         self.env = BWD_CONFIGS[name]
 
     def __enter__(self):
-        self.saved = os.environ.pop("PEAGLE_ATTN_BWD", None)
+        self.saved = {k: os.environ.pop(k) for k in _BWD_ENV_KEYS if k in os.environ}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):
-        os.environ.pop("PEAGLE_ATTN_BWD", None)
-        if self.saved is not None:
-            os.environ["PEAGLE_ATTN_BWD"] = self.saved
+        for k in _BWD_ENV_KEYS:
+            os.environ.pop(k, None)
+        os.environ.update(self.saved)
 
 
 def cuda_time(fn, warmup=2, reps=5, target_s=1.5):

@@ -558,7 +558,7 @@ def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
 # cod_attn_bwd.cuh launch_bwd): "default" = the deterministic 4-launch backward; "atomic" = the
 # FlashAttention-2-style one (dQ summed with fp32 atomics in the key-major dK/dV pass); "wgmma" =
 # the default with its dK/dV pass on Hopper warpgroup MMAs (cod_attn_bwd_wgmma.cuh; sm_90 only).
-BWD_VARIANTS = {"default": None, "atomic": "atomic", "wgmma": "wgmma"}
+BWD_VARIANTS = {"default": None, "atomic": "atomic", "wgmma": "wgmma", "wgmma64": "wgmma"}
 
 
 def _wgmma_runs_here():
@@ -574,9 +574,13 @@ WGMMA = pytest.param("wgmma", marks=requires_wgmma)
 
 
 def set_bwd_variant(monkeypatch, name):
+    """name in BWD_VARIANTS; "wgmma64" = wgmma with 64-query blocks at D = 128 (PEAGLE_ATTN_WGMMA_BMQ)."""
     monkeypatch.delenv("PEAGLE_ATTN_BWD", raising=False)
+    monkeypatch.delenv("PEAGLE_ATTN_WGMMA_BMQ", raising=False)
     if BWD_VARIANTS[name] is not None:
         monkeypatch.setenv("PEAGLE_ATTN_BWD", BWD_VARIANTS[name])
+    if name == "wgmma64":
+        monkeypatch.setenv("PEAGLE_ATTN_WGMMA_BMQ", "64")
 
 
 def assert_bf16_rounding_close(a, b, what):
@@ -642,9 +646,20 @@ def test_cuda_bwd_wgmma_matches_reference(monkeypatch, d, cross, scen_idx):
 
 @requires_cuda
 @requires_wgmma
+@pytest.mark.parametrize("scen_idx", range(len(GPU_SCENARIOS)), ids=[s[0] for s in GPU_SCENARIOS])
+def test_cuda_bwd_wgmma64_matches_reference(monkeypatch, scen_idx):
+    """PEAGLE_ATTN_WGMMA_BMQ=64 (64-query blocks, D = 128 only) on every scenario, modes and dtypes
+    alternating."""
+    set_bwd_variant(monkeypatch, "wgmma64")
+    dtype = torch.bfloat16 if scen_idx % 2 == 1 else torch.float16
+    _gpu_case(dtype, 128, scen_idx % 2 == 0, GPU_SCENARIOS[scen_idx], seed_extra="bwd-wgmma64")
+
+
+@requires_cuda
+@requires_wgmma
 @pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_cuda_bwd_wgmma_agrees_with_default(monkeypatch, d, cross):
+@pytest.mark.parametrize("d,variant", [(64, "wgmma"), (128, "wgmma"), (128, "wgmma64")])
+def test_cuda_bwd_wgmma_agrees_with_default(monkeypatch, d, variant, cross):
     """Same function as the default backward: out and dq bitwise equal (the same forward and dQ
     kernels), dk / dv (+ context grads) from the same P^T / dS^T elements, with tensor-core sums in
     another order: per (row, head) to 2e-2 and rel. L2 <= 1e-3. A misplaced query block or key row
@@ -655,12 +670,12 @@ def test_cuda_bwd_wgmma_agrees_with_default(monkeypatch, d, cross):
     ins = [q, k, v] + list(ctx.values())
     go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
     res = {}
-    for name in ("default", "wgmma"):
+    for name in ("default", variant):
         set_bwd_variant(monkeypatch, name)
         out = cod_attention(q, k, v, lay, window=700, sink=3, **ctx)
-        res[name] = [out.detach()] + list(torch.autograd.grad(out, ins, go))
+        res["wgmma" if name == variant else name] = [out.detach()] + list(torch.autograd.grad(out, ins, go))
     names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx]
-    what = f"wgmma vs default D={d} cross={cross}"
+    what = f"{variant} vs default D={d} cross={cross}"
     assert torch.equal(res["wgmma"][0], res["default"][0]), f"{what}: forward differs"
     assert torch.equal(res["wgmma"][1], res["default"][1]), f"{what}: dq differs (same dQ kernel)"
     for name, a, b in zip(names[2:], res["wgmma"][2:], res["default"][2:]):
@@ -885,7 +900,7 @@ def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
+@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA, pytest.param("wgmma64", marks=requires_wgmma)])
 def test_cuda_graph_capture(monkeypatch, bwd):
     """fwd + bwd captured in a CUDA graph (the atomic variant's workspace zeroing is a
     cudaMemsetAsync on the capturing stream) and replayed: same results as eager (dq of the atomic

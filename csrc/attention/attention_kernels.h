@@ -53,6 +53,8 @@ struct CodAttnParams {
   // by the sm_90a warpgroup-MMA kernel (cuda/cod_attn_bwd_wgmma.cuh). Last member, so the byte
   // offsets of the fields above (kernel parameter layout) stay as they were.
   int bwd_wgmma = 0;
+  // its query block at D = 128 (env PEAGLE_ATTN_WGMMA_BMQ): 64, or anything else = 32 (default)
+  int wgmma_bmq = 0;
 };
 
 // workspace for the metadata build (the document-run scan); query with ws == nullptr.

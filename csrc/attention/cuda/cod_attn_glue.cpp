@@ -52,6 +52,12 @@ int bwd_wgmma_from_env() {
   const char* v = std::getenv("PEAGLE_ATTN_BWD");
   return (v != nullptr && std::strcmp(v, "wgmma") == 0) ? 1 : 0;
 }
+// PEAGLE_ATTN_WGMMA_BMQ: 64 selects 64-query blocks for the wgmma dK/dV pass at D = 128 (255
+// registers, 101 KiB shared memory per CTA); anything else (or unset) = 32.
+int wgmma_bmq_from_env() {
+  const char* v = std::getenv("PEAGLE_ATTN_WGMMA_BMQ");
+  return (v != nullptr && std::atoi(v) == 64) ? 64 : 0;
+}
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& context_k, const std::optional<at::Tensor>& context_v,
@@ -177,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
   p.drv = s.cross ? dcv.data_ptr() : dv.data_ptr();
   p.bwd_atomic = bwd_atomic_from_env();
   p.bwd_wgmma = bwd_wgmma_from_env();
+  p.wgmma_bmq = wgmma_bmq_from_env();
   if (p.bwd_wgmma && !cod_attn_wgmma_available()) {
     int dev = 0, major = 0, minor = 0;
     cudaGetDevice(&dev);
