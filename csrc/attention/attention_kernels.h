@@ -12,6 +12,15 @@ namespace peagle::attention {
 
 enum class AttnDtype : int { kBF16 = 0, kFP16 = 1 };
 
+// Backward variants (CodAttnParams::bwd_variant, env PEAGLE_ATTN_BWD read by the glue; see
+// launch_bwd in cuda/cod_attn_bwd.cuh).
+enum BwdVariant : int {
+  kBwdDefault = 0,  // deterministic: separate query-major dQ pass
+  kBwdAtomic = 1,   // "atomic": the key-major dK/dV pass also adds dS K into dq_accum (fp32 atomics)
+  kBwdWgmma = 2,    // "wgmma": the default with the dK/dV pass on sm_90a warpgroup MMAs
+  kBwdWgmma64 = 3,  // "wgmma" + PEAGLE_ATTN_WGMMA_BMQ=64: its 64-query blocks at D = 128
+};
+
 // Everything a COD attention kernel reads. Tensors are contiguous: q/out/dout/dq [T, Hq, D],
 // k/v/dk/dv [T, Hkv, D], range keys rk/rv/drk/drv [N, Hkv, D] (symmetric: the first N rows of
 // k/v themselves; cross: context_k/v), lse/delta [Hq, T] float32, ranges [5, T], chain/rchain [T, K].
@@ -41,20 +50,16 @@ struct CodAttnParams {
   // run_fwd in cuda/cod_attn_configs.cuh): warps 4 or 8 (0 = the default of the MF), MF 1 or 2
   int fwd_warps = 0;
   int fwd_mf = 1;
-  // backward variant (env PEAGLE_ATTN_BWD, read by the glue; see launch_bwd in
-  // cuda/cod_attn_bwd.cuh): 0 = deterministic (separate query-major dQ pass), 1 = "atomic": the
-  // key-major dK/dV pass also adds dS K into dq_accum with fp32 atomics (run-to-run differences
-  // at fp32 rounding level). dq_accum: float32 [T, Hq, D] workspace, 16-byte aligned, only read
-  // when bwd_atomic (the launcher zeroes it on the stream).
-  int bwd_atomic = 0;
+  // backward variant, a BwdVariant (env PEAGLE_ATTN_BWD, read by the glue; see launch_bwd in
+  // cuda/cod_attn_bwd.cuh): kBwdDefault = deterministic (separate query-major dQ pass),
+  // kBwdAtomic: the key-major dK/dV pass also adds dS K into dq_accum with fp32 atomics
+  // (run-to-run differences at fp32 rounding level), kBwdWgmma / kBwdWgmma64: the deterministic
+  // one with the dK/dV pass on sm_90a warpgroup MMAs (cuda/cod_attn_bwd_wgmma.cuh).
+  // dq_accum: float32 [T, Hq, D] workspace, 16-byte aligned, only read with kBwdAtomic (the
+  // launcher zeroes it on the stream).
+  int bwd_variant = kBwdDefault;
   float* dq_accum = nullptr;
   int depth_offsets[kMaxChain + 1] = {};
-  // PEAGLE_ATTN_BWD=wgmma (read by the glue): the deterministic backward with the dK/dV pass run
-  // by the sm_90a warpgroup-MMA kernel (cuda/cod_attn_bwd_wgmma.cuh). Last member, so the byte
-  // offsets of the fields above (kernel parameter layout) stay as they were.
-  int bwd_wgmma = 0;
-  // its query block at D = 128 (env PEAGLE_ATTN_WGMMA_BMQ): 64, or anything else = 32 (default)
-  int wgmma_bmq = 0;
 };
 
 // workspace for the metadata build (the document-run scan); query with ws == nullptr.
@@ -67,11 +72,11 @@ void cod_attn_metadata_launch(const int32_t* anchor, const int32_t* depth, const
 // out, lse. Returns a cudaError_t from the launch (cudaSuccess when nothing to do).
 cudaError_t cod_attn_fwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 // dq, dk, dv (+ drk/drv in cross mode); needs delta scratch [Hq, T] float32 in p.delta, and with
-// p.bwd_atomic the workspace p.dq_accum (cod_attn_bwd_dq_accum_elems(p) floats).
+// kBwdAtomic the workspace p.dq_accum (cod_attn_bwd_dq_accum_elems(p) floats).
 cudaError_t cod_attn_bwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 // PEAGLE_ATTN_BWD=wgmma: true when this build has the sm_90a kernels (90 among PEAGLE_CUDA_ARCHS)
 // and the current device has compute capability 9.0. cod_attn_bwd_launch returns
-// cudaErrorNotSupported for p.bwd_wgmma when this is false.
+// cudaErrorNotSupported for kBwdWgmma / kBwdWgmma64 when this is false.
 bool cod_attn_wgmma_available();
 inline int64_t cod_attn_bwd_dq_accum_elems(const CodAttnParams& p) { return int64_t(p.T) * p.Hq * p.D; }
 

@@ -9,7 +9,7 @@
 //     dK += dS^T Q straight from registers.
 //  4. dK/dV of chain pairs: one warp per (layout row, kv head) over its reverse-chain queries;
 //     adds to the range result on symmetric depth-0 rows, writes every other layout row.
-// Opt-in variant PEAGLE_ATTN_BWD=atomic (p.bwd_atomic, FlashAttention-2 style, NOT deterministic:
+// Opt-in variant PEAGLE_ATTN_BWD=atomic (p.bwd_variant == kBwdAtomic, FlashAttention-2 style, NOT deterministic:
 // dq varies between runs at fp32 rounding level; dk/dv stay deterministic): no pass 2; pass 3
 // (DQ_ATOMIC) also adds dQ += dS K of its (key block, query block) into a zeroed fp32 workspace
 // [T, Hq, D] with vector atomics, and
@@ -711,14 +711,14 @@ __global__ void __launch_bounds__(256) cod_attn_dq_finish_kernel(const CodAttnPa
 }
 
 // ---------------------------------------------------------------- launch
-// PEAGLE_ATTN_BWD=wgmma (p.bwd_wgmma): pass 3 runs cod_attn_dkv_wgmma_kernel (sm_90a warpgroup
+// PEAGLE_ATTN_BWD=wgmma (p.bwd_variant kBwdWgmma / kBwdWgmma64): pass 3 runs cod_attn_dkv_wgmma_kernel (sm_90a warpgroup
 // MMAs, cod_attn_bwd_wgmma.cuh) instead of cod_attn_dkv_kernel<..., false>; everything else is
 // the deterministic default. Defined in cod_attn_bwd_wgmma_sm90a.cu (compiled for sm_90a alone),
 // or, in builds without it, in cod_attn_launch.cu as "not supported".
 cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 
-// p.bwd_atomic == 0 (default, deterministic): delta, dQ (query-major), dK/dV (key-major), chain
-// dK/dV. p.bwd_atomic == 1 (PEAGLE_ATTN_BWD=atomic): delta, zero dq_accum, dK/dV + atomic dQ
+// kBwdDefault (deterministic): delta, dQ (query-major), dK/dV (key-major), chain
+// dK/dV. kBwdAtomic (PEAGLE_ATTN_BWD=atomic): delta, zero dq_accum, dK/dV + atomic dQ
 // (key-major), chain dK/dV, dQ finish. The atomic variant computes S and dP once per (query, key)
 // pair instead of twice (5 matmuls instead of 7); the fp32 atomic sums make dq differ between
 // runs at the level of fp32 rounding of the partial sums (dk, dv are still deterministic).
@@ -727,8 +727,8 @@ template <int D, typename T, int DQ_WARPS, int DKV_BMQ>
 cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
   if (p.T == 0 || p.Hq == 0) return cudaSuccess;
   cudaError_t err;
-  const bool atomic = p.bwd_atomic != 0;
-  const bool wgmma = !atomic && p.bwd_wgmma != 0;
+  const bool atomic = p.bwd_variant == kBwdAtomic;
+  const bool wgmma = p.bwd_variant == kBwdWgmma || p.bwd_variant == kBwdWgmma64;
   if (wgmma && !cod_attn_wgmma_available()) return cudaErrorNotSupported;  // before launching anything
   if (atomic && (p.dq_accum == nullptr || reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0))
     return cudaErrorInvalidValue;

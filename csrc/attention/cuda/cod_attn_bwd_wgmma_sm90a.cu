@@ -24,12 +24,12 @@ namespace cuda {
 
 // Query block per head dim: at D = 128, BMQ = 32 by default (206 registers, 68 KiB of shared
 // memory: the dK, dV accumulators take 128 registers, as in the mma.sync kernel) or 64 with
-// p.wgmma_bmq == 64 (255 registers, no spills, 101 KiB; a quarter less shared-memory traffic per
+// p.bwd_variant == kBwdWgmma64 (255 registers, no spills, 101 KiB; a quarter less shared-memory traffic per
 // query: K / V are read once per 64 queries); BMQ = 64 at D = 64 (174 registers).
 cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream) {
   if (!cod_attn_wgmma_available()) return cudaErrorNotSupported;
   const bool bf = dtype == AttnDtype::kBF16;
-  if (p.D == 128 && p.wgmma_bmq == 64)
+  if (p.D == 128 && p.bwd_variant == kBwdWgmma64)
     return bf ? launch_dkv_wgmma<128, __nv_bfloat16, 64>(p, stream) : launch_dkv_wgmma<128, __half, 64>(p, stream);
   if (p.D == 128) return bf ? launch_dkv_wgmma<128, __nv_bfloat16, 32>(p, stream) : launch_dkv_wgmma<128, __half, 32>(p, stream);
   if (p.D == 64) return bf ? launch_dkv_wgmma<64, __nv_bfloat16, 64>(p, stream) : launch_dkv_wgmma<64, __half, 64>(p, stream);

@@ -41,22 +41,19 @@ int fwd_mf_from_env() {
 
 // PEAGLE_ATTN_BWD: "atomic" selects the FlashAttention-2-style backward (dQ summed with fp32
 // atomics inside the key-major dK/dV pass: faster, dq not bitwise reproducible between runs);
-// anything else (or unset) = 0, the deterministic backward. See launch_bwd in cod_attn_bwd.cuh.
-int bwd_atomic_from_env() {
+// "wgmma" the deterministic backward with its dK/dV pass on Hopper warpgroup MMAs (sm_90a only;
+// cod_attn_bwd_wgmma.cuh; same results as the default up to summation order), with
+// PEAGLE_ATTN_WGMMA_BMQ=64 in 64-query blocks at D = 128 (255 registers, 102 KiB of shared memory
+// per CTA; default 32); anything else (or unset): the deterministic default. See launch_bwd in
+// cod_attn_bwd.cuh.
+int bwd_variant_from_env() {
   const char* v = std::getenv("PEAGLE_ATTN_BWD");
-  return (v != nullptr && std::strcmp(v, "atomic") == 0) ? 1 : 0;
-}
-// PEAGLE_ATTN_BWD=wgmma: the deterministic backward with its dK/dV pass on Hopper warpgroup MMAs
-// (sm_90a only; cod_attn_bwd_wgmma.cuh). Same results as the default up to summation order.
-int bwd_wgmma_from_env() {
-  const char* v = std::getenv("PEAGLE_ATTN_BWD");
-  return (v != nullptr && std::strcmp(v, "wgmma") == 0) ? 1 : 0;
-}
-// PEAGLE_ATTN_WGMMA_BMQ: 64 selects 64-query blocks for the wgmma dK/dV pass at D = 128 (255
-// registers, 101 KiB shared memory per CTA); anything else (or unset) = 32.
-int wgmma_bmq_from_env() {
-  const char* v = std::getenv("PEAGLE_ATTN_WGMMA_BMQ");
-  return (v != nullptr && std::atoi(v) == 64) ? 64 : 0;
+  if (v != nullptr && std::strcmp(v, "atomic") == 0) return kBwdAtomic;
+  if (v != nullptr && std::strcmp(v, "wgmma") == 0) {
+    const char* b = std::getenv("PEAGLE_ATTN_WGMMA_BMQ");
+    return (b != nullptr && std::atoi(b) == 64) ? kBwdWgmma64 : kBwdWgmma;
+  }
+  return kBwdDefault;
 }
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -181,10 +178,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
   p.dv = dv.data_ptr();
   p.drk = s.cross ? dck.data_ptr() : dk.data_ptr();
   p.drv = s.cross ? dcv.data_ptr() : dv.data_ptr();
-  p.bwd_atomic = bwd_atomic_from_env();
-  p.bwd_wgmma = bwd_wgmma_from_env();
-  p.wgmma_bmq = wgmma_bmq_from_env();
-  if (p.bwd_wgmma && !cod_attn_wgmma_available()) {
+  p.bwd_variant = bwd_variant_from_env();
+  if ((p.bwd_variant == kBwdWgmma || p.bwd_variant == kBwdWgmma64) && !cod_attn_wgmma_available()) {
     int dev = 0, major = 0, minor = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -193,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
                 major, ".", minor, ") and a build with 90 in PEAGLE_CUDA_ARCHS (this one: " PEAGLE_CUDA_ARCHS ")");
   }
   at::Tensor dq_accum;  // fp32 [T, Hq, D] workspace of the atomic variant (zeroed by the launcher)
-  if (p.bwd_atomic) {
+  if (p.bwd_variant == kBwdAtomic) {
     dq_accum = at::empty({s.T, s.Hq, s.D}, q.options().dtype(at::kFloat));
     check_aligned("dq workspace", dq_accum);
     p.dq_accum = dq_accum.data_ptr<float>();
