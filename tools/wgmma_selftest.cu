@@ -13,9 +13,11 @@
 //      and N = 32 (the kernel's query block at D = 128);
 //  (b) RS, C[64][D] = P[64][BMQ] B[BMQ][D] with P in registers (packed from the accumulator-layout
 //      fragments exactly as the kernel packs P^T) and B MN-major (imm-trans-b = 1, the kernel's
-//      dV += P^T dO): each single k-step kq, then the whole loop; (D, BMQ) = (128, 32) and (64, 64);
-//  (c) the kernel's chain: S^T = K Q^T (SS), its accumulators packed to A fragments, then
-//      C = S^T dO (RS), for (D, BMQ) = (128, 32) and (64, 64).
+//      dV += P^T dO): each single k-step kq, then the whole loop; (D, BMQ) = (128, 32), (128, 64)
+//      (two 64-column panels LBO = 8192 apart, the wgmma64 variant) and (64, 64);
+//  (c) the kernel's chain: S^T = K Q^T (SS; accumulators start with stale non-zero values, so the
+//      first k-step's scale-d = 0 must overwrite them), its accumulators packed to A fragments,
+//      then C = S^T dO (RS), for (D, BMQ) = (128, 32), (128, 64) (PEAGLE_ATTN_WGMMA_BMQ=64) and (64, 64).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -145,9 +147,11 @@ __global__ void __launch_bounds__(128) chain_kernel(const T* K, const T* Q, cons
   cp_async_wait<0>();
   wg::fence_proxy_async_smem();
   __syncthreads();
+  // Stale values, as the kernel's accumulators hold the previous query block's P^T / dS^T: the
+  // first k-step (scale-d = 0) must overwrite them, so a scale-d that is ignored fails this case.
   float st[BMQ / 8][4];
 #pragma unroll
-  for (int n = 0; n < BMQ / 8; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+  for (int n = 0; n < BMQ / 8; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 1000.f + n;
   wg::fence_operands(st);
   wg::wgmma_fence();
 #pragma unroll
@@ -351,15 +355,21 @@ int main() {
     std::printf("SKIP: wgmma (sm_90a) needs compute capability 9.0\n");
     return 2;
   }
+  // every wgmma wrapper specialization the kernel instantiates, in each configuration
   case_ss<__nv_bfloat16, 64>();
   case_ss<__nv_bfloat16, 32>();
+  case_ss<__half, 64>();
   case_ss<__half, 32>();
   case_rs<__nv_bfloat16, 32, 128>();
+  case_rs<__nv_bfloat16, 64, 128>();
   case_rs<__nv_bfloat16, 64, 64>();
   case_rs<__half, 32, 128>();
+  case_rs<__half, 64, 64>();
   case_chain<__nv_bfloat16, 32, 128>();
+  case_chain<__nv_bfloat16, 64, 128>();
   case_chain<__nv_bfloat16, 64, 64>();
   case_chain<__half, 32, 128>();
+  case_chain<__half, 64, 64>();
   std::printf("%s: %d of %d cases passed\n", failures ? "FAIL" : "PASS", cases - failures, cases);
   return failures ? 1 : 0;
 }
