@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of the Hopper backward variant PEAGLE_ATTN_BWD=wgmma (the dK/dV pass on sm_90a warpgroup
-# MMAs: csrc/attention/cuda/cod_attn_bwd_wgmma.cuh, building blocks in cod_attn_wgmma.cuh), ONE
+# GPU check of the Hopper backward variant PEAGLE_ATTN_BWD=wgmma (the dQ and dK/dV passes on sm_90a
+# warpgroup MMAs: csrc/attention/cuda/cod_attn_dq_wgmma.cuh, cod_attn_bwd_wgmma.cuh, building blocks in
+# cod_attn_wgmma.cuh), ONE
 # unattended run on an H100/H200 after the CUDA build (about 4 minutes plus the build):
 #   OUT=/path bash bench/attn_wgmma.sh
 # 0. build (as bench/attn_bwd_variants.sh) unless the installed build already has the wgmma glue;
@@ -8,8 +9,8 @@
 #    wrappers and fences in isolation against a CPU reference (PASS / FAIL per case, first
 #    mismatches printed) - read this first if anything below fails;
 # 2. tests (python_tests/test_attention.py -k wgmma): reference scenarios in both modes and head
-#    dims (and BMQ=64 at D=128), agreement with the default backward (dq bitwise, dk / dv to
-#    rounding), K=64 chains,
+#    dims (and BMQ=64 at D=128), agreement with the default backward (dq, dk, dv to rounding;
+#    out bitwise), K=64 chains,
 #    tiny / padding / all-padding, determinism, CUDA-graph capture, CPU float32 equality, kernel
 #    selection, the N=32K large-N spot check (FULL=1 adds N=128K);
 # 3. fwd+bwd timing of default vs wgmma vs wgmma64 (PEAGLE_ATTN_WGMMA_BMQ=64: 64-query blocks at

@@ -12,7 +12,7 @@ heads, D=128, bf16. Times include the metadata build (ours) / create_block_mask 
                                                   # the default: ms, TF/s, ratio, max|diff|
   python bench/bench_attention.py --bwd-configs   # fwd+bwd under each backward variant
                                                   # (BWD_CONFIGS: deterministic / atomic dQ / wgmma
-                                                  # dK/dV; BWD_NAMES=default,wgmma to pick) vs the
+                                                  # dQ+dK/dV; BWD_NAMES=default,wgmma to pick) vs the
                                                   # default: ms, bwd TF/s, ratio, grad diffs, memory
   python bench/bench_attention.py --sanitize # one small fwd+bwd (for compute-sanitizer)
   pytest bench/bench_attention.py            # pytest-benchmark entries (GPU ones skip without a GPU)
@@ -114,7 +114,7 @@ class fwd_config:
 # Backward variants (env PEAGLE_ATTN_BWD, read per call by the CUDA glue, csrc/attention/cuda/
 # cod_attn_bwd.cuh launch_bwd): the deterministic default (separate query-major dQ pass: 7 matmuls
 # per pair), "atomic" (dQ summed with fp32 atomics in the key-major dK/dV pass: 5 matmuls) and
-# "wgmma" (the default with its dK/dV pass on sm_90a warpgroup MMAs; only where the GPU is sm_90).
+# "wgmma" (the default with its dQ and dK/dV passes on sm_90a warpgroup MMAs; only where the GPU is sm_90).
 BWD_CONFIGS = {
     "default": {},
     "atomic": {"PEAGLE_ATTN_BWD": "atomic"},

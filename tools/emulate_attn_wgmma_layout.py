@@ -22,6 +22,10 @@ Checks (D, BMQ) = (128, 32), (128, 64) (PEAGLE_ATTN_WGMMA_BMQ=64) and (64, 64), 
     every descriptor start is where the model assumes (1024-aligned atoms, base offset 0), the
     shared-memory carve-up (1024-byte alignment slack included) fits DkvWgmmaConfig::kSmemBytes
     and the H200's 227 KiB; cp.async writes of a warp phase are bank-conflict-free.
+Also the wgmma dQ kernel (cod_attn_dq_wgmma.cuh, D = 128 and 64): its carve-up (DqWgmmaConfig: Q, dO
+[64][D], 2 stages of K, V [64][D], metadata, chain scratch for K = 64; 2 CTAs per SM at K = 8), the
+K-major reads of S = Q K^T, dP = dO V^T, the MN-major read of the same K tile for dQ += dS K
+(LBO = 64 * 128), and one key block through the fragment maps against the plain products.
 Run: python tools/emulate_attn_wgmma_layout.py   (prints 'ok' or raises)."""
 import numpy as np
 
@@ -240,12 +244,108 @@ def check_config(d, bmq, rng):
     assert np.allclose(dk, ref_dpt @ Qt), "dK path"
 
 
+def dq_smem_config(d):  # DqWgmmaConfig (BM = BN = 64, 4 warps)
+    qtile = ktile = 64 * d * 2
+    tiles = 2 * qtile + 4 * ktile
+    return dict(qtile=qtile, ktile=ktile, tiles=tiles, smem=1024 + tiles + (7 * 64 + 8 * 4) * 4,
+                chain=lambda k: 64 * k * 8)
+
+
+def rs_from_frag(smem, frag, desc_fn, n_k16, n_cols):
+    """sum over k-steps of A B: A rebuilt from the kernel's packing of the accumulator-layout frag,
+    B read MN-major through desc_fn(kstep)"""
+    acc = np.zeros((64, n_cols))
+    for kq in range(n_k16):
+        a = np.empty((64, 16))
+        for w in range(4):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                regs = [(frag[w, lane, 2 * kq, 0], frag[w, lane, 2 * kq, 1]),
+                        (frag[w, lane, 2 * kq, 2], frag[w, lane, 2 * kq, 3]),
+                        (frag[w, lane, 2 * kq + 1, 0], frag[w, lane, 2 * kq + 1, 1]),
+                        (frag[w, lane, 2 * kq + 1, 2], frag[w, lane, 2 * kq + 1, 3])]
+                for j, (lo, hi) in enumerate(regs):
+                    r = 16 * w + g + 8 * (j & 1)
+                    c = 2 * t + 8 * (j >> 1)
+                    a[r, c], a[r, c + 1] = lo, hi
+        acc += a @ hw_mnmajor(smem, desc_fn(kq), n_cols)
+    return acc
+
+
+def check_dq_config(d, rng):
+    cfg = dq_smem_config(d)
+    assert cfg["smem"] + cfg["chain"](KMAXCHAIN) <= 227 * 1024
+    # two CTAs per SM (228 KiB, 1 KiB reserved per CTA) at a typical K = 8
+    assert 2 * (cfg["smem"] + cfg["chain"](8) + 1024) <= 228 * 1024
+    for raw in range(0, 4096, 16):
+        base = (raw + 1023) & ~1023
+        assert base - raw + cfg["tiles"] + (7 * 64 + 8 * 4) * 4 <= cfg["smem"]
+    for off in (0, cfg["qtile"], 2 * cfg["qtile"], 2 * cfg["qtile"] + cfg["ktile"],
+                2 * cfg["qtile"] + 2 * cfg["ktile"], 2 * cfg["qtile"] + 3 * cfg["ktile"]):
+        assert off % 1024 == 0
+    base = 0x2400
+    sQ, sdO = base, base + cfg["qtile"]
+    sK, sV = base + 2 * cfg["qtile"], base + 2 * cfg["qtile"] + 2 * cfg["ktile"]
+    stage = 1
+    kt, vt = sK + stage * cfg["ktile"], sV + stage * cfg["ktile"]
+    smem = Smem(base + cfg["tiles"] + 4096)
+    n_q, n_keys = 90, 150
+    Q, dO = rng.standard_normal((n_q, d)), rng.standard_normal((n_q, d))
+    K, V = rng.standard_normal((n_keys, d)), rng.standard_normal((n_keys, d))
+    row0, rows, j0, jend = 40, 37, 100, 141  # a partial query tile and a partial key block
+    load_tile_sw128(smem, sQ, Q, 64, d, row0, row0 + rows)
+    load_tile_sw128(smem, sdO, dO, 64, d, row0, row0 + rows)
+    load_tile_sw128(smem, kt, K, 64, d, j0, jend)
+    load_tile_sw128(smem, vt, V, 64, d, j0, jend)
+
+    def rows_of(mat, first, limit):
+        out = np.zeros((64, d))
+        for r in range(64):
+            if 0 <= first + r < limit:
+                out[r] = mat[first + r]
+        return out
+    Qt, dOt = rows_of(Q, row0, row0 + rows), rows_of(dO, row0, row0 + rows)
+    Kt, Vt = rows_of(K, j0, jend), rows_of(V, j0, jend)
+    for kk in range(d // 16):
+        for tile, ref in ((sQ, Qt), (sdO, dOt), (kt, Kt), (vt, Vt)):
+            got = hw_kmajor(smem, desc_kmajor(64, tile, kk), 64)
+            assert np.array_equal(got, ref[:, 16 * kk:16 * kk + 16]), f"dQ K-major read kk={kk}"
+    for kk in range(64 // 16):
+        desc = desc_mnmajor(64, kt, kk)
+        assert decode(desc) == (kt + 2048 * kk, 64 * 128, 1024)
+        got = hw_mnmajor(smem, desc, d)
+        assert np.array_equal(got, Kt[16 * kk:16 * kk + 16, :]), f"dQ MN-major K read kk={kk}"
+
+    def ss(ta, tb):
+        return sum(hw_kmajor(smem, desc_kmajor(64, ta, kk), 64) @ hw_kmajor(smem, desc_kmajor(64, tb, kk), 64).T
+                   for kk in range(d // 16))
+
+    def to_frag(mat):
+        f = np.empty((4, 32, 8, 4))
+        for w in range(4):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for n in range(8):
+                    for x in range(4):
+                        f[w, lane, n, x] = mat[16 * w + g + 8 * (x >> 1), 8 * n + 2 * t + (x & 1)]
+        return f
+    S, dP = ss(sQ, kt), ss(sdO, vt)
+    assert np.allclose(S, Qt @ Kt.T) and np.allclose(dP, dOt @ Vt.T)
+    dS = S * (dP - 0.25)  # any elementwise map of the fragments: here a stand-in for P (dP - delta)
+    dq = rs_from_frag(smem, to_frag(dS), lambda kk: desc_mnmajor(64, kt, kk), 4, d)
+    assert np.allclose(dq, dS @ Kt), "dQ path"
+
+
 def main():
     rng = np.random.default_rng(0)
     check_swizzle()
     for d, bmq in ((128, 32), (128, 64), (64, 64)):
         check_config(d, bmq, rng)
         print(f"D={d} BMQ={bmq}: smem {smem_config(d, bmq)['smem']} bytes, layout/descriptor/fragment maps consistent")
+    for d in (128, 64):
+        check_dq_config(d, rng)
+        cfg = dq_smem_config(d)
+        print(f"dQ D={d}: smem {cfg['smem']} + {cfg['chain'](1)} K bytes, layout/descriptor/fragment maps consistent")
     print("ok")
 
 

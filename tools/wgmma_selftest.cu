@@ -17,7 +17,11 @@
 //      (two 64-column panels LBO = 8192 apart, the wgmma64 variant) and (64, 64);
 //  (c) the kernel's chain: S^T = K Q^T (SS; accumulators start with stale non-zero values, so the
 //      first k-step's scale-d = 0 must overwrite them), its accumulators packed to A fragments,
-//      then C = S^T dO (RS), for (D, BMQ) = (128, 32), (128, 64) (PEAGLE_ATTN_WGMMA_BMQ=64) and (64, 64).
+//      then C = S^T dO (RS), for (D, BMQ) = (128, 32), (128, 64) (PEAGLE_ATTN_WGMMA_BMQ=64) and (64, 64);
+//  (d) the wgmma dQ kernel's chain (cod_attn_dq_wgmma.cuh): S = Q K^T (SS, A = Q [64][D], B = K
+//      [64 keys][D], stale accumulators), packed to A fragments, then C = S K (RS) with the SAME K
+//      tile read MN-major (k = the 64 keys, n = D: LBO = 64 * 128), for D = 128 and 64, both dtypes
+//      (fp16 at D = 128 reads 64-row MN-major panels nowhere else).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -170,6 +174,48 @@ __global__ void __launch_bounds__(128) chain_kernel(const T* K, const T* Q, cons
   wg::wgmma_fence();
 #pragma unroll
   for (int kq = 0; kq < BMQ / 16; ++kq) wg::wgmma_rs<D, T>(d, pa[kq], wg::desc_mnmajor<BMQ>(sdO, kq), 1);
+  wg::wgmma_commit();
+  wg::wgmma_wait<0>();
+  wg::fence_operands(d);
+  store_acc<D>(C, d);
+#endif
+}
+
+// (d) S = Q K^T (SS, stale accumulators as in the dQ kernel), then C = bf16(S) K with the same K
+// tile read MN-major (RS), as cod_attn_dq_wgmma_kernel computes dQ += dS K
+template <typename T, int D>
+__global__ void __launch_bounds__(128) dq_chain_kernel(const T* Q, const T* K, float* C) {
+#if PEAGLE_WGMMA_DEVICE
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const int tid = threadIdx.x;
+  const uint32_t sQ = aligned_smem_base(smem_raw), sK = sQ + 64 * D * 2;
+  wg::load_tile_sw128<64, D, 128>(sQ, Q, D, 0, 64, tid);
+  wg::load_tile_sw128<64, D, 128>(sK, K, D, 0, 64, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  wg::fence_proxy_async_smem();
+  __syncthreads();
+  float s[8][4];
+#pragma unroll
+  for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = -1000.f - n;
+  wg::fence_operands(s);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wg::wgmma_ss<64, T>(s, wg::desc_kmajor<64>(sQ, kk), wg::desc_kmajor<64>(sK, kk), kk > 0);
+  wg::wgmma_commit();
+  wg::wgmma_wait<0>();
+  wg::fence_operands(s);
+  uint32_t a[4][4];
+  pack_a<T, 64>(a, s);
+  float d[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.f;
+  wg::fence_operands(a);
+  wg::fence_operands(d);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wg::wgmma_rs<D, T>(d, a[kk], wg::desc_mnmajor<64>(sK, kk), 1);
   wg::wgmma_commit();
   wg::wgmma_wait<0>();
   wg::fence_operands(d);
@@ -345,6 +391,40 @@ void case_chain() {
   cudaFree(dC);
 }
 
+template <typename T, int D>
+void case_dq_chain() {
+  // |S| <= D: integers exact in 16 bits; |C| <= 64 D exact in fp32
+  const auto q = rand_int(64 * D, 1), k = rand_int(64 * D, 1);
+  T* dQ = to_device16<T>(q);
+  T* dK = to_device16<T>(k);
+  float* dC = nullptr;
+  CHECK_CUDA(cudaMalloc(&dC, 64 * D * sizeof(float)));
+  CHECK_CUDA(cudaMemset(dC, 0xff, 64 * D * sizeof(float)));
+  const int smem = 1024 + 2 * 64 * D * 2;
+  auto kernel = dq_chain_kernel<T, D>;
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  std::vector<float> s(64 * 64), ref(64 * D, 0.f);
+  for (int m = 0; m < 64; ++m)
+    for (int j = 0; j < 64; ++j) {
+      float x = 0.f;
+      for (int c = 0; c < D; ++c) x += q[m * D + c] * k[j * D + c];
+      s[m * 64 + j] = x;
+    }
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < D; ++n) {
+      float x = 0.f;
+      for (int j = 0; j < 64; ++j) x += s[m * 64 + j] * k[j * D + n];
+      ref[m * D + n] = x;
+    }
+  kernel<<<1, 128, smem>>>(dQ, dK, dC);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  report(std::string("dq_chain_") + tname<T>() + "_d" + std::to_string(D), dC, ref, 64, D);
+  cudaFree(dQ);
+  cudaFree(dK);
+  cudaFree(dC);
+}
+
 int main() {
   int dev = 0;
   cudaDeviceProp prop;
@@ -370,6 +450,10 @@ int main() {
   case_chain<__nv_bfloat16, 64, 64>();
   case_chain<__half, 32, 128>();
   case_chain<__half, 64, 64>();
+  case_dq_chain<__nv_bfloat16, 128>();
+  case_dq_chain<__nv_bfloat16, 64>();
+  case_dq_chain<__half, 128>();
+  case_dq_chain<__half, 64>();
   std::printf("%s: %d of %d cases passed\n", failures ? "FAIL" : "PASS", cases - failures, cases);
   return failures ? 1 : 0;
 }

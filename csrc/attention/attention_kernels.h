@@ -17,7 +17,7 @@ enum class AttnDtype : int { kBF16 = 0, kFP16 = 1 };
 enum BwdVariant : int {
   kBwdDefault = 0,  // deterministic: separate query-major dQ pass
   kBwdAtomic = 1,   // "atomic": the key-major dK/dV pass also adds dS K into dq_accum (fp32 atomics)
-  kBwdWgmma = 2,    // "wgmma": the default with the dK/dV pass on sm_90a warpgroup MMAs
+  kBwdWgmma = 2,    // "wgmma": the default with the dQ and dK/dV passes on sm_90a warpgroup MMAs
   kBwdWgmma64 = 3,  // "wgmma" + PEAGLE_ATTN_WGMMA_BMQ=64: its 64-query blocks at D = 128
 };
 
@@ -54,7 +54,7 @@ struct CodAttnParams {
   // cuda/cod_attn_bwd.cuh): kBwdDefault = deterministic (separate query-major dQ pass),
   // kBwdAtomic: the key-major dK/dV pass also adds dS K into dq_accum with fp32 atomics
   // (run-to-run differences at fp32 rounding level), kBwdWgmma / kBwdWgmma64: the deterministic
-  // one with the dK/dV pass on sm_90a warpgroup MMAs (cuda/cod_attn_bwd_wgmma.cuh).
+  // one with the dQ and dK/dV passes on sm_90a warpgroup MMAs (cuda/cod_attn_{dq,bwd}_wgmma.cuh).
   // dq_accum: float32 [T, Hq, D] workspace, 16-byte aligned, only read with kBwdAtomic (the
   // launcher zeroes it on the stream).
   int bwd_variant = kBwdDefault;

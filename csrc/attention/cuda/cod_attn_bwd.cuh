@@ -712,10 +712,14 @@ __global__ void __launch_bounds__(256) cod_attn_dq_finish_kernel(const CodAttnPa
 
 // ---------------------------------------------------------------- launch
 // PEAGLE_ATTN_BWD=wgmma (p.bwd_variant kBwdWgmma / kBwdWgmma64): pass 3 runs cod_attn_dkv_wgmma_kernel (sm_90a warpgroup
-// MMAs, cod_attn_bwd_wgmma.cuh) instead of cod_attn_dkv_kernel<..., false>; everything else is
-// the deterministic default. Defined in cod_attn_bwd_wgmma_sm90a.cu (compiled for sm_90a alone),
+// MMAs, cod_attn_bwd_wgmma.cuh) instead of cod_attn_dkv_kernel<..., false>; delta and chain dK/dV
+// are the deterministic default's. Defined in cod_attn_bwd_wgmma_sm90a.cu (compiled for sm_90a alone),
 // or, in builds without it, in cod_attn_launch.cu as "not supported".
 cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
+// With it, pass 2 runs cod_attn_dq_wgmma_kernel (cod_attn_dq_wgmma.cuh: the same tiles and outputs
+// on warpgroup MMAs) instead of cod_attn_dq_kernel; defined in cod_attn_dq_wgmma_sm90a.cu (or as
+// "not supported" in cod_attn_launch.cu).
+cudaError_t cod_attn_dq_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 
 // kBwdDefault (deterministic): delta, dQ (query-major), dK/dV (key-major), chain
 // dK/dV. kBwdAtomic (PEAGLE_ATTN_BWD=atomic): delta, zero dq_accum, dK/dV + atomic dQ
@@ -740,6 +744,9 @@ cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
   if (atomic) {
     const size_t bytes = static_cast<size_t>(p.T) * p.Hq * D * sizeof(float);
     if ((err = cudaMemsetAsync(p.dq_accum, 0, bytes, stream)) != cudaSuccess) return err;
+  } else if (wgmma) {
+    err = cod_attn_dq_wgmma_launch(p, std::is_same<T, __half>::value ? AttnDtype::kFP16 : AttnDtype::kBF16, stream);
+    if (err != cudaSuccess) return err;
   } else {
     using Cfg = DqConfig<D, DQ_WARPS, 64>;
     TileMap tm;

@@ -41,8 +41,8 @@ int fwd_mf_from_env() {
 
 // PEAGLE_ATTN_BWD: "atomic" selects the FlashAttention-2-style backward (dQ summed with fp32
 // atomics inside the key-major dK/dV pass: faster, dq not bitwise reproducible between runs);
-// "wgmma" the deterministic backward with its dK/dV pass on Hopper warpgroup MMAs (sm_90a only;
-// cod_attn_bwd_wgmma.cuh; same results as the default up to summation order), with
+// "wgmma" the deterministic backward with its dQ and dK/dV passes on Hopper warpgroup MMAs (sm_90a
+// only; cod_attn_dq_wgmma.cuh, cod_attn_bwd_wgmma.cuh; same results as the default up to summation order), with
 // PEAGLE_ATTN_WGMMA_BMQ=64 in 64-query blocks at D = 128 (255 registers, 102 KiB of shared memory
 // per CTA; default 32); anything else (or unset): the deterministic default. See launch_bwd in
 // cod_attn_bwd.cuh.

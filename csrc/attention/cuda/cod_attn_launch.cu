@@ -101,6 +101,7 @@ void cod_attn_metadata_launch(const int32_t* anchor, const int32_t* depth, const
 bool cod_attn_wgmma_available() { return false; }
 namespace cuda {
 cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams&, AttnDtype, cudaStream_t) { return cudaErrorNotSupported; }
+cudaError_t cod_attn_dq_wgmma_launch(const CodAttnParams&, AttnDtype, cudaStream_t) { return cudaErrorNotSupported; }
 }  // namespace cuda
 #endif
 
