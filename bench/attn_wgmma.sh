@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of the Hopper backward variant PEAGLE_ATTN_BWD=wgmma (the dQ and dK/dV passes on sm_90a
-# warpgroup MMAs: csrc/attention/cuda/cod_attn_dq_wgmma.cuh, cod_attn_bwd_wgmma.cuh, building blocks in
-# cod_attn_wgmma.cuh), ONE
-# unattended run on an H100/H200 after the CUDA build (about 4 minutes plus the build):
+# GPU check of the Hopper variants PEAGLE_ATTN_BWD=wgmma (the dQ and dK/dV passes on sm_90a warpgroup
+# MMAs: csrc/attention/cuda/cod_attn_dq_wgmma.cuh, cod_attn_bwd_wgmma.cuh) and PEAGLE_ATTN_FWD=wgmma
+# (cod_attn_fwd_wgmma.cuh), building blocks in cod_attn_wgmma.cuh, ONE
+# unattended run on an H100/H200 after the CUDA build (about 6 minutes plus the build):
 #   OUT=/path bash bench/attn_wgmma.sh
 # 0. build (as bench/attn_bwd_variants.sh) unless the installed build already has the wgmma glue;
 # 1. tools/wgmma_selftest.cu (nvcc -arch=sm_90a here): the B128 layout, descriptors, SS / RS wgmma
@@ -15,22 +15,31 @@
 #    selection, the N=32K large-N spot check (FULL=1 adds N=128K);
 # 3. fwd+bwd timing of default vs wgmma vs wgmma64 (PEAGLE_ATTN_WGMMA_BMQ=64: 64-query blocks at
 #    D=128) (bench_attention.py --bwd-configs, QUICK sizes);
+# 3b. the Hopper forward PEAGLE_ATTN_FWD=wgmma (cod_attn_fwd_wgmma.cuh): tests -k fwd_wgmma (reference
+#    scenarios fwd+bwd at both head dims, with the wgmma backward too, tiny / padding / K=64 chains,
+#    agreement with the default forward, kernel selection, CPU float32 equality, N=32K spot check)
+#    and forward timing default vs wgmma (bench_attention.py --fwd-configs, QUICK sizes);
 # 4. compute-sanitizer memcheck and racecheck (SANITIZE_TOOLS to change; SANITIZE=0 skips) of the
-#    wgmma backward on bench/sanitize_attention.py's small shapes, garbage layouts included.
+#    wgmma backward, then the wgmma forward + backward, on bench/sanitize_attention.py's small
+#    shapes, garbage layouts included.
 # Logs under $OUT; the summary is $OUT/attn_wgmma_summary.txt. Exit code non-zero if any phase failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
-unset PEAGLE_ATTN_FWD_MF PEAGLE_ATTN_FWD_WARPS PEAGLE_ATTN_BWD  # the tests and the bench set them per case
+unset PEAGLE_ATTN_FWD_MF PEAGLE_ATTN_FWD_WARPS PEAGLE_ATTN_FWD PEAGLE_ATTN_BWD  # the tests and the bench set them per case
 summary="$OUT/attn_wgmma_summary.txt"
 : > "$summary"
 note() { echo "$*" | tee -a "$summary"; }
 status=0
+# the whole script stays inside one device call: every phase's time cap is cut to what is left of
+# CALL_BUDGET (seconds from here; default 540, the call limit is 600 with the machine's start)
+t_end=$(( $(date +%s) + ${CALL_BUDGET:-540} ))
+cap() { local left=$(( t_end - $(date +%s) - 5 )); [ $left -lt 1 ] && left=1; [ $1 -lt $left ] && echo $1 || echo $left; }
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>/dev/null | tee -a "$summary"
 
-# A build from before this variant has no wgmma glue: its error sentence is the marker.
+# A build from before the wgmma forward has no PEAGLE_ATTN_FWD=wgmma glue: its error sentence is the marker.
 has_wgmma_build() {
   python3 - <<'EOF' 2>/dev/null
 import glob, os, sys
@@ -38,7 +47,7 @@ import peagle_ext
 if not peagle_ext.has_cuda_kernels():
     sys.exit(1)
 so = glob.glob(os.path.join(os.path.dirname(peagle_ext.__file__), "_C*.so"))
-sys.exit(0 if so and b"PEAGLE_ATTN_BWD=wgmma needs" in open(so[0], "rb").read() else 1)
+sys.exit(0 if so and b"PEAGLE_ATTN_FWD=wgmma needs" in open(so[0], "rb").read() else 1)
 EOF
 }
 if ! has_wgmma_build; then
@@ -58,7 +67,7 @@ nvcc -std=c++17 -O2 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constex
   tools/wgmma_selftest.cu -o "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest_build.log" 2>&1
 rc=$?
 if [ $rc -eq 0 ]; then
-  timeout ${SELFTEST_TIMEOUT:-60} "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest.log" 2>&1
+  timeout $(cap ${SELFTEST_TIMEOUT:-60}) "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest.log" 2>&1
   rc=$?
   cat "$OUT/wgmma_selftest.log" >> "$summary"
   grep -E "^(FAIL|    C\[)" "$OUT/wgmma_selftest.log" | head -20
@@ -71,10 +80,10 @@ note "wgmma_selftest: rc=$rc in $(( $(date +%s) - t0 ))s"
 rm -f "$OUT/wgmma_selftest"  # a binary does not need to come back
 
 # 2. tests
-sel="wgmma"
+sel="wgmma and not fwd_wgmma"  # the forward variant's tests are phase 3b
 [ "${FULL:-0}" = "1" ] || sel="$sel and not 131072"
 t0=$(date +%s)
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$sel" \
+timeout $(cap ${TEST_TIMEOUT:-200}) python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$sel" \
   --junitxml="$OUT/attn_wgmma_tests.xml" > "$OUT/attn_wgmma_tests.log" 2>&1
 rc=$?; note "tests (-k \"$sel\"): rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/attn_wgmma_tests.log")"
 [ $rc -eq 0 ] || status=1
@@ -83,11 +92,28 @@ grep -E "^(FAILED|ERROR|SKIPPED)|Fatal Python error|Error" "$OUT/attn_wgmma_test
 # 3. timing
 t0=$(date +%s)
 bwd_names=${BWD_NAMES:-default,wgmma,wgmma64}  # wgmma64: PEAGLE_ATTN_WGMMA_BMQ=64 (64-query blocks at D=128)
-BWD_NAMES=$bwd_names QUICK=${QUICK:-1} OUT="$OUT" timeout ${BENCH_TIMEOUT:-75} python3 bench/bench_attention.py \
+BWD_NAMES=$bwd_names QUICK=${QUICK:-1} OUT="$OUT" timeout $(cap ${BENCH_TIMEOUT:-75}) python3 bench/bench_attention.py \
   --bwd-configs > "$OUT/attn_wgmma_bench.log" 2>&1
 rc=$?; note "bench --bwd-configs ($bwd_names): rc=$rc in $(( $(date +%s) - t0 ))s"
 [ $rc -eq 0 ] || status=1
 cat "$OUT/attn_wgmma_bench.log" >> "$summary"; tail -8 "$OUT/attn_wgmma_bench.log"
+
+# 3b. the wgmma forward: tests, then timing
+fsel="fwd_wgmma"
+[ "${FULL:-0}" = "1" ] || fsel="$fsel and not 131072"
+t0=$(date +%s)
+timeout $(cap ${FWD_TEST_TIMEOUT:-150}) python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$fsel" \
+  --junitxml="$OUT/attn_wgmma_fwd_tests.xml" > "$OUT/attn_wgmma_fwd_tests.log" 2>&1
+rc=$?; note "fwd tests (-k \"$fsel\"): rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/attn_wgmma_fwd_tests.log")"
+[ $rc -eq 0 ] || status=1
+grep -E "^(FAILED|ERROR|SKIPPED)|Fatal Python error|Error" "$OUT/attn_wgmma_fwd_tests.log" | head -30 | tee -a "$summary"
+t0=$(date +%s)
+fwd_names=${FWD_NAMES:-default,wgmma}
+FWD_NAMES=$fwd_names QUICK=${QUICK:-1} OUT="$OUT" timeout $(cap ${FWD_BENCH_TIMEOUT:-60}) python3 bench/bench_attention.py \
+  --fwd-configs > "$OUT/attn_wgmma_fwd_bench.log" 2>&1
+rc=$?; note "bench --fwd-configs ($fwd_names): rc=$rc in $(( $(date +%s) - t0 ))s"
+[ $rc -eq 0 ] || status=1
+cat "$OUT/attn_wgmma_fwd_bench.log" >> "$summary"; tail -8 "$OUT/attn_wgmma_fwd_bench.log"
 
 # 4. sanitizers
 if [ "${SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
@@ -103,11 +129,13 @@ def soft_check(*a, **k):
 s._check = soft_check
 os.environ["PEAGLE_ATTN_BWD"] = "wgmma"
 s.run(); print("PEAGLE_ATTN_BWD=wgmma done", flush=True)
+os.environ["PEAGLE_ATTN_FWD"] = "wgmma"
+s.run(); print("PEAGLE_ATTN_FWD=wgmma + PEAGLE_ATTN_BWD=wgmma done", flush=True)
 print("tolerance misses:", len(soft))'
   read -r -a tools <<< "${SANITIZE_TOOLS:-memcheck racecheck}"
   for tool in "${tools[@]}"; do
     t0=$(date +%s)
-    timeout ${SANITIZE_TIMEOUT:-45} compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -c "$driver" \
+    timeout $(cap ${SANITIZE_TIMEOUT:-70}) compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -c "$driver" \
       > "$OUT/attn_wgmma_$tool.log" 2>&1
     rc=$?; note "compute-sanitizer $tool (PEAGLE_ATTN_BWD=wgmma): rc=$rc in $(( $(date +%s) - t0 ))s: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/attn_wgmma_$tool.log" | tail -1); $(grep -E "tolerance misses" "$OUT/attn_wgmma_$tool.log" | tail -1)"
     [ $rc -eq 0 ] || { status=1; grep -m 20 -E "=========|Error|error" "$OUT/attn_wgmma_$tool.log" | tee -a "$summary"; }

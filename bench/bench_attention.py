@@ -8,8 +8,9 @@ heads, D=128, bf16. Times include the metadata build (ours) / create_block_mask 
 
   python bench/bench_attention.py            # table + $OUT/bench_attention.json (or ./bench_out)
   QUICK=1 python bench/bench_attention.py    # fewer sizes
-  python bench/bench_attention.py --fwd-configs   # forward only, every CTA shape (FWD_CONFIGS) vs
-                                                  # the default: ms, TF/s, ratio, max|diff|
+  python bench/bench_attention.py --fwd-configs   # forward only, every CTA shape (FWD_CONFIGS, incl.
+                                                  # the sm_90 wgmma forward; FWD_NAMES=default,wgmma
+                                                  # to pick) vs the default: ms, TF/s, ratio, max|diff|
   python bench/bench_attention.py --bwd-configs   # fwd+bwd under each backward variant
                                                   # (BWD_CONFIGS: deterministic / atomic dQ / wgmma
                                                   # dQ+dK/dV; BWD_NAMES=default,wgmma to pick) vs the
@@ -91,8 +92,10 @@ FWD_CONFIGS = {
     "mf1w4": {"PEAGLE_ATTN_FWD_WARPS": "4"},
     "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
     "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
+    # one warpgroup per 64 query rows on sm_90a warpgroup MMAs (only where the GPU is sm_90)
+    "wgmma": {"PEAGLE_ATTN_FWD": "wgmma"},
 }
-_FWD_ENV_KEYS = ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS")
+_FWD_ENV_KEYS = ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS", "PEAGLE_ATTN_FWD")
 
 
 class fwd_config:
@@ -309,7 +312,7 @@ def main():
                 # forward CTA shapes (FWD_CONFIGS) against the default one
                 row["ours_fwd_configs"] = {}
                 for name in FWD_CONFIGS:
-                    if name == "default":
+                    if name == "default" or not bwd_config_runs(name):
                         continue
                     with fwd_config(name):
                         alt = bench_ours(lay)
@@ -415,7 +418,13 @@ def fwd_configs_main():
     dev = torch.cuda.get_device_name()
     print(f"# COD attention forward CTA shapes on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
           f"ratio = default ms / shape ms (>1: faster than the default)")
-    names = list(FWD_CONFIGS)
+    # FWD_NAMES=default,wgmma (optional) restricts the shapes; the first one is the baseline.
+    # wgmma runs only where the GPU is sm_90 (bwd_config_runs: same requirement as the backward's)
+    wanted = [x for x in os.environ.get("FWD_NAMES", "").split(",") if x] or list(FWD_CONFIGS)
+    names = [nm for nm in wanted if bwd_config_runs(nm)]
+    skipped = [nm for nm in wanted if nm not in names]
+    if skipped:
+        print(f"# skipped here (need an sm_90 GPU and a build with 90): {', '.join(skipped)}")
     print(f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} " + " ".join(f"{nm + ' ms':>10} {'TF/s':>5} {'ratio':>5}"
                                                                   for nm in names) + "  max|diff| vs default")
     rows = []
@@ -449,7 +458,8 @@ def fwd_configs_main():
         del q, k, v, ref
         torch.cuda.empty_cache()
     (out_dir / "bench_attention_fwd_configs.json").write_text(
-        json.dumps({"device": dev, "torch": torch.__version__, "configs": FWD_CONFIGS, "rows": rows}, indent=1))
+        json.dumps({"device": dev, "torch": torch.__version__, "configs": {nm: FWD_CONFIGS[nm] for nm in names},
+                    "rows": rows}, indent=1))
     print(f"wrote {out_dir / 'bench_attention_fwd_configs.json'}")
 
 

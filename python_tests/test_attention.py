@@ -11,7 +11,8 @@ scenarios, tiny / padding / all-padding / K=64 layouts, large-N spot checks, gra
 run-to-run closeness (dq is summed with fp32 atomics: not bitwise reproducible) and its agreement
 with the deterministic backward; the opt-in Hopper backward (PEAGLE_ATTN_BWD=wgmma: the dQ and dK/dV
 passes on sm_90a warpgroup MMAs) on the same subsets where the GPU is sm_90 (skipped elsewhere, where it must
-refuse to run). A failing GPU case names its configuration.
+refuse to run); likewise the opt-in Hopper forward (PEAGLE_ATTN_FWD=wgmma, config "fwd_wgmma") as a
+forward variant, alone and with the wgmma backward. A failing GPU case names its configuration.
 """
 import math
 import os
@@ -441,11 +442,27 @@ FWD_CONFIGS = {
     "mf1w8": {"PEAGLE_ATTN_FWD_WARPS": "8"},
     "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
     "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
+    # PEAGLE_ATTN_FWD=wgmma: one warpgroup per 64 query rows on sm_90a warpgroup MMAs
+    # (cod_attn_fwd_wgmma.cuh; sm_90 only, elsewhere it must refuse to run)
+    "fwd_wgmma": {"PEAGLE_ATTN_FWD": "wgmma"},
 }
 
 
+def _fwd_wgmma_runs_here():
+    """PEAGLE_ATTN_FWD=wgmma runs on compute capability 9.0 with a build that has sm_90a kernels."""
+    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    return "90" in peagle_ext.build_info().get("cuda_archs", [])
+
+
+HAS_FWD_WGMMA = _fwd_wgmma_runs_here()
+requires_fwd_wgmma = pytest.mark.skipif(not HAS_FWD_WGMMA,
+                                        reason="PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU and a build with 90")
+FWD_WGMMA = pytest.param("fwd_wgmma", marks=requires_fwd_wgmma)
+
+
 def set_fwd_config(monkeypatch, name):
-    for key in ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS"):
+    for key in ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS", "PEAGLE_ATTN_FWD"):
         monkeypatch.delenv(key, raising=False)
     for key, value in FWD_CONFIGS[name].items():
         monkeypatch.setenv(key, value)
@@ -460,11 +477,15 @@ FWD_VARIANT_CASES = (
     + [("mf2w8", 64 if i % 2 else 128, i % 4 >= 2, i) for i in range(len(GPU_SCENARIOS))]
     + [("mf1w4", 64 if i % 4 else 128, i % 4 == 2, i) for i in range(0, len(GPU_SCENARIOS), 2)]
     + [("mf1w8", 128, i % 4 == 3, i) for i in range(1, len(GPU_SCENARIOS), 2)]  # D=128's former default
+    # the wgmma forward (sm_90 only) on every scenario and head dim, the mode alternating
+    + [("fwd_wgmma", d, (i + d // 64) % 2 == 0, i) for d in (64, 128) for i in range(len(GPU_SCENARIOS))]
 )
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,d,cross,scen_idx", FWD_VARIANT_CASES,
+@pytest.mark.parametrize("cfg,d,cross,scen_idx",
+                         [pytest.param(*c, marks=requires_fwd_wgmma) if c[0] == "fwd_wgmma" else c
+                          for c in FWD_VARIANT_CASES],
                          ids=[f"{c}-D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}"
                               for c, d, x, i in FWD_VARIANT_CASES])
 def test_cuda_fwd_configs_match_reference(monkeypatch, cfg, d, cross, scen_idx):
@@ -476,7 +497,7 @@ def test_cuda_fwd_configs_match_reference(monkeypatch, cfg, d, cross, scen_idx):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8"])
+@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8", FWD_WGMMA])
 @pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
 def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
     """test_cuda_tiny_and_padding's layouts (T = 1, N < K, padding runs) for every forward CTA
@@ -508,7 +529,7 @@ def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["default", "mf2w4", "mf2w8"])
+@pytest.mark.parametrize("cfg", ["default", "mf2w4", "mf2w8", FWD_WGMMA])
 def test_cuda_fwd_configs_deep_chains(monkeypatch, cfg):
     """K = 64 depths (the maximum) needs the most chain scratch: mf2w8 at D = 128 would exceed the
     shared memory per block and runs with 4 warps instead. Forward only, against the CPU op in
@@ -526,7 +547,7 @@ def test_cuda_fwd_configs_deep_chains(monkeypatch, cfg):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8"])
+@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8", FWD_WGMMA])
 def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
     """The forward CTA shapes compute the same function: outputs and LSE agree with the default
     shape to bf16 rounding (the key-block partition differs, so not bitwise)."""
@@ -552,6 +573,44 @@ def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
     assert row_err[rows].max() <= 0.05, f"{cfg}: worst row rel err {row_err[rows].max():.3e}"
     assert rel_l2(out.float(), ref_out.float()) <= 1e-2, f"{cfg}: out differs"
     assert torch.equal(out[~rows], torch.zeros_like(out[~rows])), f"{cfg}: rows without keys not zero"
+
+
+@requires_cuda
+def test_cuda_fwd_wgmma_refused_off_sm90(monkeypatch):
+    """Where the wgmma forward cannot run (not compute capability 9.0, or a build without sm_90a),
+    the forward raises a sentence naming the requirement instead of running anything."""
+    if HAS_FWD_WGMMA:
+        pytest.skip("this GPU runs PEAGLE_ATTN_FWD=wgmma")
+    set_fwd_config(monkeypatch, "fwd_wgmma")
+    g = torch.Generator().manual_seed(47)
+    lay = make_layout(g, 200, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 64, torch.bfloat16, "cuda", False, requires_grad=False)
+    with pytest.raises(RuntimeError, match="PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU"):
+        cod_attention(q, k, v, lay)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", ["default", FWD_WGMMA])
+def test_cuda_fwd_wgmma_selects_kernel(monkeypatch, cfg):
+    """The env switch really picks the forward (profiler): cod_attn_fwd_wgmma_kernel with
+    PEAGLE_ATTN_FWD=wgmma, cod_attn_fwd_kernel otherwise; without this every fwd_wgmma test would
+    also pass if the glue ignored the env."""
+    from torch.profiler import ProfilerActivity, profile
+    set_fwd_config(monkeypatch, cfg)
+    g = torch.Generator().manual_seed(53)
+    lay = make_layout(g, 400, max_doc_len=200, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False, requires_grad=False)
+    cod_attention(q, k, v, lay, window=50, sink=2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cod_attention(q, k, v, lay, window=50, sink=2)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "cod_attn_fwd" in e.name]
+    if not names:
+        pytest.skip("the profiler recorded no kernels here")
+    has_wgmma = any("cod_attn_fwd_wgmma_kernel" in n for n in names)
+    has_mma = any("cod_attn_fwd_kernel" in n for n in names)
+    assert (has_wgmma, has_mma) == ((True, False) if cfg == "fwd_wgmma" else (False, True)), sorted(set(names))
 
 
 # Backward variants (env PEAGLE_ATTN_BWD, read per call by the CUDA glue; csrc/attention/cuda/
@@ -643,6 +702,19 @@ def test_cuda_bwd_wgmma_matches_reference(monkeypatch, d, cross, scen_idx):
     set_bwd_variant(monkeypatch, "wgmma")
     dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
     _gpu_case(dtype, d, cross, GPU_SCENARIOS[scen_idx], seed_extra="bwd-wgmma")
+
+
+@requires_cuda
+@requires_wgmma
+@pytest.mark.parametrize("scen_idx", range(len(GPU_SCENARIOS)), ids=[s[0] for s in GPU_SCENARIOS])
+def test_cuda_fwd_wgmma_bwd_wgmma_matches_reference(monkeypatch, scen_idx):
+    """PEAGLE_ATTN_FWD=wgmma with PEAGLE_ATTN_BWD=wgmma (the Hopper fwd + bwd together; the backward
+    reads the wgmma forward's out and LSE) on every scenario, head dims / modes / dtypes alternating."""
+    set_fwd_config(monkeypatch, "fwd_wgmma")
+    set_bwd_variant(monkeypatch, "wgmma")
+    dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
+    _gpu_case(dtype, 64 if scen_idx % 4 < 2 else 128, scen_idx % 2 == 1, GPU_SCENARIOS[scen_idx],
+              seed_extra="fwd-wgmma-bwd-wgmma")
 
 
 @requires_cuda
@@ -804,7 +876,9 @@ def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
 
 @requires_cuda
 @pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic"),
-                                     pytest.param("default", "wgmma", marks=requires_wgmma)])
+                                     pytest.param("default", "wgmma", marks=requires_wgmma),
+                                     pytest.param("fwd_wgmma", "default", marks=requires_fwd_wgmma),
+                                     pytest.param("fwd_wgmma", "wgmma", marks=requires_wgmma)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg, bwd):
     """Same algorithm on both devices: CUDA bf16 vs the CPU path in float32 on bf16-rounded inputs."""
@@ -863,7 +937,8 @@ def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
 
 @requires_cuda
 @pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic"),
-                                     pytest.param("default", "wgmma", marks=requires_wgmma)])
+                                     pytest.param("default", "wgmma", marks=requires_wgmma),
+                                     pytest.param("fwd_wgmma", "default", marks=requires_fwd_wgmma)])
 def test_cuda_all_padding_gives_zeros(monkeypatch, cfg, bwd):
     set_fwd_config(monkeypatch, cfg)
     set_bwd_variant(monkeypatch, bwd)
@@ -996,6 +1071,8 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
                                                       (32768, None, None, "atomic"),
                                                       (131072, 4096, None, "atomic"),
                                                       pytest.param(32768, None, None, "wgmma", marks=requires_wgmma),
+                                                      pytest.param(32768, None, None, "fwd_wgmma",
+                                                                   marks=requires_fwd_wgmma),
                                                       pytest.param(131072, 4096, None, "wgmma",
                                                                    marks=requires_wgmma)])
 def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):

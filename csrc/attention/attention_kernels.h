@@ -21,6 +21,11 @@ enum BwdVariant : int {
   kBwdWgmma64 = 3,  // "wgmma" + PEAGLE_ATTN_WGMMA_BMQ=64: its 64-query blocks at D = 128
 };
 
+// CodAttnParams::fwd_mf value of PEAGLE_ATTN_FWD=wgmma: the forward on sm_90a warpgroup MMAs (one
+// warpgroup per 64 query rows; cuda/cod_attn_fwd_wgmma.cuh). A value of the existing field, so the
+// params layout and the default kernels' SASS stay unchanged.
+constexpr int kFwdWgmma = -1;
+
 // Everything a COD attention kernel reads. Tensors are contiguous: q/out/dout/dq [T, Hq, D],
 // k/v/dk/dv [T, Hkv, D], range keys rk/rv/drk/drv [N, Hkv, D] (symmetric: the first N rows of
 // k/v themselves; cross: context_k/v), lse/delta [Hq, T] float32, ranges [5, T], chain/rchain [T, K].
@@ -47,7 +52,9 @@ struct CodAttnParams {
   int symmetric = 1, use_sink = 0;
   float scale = 1.f, scale_log2 = 1.f;
   // forward CTA shape (env PEAGLE_ATTN_FWD_WARPS / PEAGLE_ATTN_FWD_MF, read by the glue; see
-  // run_fwd in cuda/cod_attn_configs.cuh): warps 4 or 8 (0 = the default of the MF), MF 1 or 2
+  // run_fwd in cuda/cod_attn_configs.cuh): warps 4 or 8 (0 = the default of the MF), MF 1 or 2;
+  // fwd_mf == kFwdWgmma (env PEAGLE_ATTN_FWD=wgmma) selects the sm_90a warpgroup forward
+  // (cuda/cod_attn_fwd_wgmma.cuh) instead, fwd_warps then unused
   int fwd_warps = 0;
   int fwd_mf = 1;
   // backward variant, a BwdVariant (env PEAGLE_ATTN_BWD, read by the glue; see launch_bwd in
@@ -74,9 +81,10 @@ cudaError_t cod_attn_fwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStr
 // dq, dk, dv (+ drk/drv in cross mode); needs delta scratch [Hq, T] float32 in p.delta, and with
 // kBwdAtomic the workspace p.dq_accum (cod_attn_bwd_dq_accum_elems(p) floats).
 cudaError_t cod_attn_bwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
-// PEAGLE_ATTN_BWD=wgmma: true when this build has the sm_90a kernels (90 among PEAGLE_CUDA_ARCHS)
-// and the current device has compute capability 9.0. cod_attn_bwd_launch returns
-// cudaErrorNotSupported for kBwdWgmma / kBwdWgmma64 when this is false.
+// PEAGLE_ATTN_BWD=wgmma / PEAGLE_ATTN_FWD=wgmma: true when this build has the sm_90a kernels (90
+// among PEAGLE_CUDA_ARCHS) and the current device has compute capability 9.0. cod_attn_bwd_launch returns
+// cudaErrorNotSupported for kBwdWgmma / kBwdWgmma64 when this is false, cod_attn_fwd_launch for
+// fwd_mf == kFwdWgmma.
 bool cod_attn_wgmma_available();
 inline int64_t cod_attn_bwd_dq_accum_elems(const CodAttnParams& p) { return int64_t(p.T) * p.Hq * p.D; }
 

@@ -38,6 +38,132 @@ struct FwdConfig {
   static constexpr bool kRangesInRegs = MF == 1;
 };
 
+// ---- pieces of the forward for the sm_90a warpgroup kernel (cod_attn_fwd_wgmma.cuh), whose
+// accumulator fragments have the same (row, column) map per warp as MF = 1 here (warp w: rows
+// 16 w .. 16 w + 15). fwd_store_row is cod_attn_fwd_kernel's epilogue too. fwd_chain_keys and
+// fwd_softmax_fragment are the same statements as cod_attn_fwd_kernel's chain fold and per-fragment
+// softmax, which keep their inline copies: routing the mma.sync kernel through them changed its
+// register allocation (its SASS), which must stay as measured. Change both places together.
+
+// Chain keys (<= K per row, arbitrary rows of k/v) of the warp's 16 MF rows, folded into the
+// softmax state before the key blocks. Lanes take (row, slot) pairs of the warp's rows and compute
+// whole dot products (independent 16-byte loads, no shuffles; qrow_dot(row, grow) = dot product
+// of tile row `row` of Q in shared memory with the global row grow); then the quad owning a row
+// starts its softmax state from that row's chain scores and accumulates p * v_c.
+template <int D, typename T, int MF, typename QRowDot>
+__device__ __forceinline__ void fwd_chain_keys(const CodAttnParams& p, const QTile& qt, int hk, int warp, int lane,
+                                               int g, int t, int wrow0, int64_t kld, float sl2, float* s_chain_s,
+                                               int* s_chain_c, QRowDot&& qrow_dot, float (&acc)[MF][D / 8][4],
+                                               float (&m)[MF][2], float (&l)[MF][2]) {
+  constexpr int RW = 16 * MF;
+  const int K = p.K;
+  float* cs = s_chain_s + warp * RW * K;
+  int* ci = s_chain_c + warp * RW * K;
+  const T* kb = static_cast<const T*>(p.k) + int64_t(hk) * D;
+  const T* vb = static_cast<const T*>(p.v) + int64_t(hk) * D;
+#pragma unroll 1
+  for (int pi = lane; pi < RW * K; pi += 32) {
+    const int rl = pi / K, e = pi - rl * K;
+    const int row = wrow0 + rl;
+    const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+    cs[pi] = c >= 0 ? qrow_dot(row, kb + int64_t(c) * kld) * sl2 : -INFINITY;
+    ci[pi] = c;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int f = 0; f < MF; ++f) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int rl = 16 * f + g + 8 * r;
+      float mc = -INFINITY;
+      // NaN-propagating max (fmaxf drops NaN): a row whose only chain key is NaN must come out
+      // NaN, not skip the chain as if it had no keys (the block part propagates through exp2)
+      for (int e = 0; e < K; ++e) {
+        const float x = cs[rl * K + e];
+        mc = (x > mc || x != x) ? x : mc;
+      }
+      if (mc == -INFINITY) continue;
+      float lc = 0.f;
+#pragma unroll 2
+      for (int e = 0; e < K; ++e) {
+        const int c = ci[rl * K + e];
+        if (c < 0) continue;
+        const float pv = fast_exp2(cs[rl * K + e] - mc);
+        lc += pv;
+        const T* vr = vb + int64_t(c) * kld + 2 * t;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          const float2 vv = Pack<T>::unpack(__ldg(reinterpret_cast<const unsigned int*>(vr + 8 * n)));
+          acc[f][n][2 * r] = fmaf(pv, vv.x, acc[f][n][2 * r]);
+          acc[f][n][2 * r + 1] = fmaf(pv, vv.y, acc[f][n][2 * r + 1]);
+        }
+      }
+      m[f][r] = mc;
+      l[f][r] = t == 0 ? lc : 0.f;  // l is a per-thread partial, summed over the quad at the end
+    }
+  }
+}
+
+// Online softmax of one 16-row fragment over key block [j0, j0 + BN) (clipped to jend): scores s
+// (m16 x BN accumulator fragments) -> masked, scaled to the log2 domain, running max m / sum l
+// (per-thread partial) updated, acc rescaled, s replaced by the unnormalized probabilities.
+template <int D, int BN>
+__device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], float (&acc)[D / 8][4], float (&m)[2],
+                                                     float (&l)[2], const RowRanges (&rf)[2], bool full, int j0,
+                                                     int jend, int t, float sl2) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int j = j0 + 8 * n + 2 * t + (x & 1);
+      float v = s[n][x] * sl2;
+      if (!full && !rf[x >> 1].allows(j, jend)) v = -INFINITY;
+      s[n][x] = v;
+      mx[x >> 1] = fmaxf(mx[x >> 1], v);
+    }
+  }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], quad_max(mx[r]));
+    base[r] = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = fast_exp2(m[r] - base[r]);
+    m[r] = m_new;
+    l[r] *= alpha;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      acc[n][2 * r] *= alpha;
+      acc[n][2 * r + 1] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const float pv = fast_exp2(s[n][x] - base[x >> 1]);
+      s[n][x] = pv;
+      l[x >> 1] += pv;
+    }
+  }
+}
+
+// Epilogue of one query row i (fragment row half r of acc): out = acc / l (zeros for rows that
+// are invalid or have no keys) and LSE (natural log; +inf for rows without keys, the backward's
+// convention). lsum = the quad-summed l.
+template <int D, typename T>
+__device__ __forceinline__ void fwd_store_row(const CodAttnParams& p, const float (&acc)[D / 8][4], int r, float m,
+                                              float lsum, int valid, int64_t i, int h, int t, int64_t qld) {
+  constexpr float kLn2 = 0.69314718055994530942f;
+  const bool ok = valid && lsum > 0.f;
+  const float inv = ok ? 1.f / lsum : 0.f;
+  T* o = static_cast<T*>(p.out) + i * qld + int64_t(h) * D + 2 * t;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+    *reinterpret_cast<uint32_t*>(o + 8 * n) = Pack<T>::two(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+  if (t == 0) p.lse[int64_t(h) * p.T + i] = ok ? (m + log2f(lsum)) * kLn2 : INFINITY;
+}
+
 template <int D, typename T, int NWARPS, int BN, int MF>
 __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodAttnParams p, const TileMap tm) {
   using Cfg = FwdConfig<D, NWARPS, BN, MF>;
@@ -312,7 +438,6 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
   }
 
   // ---- epilogue
-  constexpr float kLn2 = 0.69314718055994530942f;
 #pragma unroll
   for (int f = 0; f < MF; ++f) {
 #pragma unroll
@@ -320,22 +445,20 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
       const float lsum = quad_sum(l[f][r]);
       const int row = wrow0 + 16 * f + g + 8 * r;
       if (row < qt.rows) {
-        const int64_t i = qt.row0 + row;
         int valid;
         if constexpr (Cfg::kRangesInRegs) valid = rr[f][r].valid;
         else valid = s_meta[4 * BM + row];
-        const bool ok = valid && lsum > 0.f;
-        const float inv = ok ? 1.f / lsum : 0.f;
-        T* o = static_cast<T*>(p.out) + i * qld + int64_t(h) * D + 2 * t;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-          *reinterpret_cast<uint32_t*>(o + 8 * n) =
-              Pack<T>::two(acc[f][n][2 * r] * inv, acc[f][n][2 * r + 1] * inv);
-        if (t == 0) p.lse[int64_t(h) * p.T + i] = ok ? (m[f][r] + log2f(lsum)) * kLn2 : INFINITY;
+        fwd_store_row<D, T>(p, acc[f], r, m[f][r], lsum, valid, qt.row0 + row, h, t, qld);
       }
     }
   }
 }
+
+// PEAGLE_ATTN_FWD=wgmma (p.fwd_mf == kFwdWgmma): cod_attn_fwd_wgmma_kernel (sm_90a warpgroup MMAs,
+// cod_attn_fwd_wgmma.cuh) instead of cod_attn_fwd_kernel, dispatched by cod_attn_fwd_launch.
+// Defined in cod_attn_fwd_wgmma_sm90a.cu (compiled for sm_90a alone), or, in builds without it,
+// in cod_attn_launch.cu as "not supported".
+cudaError_t cod_attn_fwd_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 
 template <int D, typename T, int NWARPS, int BN, int MF>
 cudaError_t launch_fwd(const CodAttnParams& p, cudaStream_t stream) {

@@ -34,7 +34,11 @@ int fwd_warps_from_env() {
   return (w == 4 || w == 8) ? w : 0;
 }
 // PEAGLE_ATTN_FWD_MF: 2 selects 32 query rows per warp; anything else (or unset) = 1.
+// PEAGLE_ATTN_FWD=wgmma overrides both: the forward on Hopper warpgroup MMAs (sm_90a only;
+// cod_attn_fwd_wgmma.cuh; same results as the default up to fp32 summation order), kFwdWgmma.
 int fwd_mf_from_env() {
+  const char* w = std::getenv("PEAGLE_ATTN_FWD");
+  if (w != nullptr && std::strcmp(w, "wgmma") == 0) return kFwdWgmma;
   const char* v = std::getenv("PEAGLE_ATTN_FWD_MF");
   return (v != nullptr && std::atoi(v) == 2) ? 2 : 1;
 }
@@ -135,6 +139,14 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_fwd_cuda(const at::Tensor& q, c
   CodAttnParams p = base_params(s, q, k, v, context_k, context_v, ranges, chains, depth_offsets, scale, use_sink);
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
+  if (p.fwd_mf == kFwdWgmma && !cod_attn_wgmma_available()) {
+    int dev = 0, major = 0, minor = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    TORCH_CHECK(false, "cod_attention: PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU (compute capability 9.0; this one is ",
+                major, ".", minor, ") and a build with 90 in PEAGLE_CUDA_ARCHS (this one: " PEAGLE_CUDA_ARCHS ")");
+  }
   check_launch(cod_attn_fwd_launch(p, attn_dtype(q), c10::cuda::getCurrentCUDAStream()), "forward");
   return {out, lse};
 }

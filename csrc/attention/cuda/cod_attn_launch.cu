@@ -97,16 +97,18 @@ void cod_attn_metadata_launch(const int32_t* anchor, const int32_t* depth, const
 
 #ifndef PEAGLE_ATTN_WGMMA
 // This build has no sm_90a kernels (90 is not among PEAGLE_CUDA_ARCHS, see CMakeLists.txt):
-// PEAGLE_ATTN_BWD=wgmma is refused (the glue raises before launching).
+// PEAGLE_ATTN_BWD=wgmma / PEAGLE_ATTN_FWD=wgmma are refused (the glue raises before launching).
 bool cod_attn_wgmma_available() { return false; }
 namespace cuda {
 cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams&, AttnDtype, cudaStream_t) { return cudaErrorNotSupported; }
 cudaError_t cod_attn_dq_wgmma_launch(const CodAttnParams&, AttnDtype, cudaStream_t) { return cudaErrorNotSupported; }
+cudaError_t cod_attn_fwd_wgmma_launch(const CodAttnParams&, AttnDtype, cudaStream_t) { return cudaErrorNotSupported; }
 }  // namespace cuda
 #endif
 
 cudaError_t cod_attn_fwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream) {
   const bool bf = dtype == AttnDtype::kBF16;
+  if (p.fwd_mf == kFwdWgmma) return cuda::cod_attn_fwd_wgmma_launch(p, dtype, stream);
   if (p.D == 64) return bf ? cuda::run_fwd<64, __nv_bfloat16>(p, stream) : cuda::run_fwd<64, __half>(p, stream);
   if (p.D == 128) return bf ? cuda::run_fwd<128, __nv_bfloat16>(p, stream) : cuda::run_fwd<128, __half>(p, stream);
   return cudaErrorInvalidValue;
