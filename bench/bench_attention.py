@@ -406,15 +406,21 @@ def print_summary(rows):
               f"{o['fwd_bwd_tflops']:>10.0f} {sdpa_tf:>10} {ratio:>6} {o['fwd_bwd_mem_mib']:>8.0f}")
 
 
-def fwd_configs_main():
-    """Forward only, every CTA shape of FWD_CONFIGS on the bench layouts (plus a windowed one):
-    time, useful TF/s, speed-up over the default shape, and max |diff| of out against it."""
-    quick = os.environ.get("QUICK", "0") not in ("", "0")
+def _variant_cases():
+    """(output dir, (N, max_anchors, window, sink) cases) of --fwd-configs / --bwd-configs: the
+    bench layouts plus a windowed one (QUICK: up to 8K)."""
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     cases = [(4096, None, None, 0), (8192, 1024, None, 0), (8192, None, None, 0), (8192, None, 1024, 4)]
-    if not quick:
+    if os.environ.get("QUICK", "0") in ("", "0"):
         cases += [(32768, None, None, 0), (131072, 1024, None, 0)]
+    return out_dir, cases
+
+
+def fwd_configs_main():
+    """Forward only, every CTA shape of FWD_CONFIGS on the bench layouts (plus a windowed one):
+    time, useful TF/s, speed-up over the default shape, and max |diff| of out against it."""
+    out_dir, cases = _variant_cases()
     dev = torch.cuda.get_device_name()
     print(f"# COD attention forward CTA shapes on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
           f"ratio = default ms / shape ms (>1: faster than the default)")
@@ -469,12 +475,7 @@ def bwd_configs_main():
     useful TF/s (5 matmuls per allowed pair: 2.5x the forward's FLOPs) and its distance from the
     dense bf16 peak, speed-up over the default, peak extra memory, and the gradients' relative L2
     difference from the default (dk/dv: same kernel code; dq: other summation order)."""
-    quick = os.environ.get("QUICK", "0") not in ("", "0")
-    out_dir = Path(os.environ.get("OUT", "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cases = [(4096, None, None, 0), (8192, 1024, None, 0), (8192, None, None, 0), (8192, None, 1024, 4)]
-    if not quick:
-        cases += [(32768, None, None, 0), (131072, 1024, None, 0)]
+    out_dir, cases = _variant_cases()
     dev = torch.cuda.get_device_name()
     # BWD_NAMES=default,wgmma (optional) restricts the variants; the first one is the baseline
     wanted = [x for x in os.environ.get("BWD_NAMES", "").split(",") if x] or list(BWD_CONFIGS)

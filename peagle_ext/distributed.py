@@ -248,6 +248,14 @@ class DistContext:
                 m.set_force_sum_reduction_for_comms(True)
         self._fsdp = True
 
+    def unwrap(self) -> None:
+        """Forget the wrapped model (and its DDP wrapper), so a context reused for another model
+        does not keep the previous one's parameters and gradients alive."""
+        self.model = None
+        self.step_module = None
+        self._ddp = None
+        self._fsdp = False
+
     def eval_module(self) -> nn.Module:
         """What evaluation calls as `module(example, layout) -> (_, metrics)`."""
         return self.step_module

@@ -344,6 +344,17 @@ def test_acceptance_length_formula():
     assert acceptance_length([0.0, 0.9]) == 0.0
 
 
+def _metrics_and_grads(m, ex, lay):
+    """forward_backward's metrics and a copy of every gradient it produced."""
+    metrics = m.forward_backward(ex, lay)
+    return metrics, {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+
+
+def _to_cuda(ex: TrainingExample) -> TrainingExample:
+    return TrainingExample(*(t.cuda() for t in (ex.input_ids, ex.document_ids, ex.loss_mask, ex.hidden,
+                                                ex.last_hidden)))
+
+
 @requires_cuda
 @pytest.mark.parametrize("mode", ["symmetric", "cross"])
 def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
@@ -352,11 +363,10 @@ def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
     m = make_model(rng, num_layers=2, k=4, options=PEagleOptions(attention=mode), head_dim=64)
     ex = make_example(rng, n=160, docs=(90, 60))
     lay = m.sample_layout(ex, seed=4)
-    ref = m.forward_backward(ex, lay)
-    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    ref, gref = _metrics_and_grads(m, ex, lay)
     mc = m.to("cuda")
     mc.zero_grad()
-    exc = TrainingExample(*(t.cuda() for t in (ex.input_ids, ex.document_ids, ex.loss_mask, ex.hidden, ex.last_hidden)))
+    exc = _to_cuda(ex)
     got = mc.forward_backward(exc, lay.to("cuda"), autocast_dtype=torch.bfloat16)
     assert got["total"].tolist() == ref["total"].tolist()
     assert abs(got["loss_sum"] - ref["loss_sum"]) <= 3e-2 * abs(ref["loss_sum"])
@@ -384,8 +394,7 @@ def test_fp32_parameters_with_bf16_kernels_and_no_autocast(rng, monkeypatch):
     m = make_model(rng, num_layers=2, k=4)
     ex = make_example(rng)
     lay = m.sample_layout(ex, seed=3)
-    ref = m.forward_backward(ex, lay)
-    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    ref, gref = _metrics_and_grads(m, ex, lay)
     m.zero_grad()
     monkeypatch.setattr(PEagleDraftModel, "_compute_dtype", lambda self, x: torch.bfloat16)
     got = m.forward_backward(ex, lay)
@@ -403,11 +412,10 @@ def test_cuda_fp32_parameters_without_autocast(rng):
     m = make_model(rng, num_layers=2, k=4, head_dim=64)
     ex = make_example(rng, n=160, docs=(90, 60))
     lay = m.sample_layout(ex, seed=5)
-    ref = m.forward_backward(ex, lay)
-    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    ref, gref = _metrics_and_grads(m, ex, lay)
     mc = m.to("cuda")
     mc.zero_grad()
-    exc = TrainingExample(*(t.cuda() for t in (ex.input_ids, ex.document_ids, ex.loss_mask, ex.hidden, ex.last_hidden)))
+    exc = _to_cuda(ex)
     got = mc.forward_backward(exc, lay.to("cuda"))
     assert abs(got["loss_sum"] - ref["loss_sum"]) <= 3e-2 * abs(ref["loss_sum"])
     for k, g in gref.items():
