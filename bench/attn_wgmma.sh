@@ -91,7 +91,7 @@ grep -E "^(FAILED|ERROR|SKIPPED)|Fatal Python error|Error" "$OUT/attn_wgmma_test
 
 # 3. timing
 t0=$(date +%s)
-bwd_names=${BWD_NAMES:-default,wgmma,wgmma64}  # wgmma64: PEAGLE_ATTN_WGMMA_BMQ=64 (64-query blocks at D=128)
+bwd_names=${BWD_NAMES:-mma,wgmma,wgmma64}  # wgmma64: PEAGLE_ATTN_WGMMA_BMQ=64 (64-query blocks at D=128)
 BWD_NAMES=$bwd_names QUICK=${QUICK:-1} OUT="$OUT" timeout $(cap ${BENCH_TIMEOUT:-75}) python3 bench/bench_attention.py \
   --bwd-configs > "$OUT/attn_wgmma_bench.log" 2>&1
 rc=$?; note "bench --bwd-configs ($bwd_names): rc=$rc in $(( $(date +%s) - t0 ))s"
@@ -108,7 +108,7 @@ rc=$?; note "fwd tests (-k \"$fsel\"): rc=$rc in $(( $(date +%s) - t0 ))s: $(tai
 [ $rc -eq 0 ] || status=1
 grep -E "^(FAILED|ERROR|SKIPPED)|Fatal Python error|Error" "$OUT/attn_wgmma_fwd_tests.log" | head -30 | tee -a "$summary"
 t0=$(date +%s)
-fwd_names=${FWD_NAMES:-default,wgmma}
+fwd_names=${FWD_NAMES:-mma,wgmma}
 FWD_NAMES=$fwd_names QUICK=${QUICK:-1} OUT="$OUT" timeout $(cap ${FWD_BENCH_TIMEOUT:-60}) python3 bench/bench_attention.py \
   --fwd-configs > "$OUT/attn_wgmma_fwd_bench.log" 2>&1
 rc=$?; note "bench --fwd-configs ($fwd_names): rc=$rc in $(( $(date +%s) - t0 ))s"

@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import D, HQ, allowed_pairs, inputs, make_layout  # noqa: E402
 from peagle_ext.attention import cod_attention, cod_attention_metadata  # noqa: E402
 
-MATMULS = {"cod_attn_fwd": 2, "cod_attn_dq_kernel": 3, "cod_attn_dkv_kernel": 4}
+# matmuls per allowed pair of each kernel (the wgmma kernels of the default on sm_90 included)
+MATMULS = {"cod_attn_fwd": 2, "cod_attn_dq_kernel": 3, "cod_attn_dq_wgmma_kernel": 3, "cod_attn_dkv_kernel": 4,
+           "cod_attn_dkv_wgmma_kernel": 4}
 
 
 def main():
@@ -83,7 +85,8 @@ def main():
                 mm = 5
             r["tflops"] = mm * 2 * D * pairs / (r["ms_per_step"] * 1e-3) / 1e12
     rows.sort(key=lambda r: -r["ms_per_step"])
-    name = f"profile_attention_n{args.n}_cap{args.cap}_{'atomic' if atomic else 'default'}"
+    variant = os.environ.get("PEAGLE_ATTN_BWD") or "auto"
+    name = f"profile_attention_n{args.n}_cap{args.cap}_{variant}"
     print(f"{name}: T={t}, pairs/head={pairs // HQ}, {total:.2f} ms per fwd+bwd step (sum of kernels)")
     for r in rows:
         tf = f"{r['tflops']:7.1f} TF/s" if "tflops" in r else " " * 12

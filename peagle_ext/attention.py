@@ -6,10 +6,15 @@ no host sync on CUDA) and runs the native forward; autograd runs the native, det
 backward. No T x T mask exists anywhere on this path; `peagle_ext.reference` holds the dense
 statement that the tests compare against.
 
-On CUDA, PEAGLE_ATTN_BWD=atomic (read per backward call) selects a FlashAttention-2-style backward
-instead: dq is summed with fp32 atomics inside the key-major dK/dV pass (5 matmuls per allowed
-pair instead of 7, plus a T x Hq x D float32 workspace). dq is then NOT bitwise reproducible
-between runs (it varies at the level of one bf16/fp16 rounding step); dk and dv still are.
+CUDA kernels (env read per call): PEAGLE_ATTN_FWD / PEAGLE_ATTN_BWD = auto (or unset) runs the
+Hopper kernels on sm_90a warpgroup MMAs where the GPU is compute capability 9.0 and the build has
+90, the mma.sync kernels elsewhere; both give the same outputs and gradients bit for bit, the
+Hopper ones faster (bench/RESULTS.md). "mma" forces the mma.sync kernels, "wgmma" the Hopper ones
+(an error where they cannot run). PEAGLE_ATTN_BWD=atomic selects a FlashAttention-2-style
+backward instead: dq is summed with fp32 atomics inside the key-major dK/dV pass (5 matmuls per
+allowed pair instead of 7, plus a T x Hq x D float32 workspace). dq is then NOT bitwise
+reproducible between runs (it varies at the level of one bf16/fp16 rounding step); dk and dv
+still are. Any other value is refused with a ValueError.
 
 Set PEAGLE_ATTN_CHECK=1 to also validate the layout's contents (sorted anchors, depth segments,
 depth-0 rows, contiguous documents) on CUDA; this syncs with the host. The CPU path always does.

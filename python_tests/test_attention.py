@@ -434,10 +434,12 @@ def test_cuda_matches_reference(dtype, d, cross, scen):
 
 
 # Forward CTA shapes (env read per call by the CUDA glue, see csrc/attention/cuda/cod_attn_configs.cuh):
-# default = 16 rows per warp, 8 warps at D = 64 and 4 at D = 128; mf1w4 / mf1w8 = 4 / 8 warps x 16
+# mma = the mma.sync forward's default shape, 16 rows per warp, 8 warps at D = 64 and 4 at D = 128
+# (setting a shape env selects the mma.sync forward); mf1w4 / mf1w8 = 4 / 8 warps x 16
 # rows; mf2w4 / mf2w8 = 4 / 8 warps x 32 rows (two m16 fragments per warp).
 FWD_CONFIGS = {
-    "default": {},
+    "auto": {},  # what runs without the env: the wgmma forward on sm_90, the mma.sync one elsewhere
+    "mma": {"PEAGLE_ATTN_FWD": "mma"},  # the mma.sync forward's default shape
     "mf1w4": {"PEAGLE_ATTN_FWD_WARPS": "4"},
     "mf1w8": {"PEAGLE_ATTN_FWD_WARPS": "8"},
     "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
@@ -529,7 +531,7 @@ def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["default", "mf2w4", "mf2w8", FWD_WGMMA])
+@pytest.mark.parametrize("cfg", ["mma", "mf2w4", "mf2w8", FWD_WGMMA])
 def test_cuda_fwd_configs_deep_chains(monkeypatch, cfg):
     """K = 64 depths (the maximum) needs the most chain scratch: mf2w8 at D = 128 would exceed the
     shared memory per block and runs with 4 warps instead. Forward only, against the CPU op in
@@ -560,7 +562,7 @@ def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
         return torch.ops.peagle.cod_attention_fwd(q, k, v, None, None, meta.ranges, meta.chains, meta.depth_offsets,
                                                   1 / math.sqrt(128), meta.use_sink)
 
-    set_fwd_config(monkeypatch, "default")
+    set_fwd_config(monkeypatch, "mma")
     ref_out, ref_lse = forward()
     set_fwd_config(monkeypatch, cfg)
     out, lse = forward()
@@ -590,11 +592,12 @@ def test_cuda_fwd_wgmma_refused_off_sm90(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["default", FWD_WGMMA])
+@pytest.mark.parametrize("cfg", ["auto", "mma", "mf2w4", FWD_WGMMA])
 def test_cuda_fwd_wgmma_selects_kernel(monkeypatch, cfg):
     """The env switch really picks the forward (profiler): cod_attn_fwd_wgmma_kernel with
-    PEAGLE_ATTN_FWD=wgmma, cod_attn_fwd_kernel otherwise; without this every fwd_wgmma test would
-    also pass if the glue ignored the env."""
+    PEAGLE_ATTN_FWD=wgmma and without the env on sm_90, cod_attn_fwd_kernel otherwise (mma, a CTA
+    shape, or auto elsewhere); without this every fwd_wgmma test would also pass if the glue
+    ignored the env."""
     from torch.profiler import ProfilerActivity, profile
     set_fwd_config(monkeypatch, cfg)
     g = torch.Generator().manual_seed(53)
@@ -610,15 +613,17 @@ def test_cuda_fwd_wgmma_selects_kernel(monkeypatch, cfg):
         pytest.skip("the profiler recorded no kernels here")
     has_wgmma = any("cod_attn_fwd_wgmma_kernel" in n for n in names)
     has_mma = any("cod_attn_fwd_kernel" in n for n in names)
-    assert (has_wgmma, has_mma) == ((True, False) if cfg == "fwd_wgmma" else (False, True)), sorted(set(names))
+    wgmma = cfg == "fwd_wgmma" or (cfg == "auto" and HAS_FWD_WGMMA)
+    assert (has_wgmma, has_mma) == ((True, False) if wgmma else (False, True)), sorted(set(names))
 
 
 # Backward variants (env PEAGLE_ATTN_BWD, read per call by the CUDA glue; csrc/attention/cuda/
-# cod_attn_bwd.cuh launch_bwd): "default" = the deterministic 4-launch backward; "atomic" = the
+# cod_attn_bwd.cuh launch_bwd): "auto" = what runs without the env (wgmma64 at D = 128 and wgmma at
+# D = 64 on sm_90, "mma" elsewhere); "mma" = the deterministic 4-launch mma.sync backward; "atomic" = the
 # FlashAttention-2-style one (dQ summed with fp32 atomics in the key-major dK/dV pass); "wgmma" =
 # the default with its dQ and dK/dV passes on Hopper warpgroup MMAs (cod_attn_dq_wgmma.cuh,
 # cod_attn_bwd_wgmma.cuh; sm_90 only).
-BWD_VARIANTS = {"default": None, "atomic": "atomic", "wgmma": "wgmma", "wgmma64": "wgmma"}
+BWD_VARIANTS = {"auto": None, "mma": "mma", "atomic": "atomic", "wgmma": "wgmma", "wgmma64": "wgmma"}
 
 
 def _wgmma_runs_here():
@@ -744,19 +749,45 @@ def test_cuda_bwd_wgmma_agrees_with_default(monkeypatch, d, variant, cross):
     ins = [q, k, v] + list(ctx.values())
     go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
     res = {}
-    for name in ("default", variant):
+    for name in ("mma", variant):
         set_bwd_variant(monkeypatch, name)
         out = cod_attention(q, k, v, lay, window=700, sink=3, **ctx)
         res["wgmma" if name == variant else name] = [out.detach()] + list(torch.autograd.grad(out, ins, go))
     names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx]
     what = f"{variant} vs default D={d} cross={cross}"
-    assert torch.equal(res["wgmma"][0], res["default"][0]), f"{what}: forward differs"
-    for name, a, b in zip(names[1:], res["wgmma"][1:], res["default"][1:]):
+    assert torch.equal(res["wgmma"][0], res["mma"][0]), f"{what}: forward differs"
+    for name, a, b in zip(names[1:], res["wgmma"][1:], res["mma"][1:]):
         assert_rows_close(a, b, f"{what}: {name}")
         assert rel_l2(a, b) <= 1e-3, f"{what}: {name} rel err {rel_l2(a, b):.2e}"
     pad = lay.document_ids[lay.anchor.long()] < 0
     assert cross or pad.any(), "symmetric layout should have padding rows"
     assert torch.equal(res["wgmma"][1][pad], torch.zeros_like(res["wgmma"][1][pad])), f"{what}: padding dq not 0"
+
+
+@requires_cuda
+@requires_wgmma
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_auto_is_bitwise_mma(monkeypatch, d, cross, dtype):
+    """What the README promises: on sm_90 the default (auto: wgmma forward, wgmma backward with
+    64-query blocks at D = 128) gives the mma.sync kernels' out, LSE and every gradient bit for bit
+    (same tiles, key blocks and per-element k-order of the fp32 sums). Window + sink, GQA 4, padding."""
+    g = torch.Generator().manual_seed(59 + d + int(cross))
+    lay = make_layout(g, 2500, cross=cross, max_doc_len=1100, pad_tail=9, device="cuda")
+    q, k, v, ctx = make_inputs(g, lay, 8, 2, d, dtype, "cuda", cross)
+    ins = [q, k, v] + list(ctx.values())
+    go = torch.randn(q.shape, generator=g).to("cuda", dtype)
+    res = {}
+    for name in ("mma", "auto"):
+        set_fwd_config(monkeypatch, name)
+        set_bwd_variant(monkeypatch, name)
+        out = cod_attention(q, k, v, lay, window=600, sink=3, **ctx)
+        res[name] = [out.detach()] + list(torch.autograd.grad(out, ins, go))
+    names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx]
+    for name, a, b in zip(names, res["auto"], res["mma"]):
+        assert torch.equal(a, b), (f"{name}: auto differs from mma (D={d} cross={cross} {dtype}): "
+                                   f"max |diff| {(a.float() - b.float()).abs().max().item():.3e}")
 
 
 @requires_cuda
@@ -789,14 +820,14 @@ def test_cuda_bwd_atomic_agrees_with_default(monkeypatch, d, cross):
     ins = [q, k, v] + list(ctx.values())
     go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
     res = {}
-    for name in ("default", "atomic"):
+    for name in ("mma", "atomic"):
         set_bwd_variant(monkeypatch, name)
         out = cod_attention(q, k, v, lay, window=700, sink=3, **ctx)
         res[name] = [out.detach()] + list(torch.autograd.grad(out, ins, go))
     names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx]
     what = f"atomic vs default D={d} cross={cross}"
-    assert torch.equal(res["atomic"][0], res["default"][0]), f"{what}: forward differs"
-    for name, a, b in zip(names[1:], res["atomic"][1:], res["default"][1:]):
+    assert torch.equal(res["atomic"][0], res["mma"][0]), f"{what}: forward differs"
+    for name, a, b in zip(names[1:], res["atomic"][1:], res["mma"][1:]):
         if name == "dq":
             assert_rows_close(a, b, f"{what}: dq")
         else:
@@ -808,7 +839,7 @@ def test_cuda_bwd_atomic_agrees_with_default(monkeypatch, d, cross):
 
 @requires_cuda
 @pytest.mark.parametrize("cross", [False, True])
-@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
+@pytest.mark.parametrize("bwd", ["mma", "atomic", WGMMA])
 def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
     """K = 64 depths (the most chain keys per query: the atomic variant's finish kernel sums them
     per row) with window + sink, fwd and bwd against the CPU op in float32 on bf16-rounded inputs."""
@@ -832,7 +863,7 @@ def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
+@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA])
 def test_cuda_bwd_variants_select_kernels(monkeypatch, bwd):
     """The env switch really picks the backward: the kernels launched by one backward (profiler)
     are the query-major dQ kernel for the default and the dQ finish kernel (no dQ kernel) for
@@ -855,11 +886,12 @@ def test_cuda_bwd_variants_select_kernels(monkeypatch, bwd):
     has_dq = any("cod_attn_dq_kernel" in n for n in names)
     has_dq_wgmma = any("cod_attn_dq_wgmma_kernel" in n for n in names)
     has_finish = any("cod_attn_dq_finish_kernel" in n for n in names)
-    want_dq = {"default": (True, False, False), "atomic": (False, False, True), "wgmma": (False, True, False)}[bwd]
+    kind = ("wgmma" if HAS_WGMMA else "mma") if bwd == "auto" else bwd
+    want_dq = {"mma": (True, False, False), "atomic": (False, False, True), "wgmma": (False, True, False)}[kind]
     assert (has_dq, has_dq_wgmma, has_finish) == want_dq, sorted(set(names))
     has_wgmma = any("cod_attn_dkv_wgmma_kernel" in n for n in names)
     has_dkv = any("cod_attn_dkv_kernel" in n for n in names)
-    assert (has_wgmma, has_dkv) == ((True, False) if bwd == "wgmma" else (False, True)), sorted(set(names))
+    assert (has_wgmma, has_dkv) == ((True, False) if kind == "wgmma" else (False, True)), sorted(set(names))
 
 
 @requires_cuda
@@ -875,9 +907,9 @@ def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic"),
-                                     pytest.param("default", "wgmma", marks=requires_wgmma),
-                                     pytest.param("fwd_wgmma", "default", marks=requires_fwd_wgmma),
+@pytest.mark.parametrize("cfg,bwd", [("auto", "auto"), ("mma", "mma"), ("mf2w4", "mma"), ("mma", "atomic"),
+                                     pytest.param("mma", "wgmma", marks=requires_wgmma),
+                                     pytest.param("fwd_wgmma", "mma", marks=requires_fwd_wgmma),
                                      pytest.param("fwd_wgmma", "wgmma", marks=requires_wgmma)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg, bwd):
@@ -897,7 +929,7 @@ def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
+@pytest.mark.parametrize("bwd", ["mma", "atomic", WGMMA])
 @pytest.mark.parametrize("cross", [False, True])
 def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
     set_bwd_variant(monkeypatch, bwd)
@@ -936,9 +968,9 @@ def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,bwd", [("default", "default"), ("mf2w4", "default"), ("default", "atomic"),
-                                     pytest.param("default", "wgmma", marks=requires_wgmma),
-                                     pytest.param("fwd_wgmma", "default", marks=requires_fwd_wgmma)])
+@pytest.mark.parametrize("cfg,bwd", [("auto", "auto"), ("mma", "mma"), ("mf2w4", "mma"), ("mma", "atomic"),
+                                     pytest.param("mma", "wgmma", marks=requires_wgmma),
+                                     pytest.param("fwd_wgmma", "mma", marks=requires_fwd_wgmma)])
 def test_cuda_all_padding_gives_zeros(monkeypatch, cfg, bwd):
     set_fwd_config(monkeypatch, cfg)
     set_bwd_variant(monkeypatch, bwd)
@@ -954,7 +986,7 @@ def test_cuda_all_padding_gives_zeros(monkeypatch, cfg, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA])
+@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA])
 @pytest.mark.parametrize("cross", [False, True])
 def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
     """Default and wgmma backward: bitwise reproducible. Atomic: out, dk, dv (and context grads) still are
@@ -979,7 +1011,7 @@ def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["default", "atomic", WGMMA, pytest.param("wgmma64", marks=requires_wgmma)])
+@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA, pytest.param("wgmma64", marks=requires_wgmma)])
 def test_cuda_graph_capture(monkeypatch, bwd):
     """fwd + bwd captured in a CUDA graph (the atomic variant's workspace zeroing is a
     cudaMemsetAsync on the capturing stream) and replayed: same results as eager (dq of the atomic
@@ -1065,9 +1097,10 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
 
 
 @requires_cuda
-@pytest.mark.parametrize("n,window,max_anchors,cfg", [(32768, None, None, "default"), (32768, None, None, "mf2w4"),
-                                                      (65536, 2048, 1024, "default"),
-                                                      (131072, 4096, None, "default"),
+@pytest.mark.parametrize("n,window,max_anchors,cfg", [(32768, None, None, "auto"), (32768, None, None, "mma"),
+                                                      (32768, None, None, "mf2w4"),
+                                                      (65536, 2048, 1024, "auto"),
+                                                      (131072, 4096, None, "auto"),
                                                       (131072, 4096, None, "mf2w4"),
                                                       (32768, None, None, "atomic"),
                                                       (131072, 4096, None, "atomic"),
@@ -1079,11 +1112,12 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
 def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):
     """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
     the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head.
-    cfg "atomic": the default forward with the atomic-dQ backward (documents up to 8192 tokens:
-    up to 128 key blocks, i.e. atomic adds, per dq element); cfg "wgmma": the default forward with
-    the wgmma dQ + dK/dV backward."""
-    bwd = cfg if cfg in ("atomic", "wgmma") else "default"
-    set_fwd_config(monkeypatch, "default" if bwd != "default" else cfg)
+    cfg "auto": what runs without the env; "mma": the mma.sync forward and backward; "atomic": the
+    mma.sync forward with the atomic-dQ backward (documents up to 8192 tokens: up to 128 key
+    blocks, i.e. atomic adds, per dq element); "wgmma": the mma.sync forward with the wgmma dQ +
+    dK/dV backward; "mf2w4" / "fwd_wgmma": that forward with the auto backward."""
+    bwd = cfg if cfg in ("atomic", "wgmma", "mma") else "auto"
+    set_fwd_config(monkeypatch, "mma" if bwd != "auto" else cfg)
     set_bwd_variant(monkeypatch, bwd)
     g = torch.Generator().manual_seed(n)
     lay = make_layout(g, n, max_anchors=max_anchors, max_doc_len=8192, pad_tail=100, device="cuda")

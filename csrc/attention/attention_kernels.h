@@ -17,13 +17,13 @@ enum class AttnDtype : int { kBF16 = 0, kFP16 = 1 };
 enum BwdVariant : int {
   kBwdDefault = 0,  // deterministic: separate query-major dQ pass
   kBwdAtomic = 1,   // "atomic": the key-major dK/dV pass also adds dS K into dq_accum (fp32 atomics)
-  kBwdWgmma = 2,    // "wgmma": the default with the dQ and dK/dV passes on sm_90a warpgroup MMAs
-  kBwdWgmma64 = 3,  // "wgmma" + PEAGLE_ATTN_WGMMA_BMQ=64: its 64-query blocks at D = 128
+  kBwdWgmma = 2,    // deterministic, the dQ and dK/dV passes on sm_90a warpgroup MMAs (32-query blocks at D = 128)
+  kBwdWgmma64 = 3,  // the same with 64-query blocks at D = 128 (what "auto" picks on sm_90 at D = 128)
 };
 
-// CodAttnParams::fwd_mf value of PEAGLE_ATTN_FWD=wgmma: the forward on sm_90a warpgroup MMAs (one
-// warpgroup per 64 query rows; cuda/cod_attn_fwd_wgmma.cuh). A value of the existing field, so the
-// params layout and the default kernels' SASS stay unchanged.
+// CodAttnParams::fwd_mf value of the forward on sm_90a warpgroup MMAs (PEAGLE_ATTN_FWD=wgmma, or
+// auto on sm_90; one warpgroup per 64 query rows; cuda/cod_attn_fwd_wgmma.cuh). A value of the
+// existing field, so the params layout and the mma.sync kernels' SASS stay unchanged.
 constexpr int kFwdWgmma = -1;
 
 // Everything a COD attention kernel reads. Tensors are contiguous: q/out/dout/dq [T, Hq, D],

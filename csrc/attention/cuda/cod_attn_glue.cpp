@@ -33,31 +33,51 @@ int fwd_warps_from_env() {
   const int w = std::atoi(v);
   return (w == 4 || w == 8) ? w : 0;
 }
-// PEAGLE_ATTN_FWD_MF: 2 selects 32 query rows per warp; anything else (or unset) = 1.
-// PEAGLE_ATTN_FWD=wgmma overrides both: the forward on Hopper warpgroup MMAs (sm_90a only;
-// cod_attn_fwd_wgmma.cuh; same results as the default up to fp32 summation order), kFwdWgmma.
-int fwd_mf_from_env() {
-  const char* w = std::getenv("PEAGLE_ATTN_FWD");
-  if (w != nullptr && std::strcmp(w, "wgmma") == 0) return kFwdWgmma;
-  const char* v = std::getenv("PEAGLE_ATTN_FWD_MF");
-  return (v != nullptr && std::atoi(v) == 2) ? 2 : 1;
+// Kernel family choice, PEAGLE_ATTN_FWD and PEAGLE_ATTN_BWD (read per call): unset, empty or
+// "auto" = the Hopper warpgroup-MMA kernels (sm_90a, cod_attn_{fwd,dq,bwd}_wgmma.cuh) where they
+// run (cod_attn_wgmma_available: compute capability 9.0 and a build with 90), the mma.sync kernels
+// elsewhere. On an H200 the wgmma kernels give the same outputs and gradients bit for bit and are
+// 1.14-1.20x (forward) and 1.33-1.37x (backward, 64-query blocks at D = 128) faster
+// (bench/RESULTS.md). "mma" forces the mma.sync kernels, "wgmma" forces the Hopper ones (an error
+// where they cannot run), and PEAGLE_ATTN_BWD=atomic the FlashAttention-2-style backward.
+enum class KernelChoice { kAuto, kMma, kWgmma, kAtomic };
+KernelChoice kernel_choice_from_env(const char* var, bool allow_atomic) {
+  const char* v = std::getenv(var);
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return KernelChoice::kAuto;
+  if (std::strcmp(v, "mma") == 0) return KernelChoice::kMma;
+  if (std::strcmp(v, "wgmma") == 0) return KernelChoice::kWgmma;
+  if (allow_atomic && std::strcmp(v, "atomic") == 0) return KernelChoice::kAtomic;
+  TORCH_CHECK_VALUE(false, "cod_attention: ", var, "=", v, " is not a kernel choice; use auto (or unset), mma, wgmma",
+                    allow_atomic ? " or atomic" : "");
+  return KernelChoice::kAuto;
 }
 
-// PEAGLE_ATTN_BWD: "atomic" selects the FlashAttention-2-style backward (dQ summed with fp32
-// atomics inside the key-major dK/dV pass: faster, dq not bitwise reproducible between runs);
-// "wgmma" the deterministic backward with its dQ and dK/dV passes on Hopper warpgroup MMAs (sm_90a
-// only; cod_attn_dq_wgmma.cuh, cod_attn_bwd_wgmma.cuh; same results as the default up to summation order), with
-// PEAGLE_ATTN_WGMMA_BMQ=64 in 64-query blocks at D = 128 (255 registers, 102 KiB of shared memory
-// per CTA; default 32); anything else (or unset): the deterministic default. See launch_bwd in
-// cod_attn_bwd.cuh.
-int bwd_variant_from_env() {
-  const char* v = std::getenv("PEAGLE_ATTN_BWD");
-  if (v != nullptr && std::strcmp(v, "atomic") == 0) return kBwdAtomic;
-  if (v != nullptr && std::strcmp(v, "wgmma") == 0) {
-    const char* b = std::getenv("PEAGLE_ATTN_WGMMA_BMQ");
-    return (b != nullptr && std::atoi(b) == 64) ? kBwdWgmma64 : kBwdWgmma;
-  }
-  return kBwdDefault;
+// PEAGLE_ATTN_FWD_MF: 2 selects 32 query rows per warp; anything else (or unset) = 1. Setting it
+// or PEAGLE_ATTN_FWD_WARPS (a CTA shape of the mma.sync forward) makes "auto" pick that forward.
+// kFwdWgmma: the forward on Hopper warpgroup MMAs (cod_attn_fwd_wgmma.cuh).
+int fwd_mf_from_env() {
+  const KernelChoice c = kernel_choice_from_env("PEAGLE_ATTN_FWD", false);
+  const char* mf = std::getenv("PEAGLE_ATTN_FWD_MF");
+  const bool mma_shape = mf != nullptr || std::getenv("PEAGLE_ATTN_FWD_WARPS") != nullptr;
+  if (c == KernelChoice::kWgmma || (c == KernelChoice::kAuto && !mma_shape && cod_attn_wgmma_available()))
+    return kFwdWgmma;
+  return (mf != nullptr && std::atoi(mf) == 2) ? 2 : 1;
+}
+
+// The backward variant (BwdVariant, see launch_bwd in cod_attn_bwd.cuh): "atomic" = dQ summed with
+// fp32 atomics inside the key-major dK/dV pass (faster on mma.sync, dq not bitwise reproducible
+// between runs); the wgmma backward = the deterministic one with its dQ and dK/dV passes on Hopper
+// warpgroup MMAs (cod_attn_dq_wgmma.cuh, cod_attn_bwd_wgmma.cuh), whose dK/dV pass takes
+// PEAGLE_ATTN_WGMMA_BMQ=32|64 query rows per block at D = 128 (64: 255 registers, 102 KiB of shared
+// memory per CTA; the default under "auto", 32 under an explicit "wgmma"); "mma" or no wgmma here:
+// the deterministic mma.sync backward.
+int bwd_variant_from_env(int64_t D) {
+  const KernelChoice c = kernel_choice_from_env("PEAGLE_ATTN_BWD", true);
+  if (c == KernelChoice::kAtomic) return kBwdAtomic;
+  if (c == KernelChoice::kMma || (c == KernelChoice::kAuto && !cod_attn_wgmma_available())) return kBwdDefault;
+  const char* b = std::getenv("PEAGLE_ATTN_WGMMA_BMQ");
+  const int bmq = b != nullptr ? std::atoi(b) : (c == KernelChoice::kAuto && D == 128 ? 64 : 32);
+  return bmq == 64 ? kBwdWgmma64 : kBwdWgmma;
 }
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -190,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
   p.dv = dv.data_ptr();
   p.drk = s.cross ? dck.data_ptr() : dk.data_ptr();
   p.drv = s.cross ? dcv.data_ptr() : dv.data_ptr();
-  p.bwd_variant = bwd_variant_from_env();
+  p.bwd_variant = bwd_variant_from_env(s.D);
   if ((p.bwd_variant == kBwdWgmma || p.bwd_variant == kBwdWgmma64) && !cod_attn_wgmma_available()) {
     int dev = 0, major = 0, minor = 0;
     cudaGetDevice(&dev);
