@@ -222,12 +222,14 @@ def bench_flex(lay, window=None, sink=0):
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if _flex_compiled is None:
-        import torch._dynamo
+        # (`import torch._dynamo` here would make `torch` a local name of this function, unbound on
+        # every later call, and the closures below would fail with a NameError from the 2nd layout on)
+        import torch._dynamo as dynamo
         # one compiled graph per (T, grad mode): raise dynamo's recompile limits above our config count
         for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                      "accumulated_recompile_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(256, getattr(dynamo.config, name)))
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     t = lay.num_tokens
     q, k, v, go = inputs(t)
