@@ -8,8 +8,9 @@ statement that the tests compare against.
 
 CUDA kernels (env read per call): PEAGLE_ATTN_FWD / PEAGLE_ATTN_BWD = auto (or unset) runs the
 Hopper kernels on sm_90a warpgroup MMAs where the GPU is compute capability 9.0 and the build has
-90, the mma.sync kernels elsewhere; both give the same outputs and gradients bit for bit, the
-Hopper ones faster (bench/RESULTS.md). "mma" forces the mma.sync kernels, "wgmma" the Hopper ones
+90, the mma.sync kernels elsewhere; both give the same outputs and gradients bit for bit at head
+dim 128 (at 64 the forwards use other query tiles and agree to rounding), the Hopper ones faster
+(bench/RESULTS.md). "mma" forces the mma.sync kernels, "wgmma" the Hopper ones
 (an error where they cannot run). PEAGLE_ATTN_BWD=atomic selects a FlashAttention-2-style
 backward instead: dq is summed with fp32 atomics inside the key-major dK/dV pass (5 matmuls per
 allowed pair instead of 7, plus a T x Hq x D float32 workspace). dq is then NOT bitwise
