@@ -67,6 +67,15 @@ struct CodAttnParams {
   int bwd_variant = kBwdDefault;
   float* dq_accum = nullptr;
   int depth_offsets[kMaxChain + 1] = {};
+  // software pipelining of the sm_90a warpgroup kernels (env PEAGLE_ATTN_WGMMA_PIPE, read by the
+  // glue; appended last so the fields above keep their offsets): 0 = the kernels as verified
+  // first (every wgmma group waited for before the next step); 1 = the second MMA of each block
+  // (O += P V, dQ += dS K, dV / dK += ...) left in flight over the next block's copies and first
+  // MMA; 2 = additionally, in the forward, the next block's S = Q K^T issued before this block's
+  // O += P V so that its softmax runs while the tensor cores do P V (FlashAttention-3's
+  // intra-warpgroup overlap; the backward passes run level 1 there). Results are bitwise equal
+  // at every level (same operations on the same values; see cod_attn_fwd_wgmma.cuh).
+  int wgmma_pipe = 0;
 };
 
 // workspace for the metadata build (the document-run scan); query with ws == nullptr.
