@@ -171,7 +171,7 @@ __device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], co
 // first verified form); >= 1 = dQ += dS K of key block b left in flight over the wait for block
 // b + 1's copies, the barrier and the issue of block b + 1's S / dP (see the loop).
 template <int D, typename T, int PIPE>
-__global__ void __launch_bounds__(128, 1) cod_attn_dq_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
+__global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_dq_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
 #if PEAGLE_WGMMA_DEVICE
   using Cfg = DqWgmmaConfig<D>;
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, NT = Cfg::kThreads;
