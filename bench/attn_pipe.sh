@@ -11,10 +11,11 @@
 #    many full blocks, tiny T) and the kernel-selection test (profiler: the PIPE template argument of
 #    the three kernels follows the env) - read this first;
 # 3. compute-sanitizer memcheck and racecheck of the pipelined kernels (bench/sanitize_attention.py
-#    shapes, garbage layouts included): fwd PIPE=2 + bwd BMQ=32 PIPE=1, and fwd PIPE=1 + bwd BMQ=64
-#    (its own dK/dV loop) PIPE=1;
-# 4. timing, QUICK sizes: --bwd-configs default,wgmma64,wgmma64_pipe,wgmma,wgmma_pipe (default
-#    forward) and --fwd-configs default,wgmma,wgmma_pipe1,wgmma_pipe;
+#    shapes, garbage layouts included), every pipelined loop: PIPE=2 (fwd level 2, dQ level 1, dK/dV
+#    level 2 at BMQ=32 / D=64), PIPE=1 (levels 1; dK/dV BMQ=32 at D=128), PIPE=1 with BMQ=64 (the
+#    dK/dV loop of its own at D=128);
+# 4. timing, QUICK sizes: --bwd-configs default,wgmma64,wgmma64_pipe,wgmma,wgmma_pipe1,wgmma_pipe
+#    (default forward) and --fwd-configs default,wgmma,wgmma_pipe1,wgmma_pipe;
 # 5. the other pipe tests (-k pipe: reference scenarios, tiny / padding, K=64 chains, agreement
 #    with the default forward, determinism, graph capture) with what is left of the budget.
 # Logs under $OUT; summary in $OUT/attn_pipe_summary.txt. Exit code non-zero if any phase failed.
@@ -86,10 +87,11 @@ run_tests bitwise "pipe_bitwise or pipe_selects" 100
 # 3. sanitizers (the verdict is compute-sanitizer's; --soft only reports CPU-vs-CUDA tolerance misses)
 if [ "${SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
   args="--soft --variant PEAGLE_ATTN_FWD=wgmma,PEAGLE_ATTN_BWD=wgmma,PEAGLE_ATTN_WGMMA_PIPE=2"
+  args="$args --variant PEAGLE_ATTN_FWD=wgmma,PEAGLE_ATTN_BWD=wgmma,PEAGLE_ATTN_WGMMA_PIPE=1"
   args="$args --variant PEAGLE_ATTN_FWD=wgmma,PEAGLE_ATTN_BWD=wgmma,PEAGLE_ATTN_WGMMA_BMQ=64,PEAGLE_ATTN_WGMMA_PIPE=1"
   for tool in ${SANITIZE_TOOLS:-racecheck memcheck}; do
     t0=$(date +%s)
-    timeout $(cap ${SANITIZE_TIMEOUT:-65}) compute-sanitizer --tool "$tool" --error-exitcode 99 \
+    timeout $(cap ${SANITIZE_TIMEOUT:-80}) compute-sanitizer --tool "$tool" --error-exitcode 99 \
       python3 bench/sanitize_attention.py $args > "$OUT/attn_pipe_$tool.log" 2>&1
     rc=$?; note "compute-sanitizer $tool (pipelined wgmma): rc=$rc in $(( $(date +%s) - t0 ))s: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/attn_pipe_$tool.log" | tail -1); $(grep -E "tolerance misses" "$OUT/attn_pipe_$tool.log" | tail -1)"
     [ $rc -eq 0 ] || { status=1; grep -m 20 -E "=========|Error|error" "$OUT/attn_pipe_$tool.log" | tee -a "$summary"; }
@@ -108,7 +110,7 @@ bench() {  # bench NAME FLAG NAMES_VAR NAMES CAP
   [ $rc -eq 0 ] || status=1
   cat "$OUT/attn_pipe_$1.log" >> "$summary"; tail -6 "$OUT/attn_pipe_$1.log"
 }
-bench bwd_bench --bwd-configs BWD_NAMES "${BWD_NAMES:-default,wgmma64,wgmma64_pipe,wgmma,wgmma_pipe}" 80
+bench bwd_bench --bwd-configs BWD_NAMES "${BWD_NAMES:-default,wgmma64,wgmma64_pipe,wgmma,wgmma_pipe1,wgmma_pipe}" 85
 bench fwd_bench --fwd-configs FWD_NAMES "${FWD_NAMES:-default,wgmma,wgmma_pipe1,wgmma_pipe}" 50
 
 # 5. the other pipe tests, with what is left

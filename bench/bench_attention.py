@@ -127,10 +127,13 @@ BWD_CONFIGS = {
     "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
     "wgmma": {"PEAGLE_ATTN_BWD": "wgmma"},
     "wgmma64": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64"},  # 64-query blocks at D = 128
-    # the pipelined dQ and dK/dV loops (PEAGLE_ATTN_WGMMA_PIPE=1: each block's second MMA left in
-    # flight; bitwise the same gradients as without)
-    "wgmma_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
-    "wgmma64_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
+    # the pipelined dQ and dK/dV loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same gradients): 1 =
+    # each block's second MMA left in flight; 2 = the dK/dV elementwise overlapped with the previous
+    # block's dV / dK MMAs too (FlashAttention-3 style; at D = 128 only with 32-query blocks: the
+    # BMQ = 64 pass runs level 1 under 2)
+    "wgmma_pipe1": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
+    "wgmma_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
+    "wgmma64_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
 }
 _BWD_ENV_KEYS = ("PEAGLE_ATTN_BWD", "PEAGLE_ATTN_WGMMA_BMQ", "PEAGLE_ATTN_WGMMA_PIPE")
 

@@ -446,8 +446,9 @@ FWD_CONFIGS = {
     # (cod_attn_fwd_wgmma.cuh; sm_90 only, elsewhere it must refuse to run)
     "fwd_wgmma": {"PEAGLE_ATTN_FWD": "wgmma"},
     # + PEAGLE_ATTN_WGMMA_PIPE (one switch for every wgmma kernel, CodAttnParams::wgmma_pipe): 1 =
-    # each block's second MMA left in flight; 2 = the forward's softmax overlapped with P V too
-    # (FlashAttention-3 style; the backward passes run level 1). Bitwise equal to level 0.
+    # each block's second MMA left in flight; 2 = the forward's softmax overlapped with P V too, and
+    # the dK/dV elementwise with dV / dK += (FlashAttention-3 style; the dQ pass and the 64-query
+    # dK/dV pass run level 1). Bitwise equal to level 0.
     "fwd_wgmma_pipe1": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
     "fwd_wgmma_pipe": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
 }
@@ -846,14 +847,15 @@ def _pipe_level_of(kernel_name):
 
 @requires_cuda
 @requires_wgmma
+@pytest.mark.parametrize("bwd", ["wgmma", "wgmma64"])
 @pytest.mark.parametrize("level", [0, 1, 2])
-def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level):
-    """PEAGLE_ATTN_WGMMA_PIPE really picks the kernels (profiler): the wgmma forward with PIPE = level,
-    the dQ and dK/dV passes with PIPE = min(level, 1). Without this the bitwise test above would
-    also pass if the glue ignored the env."""
+def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level, bwd):
+    """PEAGLE_ATTN_WGMMA_PIPE really picks the kernels (profiler, D = 128): the wgmma forward and the
+    dK/dV pass with PIPE = level (the 64-query dK/dV pass: min(level, 1)), the dQ pass with
+    min(level, 1). Without this the bitwise test above would also pass if the glue ignored the env."""
     from torch.profiler import ProfilerActivity, profile
     set_fwd_config(monkeypatch, "fwd_wgmma")
-    set_bwd_variant(monkeypatch, "wgmma64")
+    set_bwd_variant(monkeypatch, bwd)
     monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", str(level))
     g = torch.Generator().manual_seed(67)
     lay = make_layout(g, 400, max_doc_len=200, device="cuda")
@@ -870,7 +872,7 @@ def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level):
     if not names:
         pytest.skip("the profiler recorded no kernels here")
     want = {"cod_attn_fwd_wgmma_kernel": level, "cod_attn_dq_wgmma_kernel": min(level, 1),
-            "cod_attn_dkv_wgmma_kernel": min(level, 1)}
+            "cod_attn_dkv_wgmma_kernel": min(level, 1) if bwd == "wgmma64" else level}
     got = {kern: sorted({_pipe_level_of(n) for n in names if kern in n}) for kern in want}
     assert got == {kern: [lv] for kern, lv in want.items()}, sorted(names)
 

@@ -71,10 +71,11 @@ struct CodAttnParams {
   // glue; appended last so the fields above keep their offsets): 0 = the kernels as verified
   // first (every wgmma group waited for before the next step); 1 = the second MMA of each block
   // (O += P V, dQ += dS K, dV / dK += ...) left in flight over the next block's copies and first
-  // MMA; 2 = additionally, in the forward, the next block's S = Q K^T issued before this block's
-  // O += P V so that its softmax runs while the tensor cores do P V (FlashAttention-3's
-  // intra-warpgroup overlap; the backward passes run level 1 there). Results are bitwise equal
-  // at every level (same operations on the same values; see cod_attn_fwd_wgmma.cuh).
+  // MMA; 2 = additionally, in the forward and the dK/dV pass, the next block's first MMA (S = Q K^T,
+  // S^T / dP^T) issued before this block's second one, so that the softmax / P^T, dS^T run while the
+  // tensor cores do it (FlashAttention-3's intra-warpgroup overlap; the dQ pass, and the dK/dV pass
+  // at D = 128 with 64-query blocks, run level 1 there). Results are bitwise equal at every level
+  // (same operations on the same values; see cod_attn_fwd_wgmma.cuh).
   int wgmma_pipe = 0;
 };
 

@@ -23,18 +23,21 @@
 
 namespace peagle::attention::cuda {
 
-template <int D, int BMQ>
+// STAGES: stages of Q, dO and row metadata: 2, or 3 for the PIPE = 2 loop (three query blocks in
+// use at once: MMA2 of block it, MMA1 of block it + 1, the copies of block it + 2).
+template <int D, int BMQ, int STAGES = 2>
 struct DkvWgmmaConfig {
   static_assert(D % 64 == 0 && BMQ % 16 == 0 && (BMQ == 32 || BMQ == 64), "wgmma dK/dV tile shapes");
   static constexpr int kBN = 64;  // keys per CTA: the m64 of the warpgroup MMA
   static constexpr int kThreads = 128;
+  static constexpr int kStages = STAGES;
   static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
   static constexpr int kKTileBytes = kBN * D * 2;
   static constexpr int kQTileBytes = BMQ * D * 2;  // one stage of Q (or dO)
-  static constexpr int kTileBytes = 2 * kKTileBytes + 4 * kQTileBytes;  // K, V + 2 stages of Q, dO
+  static constexpr int kTileBytes = 2 * kKTileBytes + 2 * STAGES * kQTileBytes;  // K, V + the stages of Q, dO
   static_assert(kKTileBytes % 1024 == 0 && kQTileBytes % 1024 == 0, "tiles must keep 1024-byte alignment");
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes in the kernel
-  static constexpr int kSmemBytes = 1024 + kTileBytes + (2 * kMetaFields * BMQ + 6 * kMaxChain + 1) * 4;
+  static constexpr int kSmemBytes = 1024 + kTileBytes + (STAGES * kMetaFields * BMQ + 6 * kMaxChain + 1) * 4;
 };
 
 // ---- pieces of the pipelined loop (PIPE >= 1): the statements of the PIPE = 0 loop body (kept
@@ -120,13 +123,60 @@ __device__ __forceinline__ void dkv_wgmma_elementwise(const float (&st)[BMQ / 8]
   }
 }
 
+// The same P^T / dS^T as dkv_wgmma_elementwise, written in place into st / dpt (for the PIPE = 2
+// loop, which computes them while the previous block's MMA2 still reads pa / sa), and the pack.
+template <int BMQ, int BN, int MF>
+__device__ __forceinline__ void dkv_wgmma_p_ds_inplace(float (&st)[BMQ / 8][4], float (&dpt)[BMQ / 8][4], const int* m,
+                                                       int j0, const int (&key_row)[2], int lane, int t, float sl2) {
+  auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
+  bool cov = covers(lane);
+  if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
+  const bool full = __all_sync(0xffffffffu, cov);
+#pragma unroll
+  for (int n = 0; n < BMQ / 8; ++n) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int qc = 8 * n + 2 * t + (x & 1);
+      const int j = key_row[x >> 1];
+      bool ok = full;
+      if (!ok) {
+        const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
+        ok = r.allows(j, INT_MAX);
+      }
+      const bool valid = m[4 * BMQ + qc] != 0;
+      const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
+      const float dl = __int_as_float(m[6 * BMQ + qc]);
+      const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
+      st[n][x] = pv;
+      dpt[n][x] = pv * (dpt[n][x] - dl);
+    }
+  }
+}
+template <int BMQ, typename T>
+__device__ __forceinline__ void dkv_wgmma_pack(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
+                                               uint32_t (&pa)[BMQ / 16][4], uint32_t (&sa)[BMQ / 16][4]) {
+#pragma unroll
+  for (int kq = 0; kq < BMQ / 16; ++kq) {
+    pa[kq][0] = Pack<T>::two(st[2 * kq][0], st[2 * kq][1]);
+    pa[kq][1] = Pack<T>::two(st[2 * kq][2], st[2 * kq][3]);
+    pa[kq][2] = Pack<T>::two(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+    pa[kq][3] = Pack<T>::two(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+    sa[kq][0] = Pack<T>::two(dpt[2 * kq][0], dpt[2 * kq][1]);
+    sa[kq][1] = Pack<T>::two(dpt[2 * kq][2], dpt[2 * kq][3]);
+    sa[kq][2] = Pack<T>::two(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
+    sa[kq][3] = Pack<T>::two(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
+  }
+}
+
 // PIPE (CodAttnParams::wgmma_pipe): 0 = every wgmma group waited for before the next step (the
-// first verified form); >= 1 = the dV / dK MMAs of query block `it` left in flight over the wait for
-// block it + 1's copies, the barrier and the issue of block it + 1's S^T / dP^T (see the loop).
+// first verified form); 1 = the dV / dK MMAs (MMA2) of query block `it` left in flight over the
+// wait for block it + 1's copies, the barrier and the issue of block it + 1's S^T / dP^T (MMA1);
+// 2 = MMA1(it + 1) issued before MMA2(it), the elementwise of it + 1 overlapping MMA2(it) (three
+// stages; not instantiated at D = 128, BMQ = 64, which runs PIPE = 1 instead). See the loops.
 template <int D, typename T, int BMQ, int PIPE>
 __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAttnParams p) {
 #if PEAGLE_WGMMA_DEVICE
-  using Cfg = DkvWgmmaConfig<D, BMQ>;
+  using Cfg = DkvWgmmaConfig<D, BMQ, PIPE == 2 ? 3 : 2>;
   constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // B128 swizzle atoms must start on 1024-byte shared-memory boundaries (descriptor base offset 0)
@@ -134,10 +184,10 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
   const uint32_t sKa = base, sVa = base + Cfg::kKTileBytes;
-  const uint32_t sQa = base + 2 * Cfg::kKTileBytes;         // [2 stages] B128 tiles [BMQ][D]
-  const uint32_t sdOa = sQa + 2 * Cfg::kQTileBytes;         // [2 stages]
-  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [2][MF][BMQ]
-  int* s_span_lo = s_meta + 2 * MF * BMQ;                        // [2K]
+  const uint32_t sQa = base + 2 * Cfg::kKTileBytes;         // [stages] B128 tiles [BMQ][D]
+  const uint32_t sdOa = sQa + Cfg::kStages * Cfg::kQTileBytes;  // [stages]
+  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [stages][MF][BMQ]
+  int* s_span_lo = s_meta + Cfg::kStages * MF * BMQ;             // [2K]
   int* s_span_hi = s_span_lo + 2 * kMaxChain;                    // [2K]
   int* s_blk_off = s_span_hi + 2 * kMaxChain;                    // [2K + 1]
 
@@ -329,6 +379,75 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
       wg::fence_proxy_async_smem();
       __syncthreads();
     }
+  } else if constexpr (PIPE == 2) {
+    // ---- PIPE = 2 (FlashAttention-3's intra-warpgroup overlap; not at D = 128, BMQ = 64, whose
+    // registers do not allow it, see below): MMA1 of block it + 1 is issued BEFORE MMA2 of block
+    // it, so wait<1> returns with S^T / dP^T of block it + 1 while MMA2(it) may still run, and the
+    // elementwise P^T / dS^T of block it + 1 (in place in st / dpt) runs during MMA2(it); only the
+    // pack into pa / sa waits for MMA2(it), which reads them. Three stages of Q / dO / metadata
+    // (stage(x) = x % 3): iteration it reads stage(it) (MMA2(it)) and stage(it + 1) (MMA1(it + 1)
+    // and the elementwise) while the copies of block it + 2 fill stage(it + 2) = stage(it - 1), whose
+    // readers (MMA1(it - 1), MMA2(it - 1), the elementwise of it - 1) completed before the barrier
+    // ending iteration it - 1. Iteration it:
+    //   copies of block it + 2 -> stage(it + 2)
+    //   MMA1(it + 1) issue                 writes st / dpt (block it is packed in pa / sa)
+    //   MMA2(it) issue                     reads pa / sa, stage(it); accumulates dk / dv
+    //   wait<1>                            MMA1(it + 1) complete (committed first)
+    //   P^T / dS^T of block it + 1 in st / dpt (metadata stage(it + 1))
+    //   wait<0>                            MMA2(it) complete: pa / sa free; pack
+    //   cp.async wait, proxy fence, barrier    block it + 2 visible; every warp past MMA1(it + 1), MMA2(it)
+    // Prologue: copies of block 1, MMA1(0), its P^T / dS^T and pack, barrier; the last MMA2 is
+    // peeled off (no wgmma pending across the back edge, all waits unconditional: see the PIPE = 1
+    // loop). 87 KiB (D = 128, BMQ = 32) / 72 KiB (D = 64) of shared memory: two CTAs per SM as with
+    // PIPE = 0, which the registers limit to two. Bitwise the same dk / dv: the same wgmma sequences
+    // on the same operands in the same order, the same P^T / dS^T arithmetic.
+    static_assert(!(D == 128 && BMQ == 64), "no PIPE = 2 dK/dV loop at D = 128, BMQ = 64");
+    uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
+    if (n_iters > 0) {
+      if (n_iters > 1) issue(1, 1);
+      cp_async_commit();
+      dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa, sdOa);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(st);
+      wg::fence_operands(dpt);
+      dkv_wgmma_p_ds_inplace<BMQ, BN, MF>(st, dpt, s_meta, j0, key_row, lane, t, sl2);
+      dkv_wgmma_pack<BMQ, T>(st, dpt, pa, sa);
+      // block 1 visible; every warp's MMA1(0) complete
+      cp_async_wait<0>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
+      uint32_t cur = 0, nxt = 1, nn = 2;  // stage(it), stage(it + 1), stage(it + 2)
+#pragma unroll 1
+      for (int it = 0; it + 1 < n_iters; ++it) {
+        if (it + 2 < n_iters) issue(it + 2, nn);
+        cp_async_commit();
+        dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa + nxt * kStageBytes, sdOa + nxt * kStageBytes);
+        dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + cur * kStageBytes, sdOa + cur * kStageBytes);
+        wg::wgmma_wait<1>();  // MMA1(it + 1) complete; MMA2(it) may run on (dk, dv, pa, sa, stage(it) only)
+        wg::fence_operands(st);
+        wg::fence_operands(dpt);
+        dkv_wgmma_p_ds_inplace<BMQ, BN, MF>(st, dpt, s_meta + nxt * MF * BMQ, j0, key_row, lane, t, sl2);
+        wg::wgmma_wait<0>();  // MMA2(it) complete
+        wg::fence_operands(dv);
+        wg::fence_operands(dk);
+        wg::fence_operands(pa);
+        wg::fence_operands(sa);
+        dkv_wgmma_pack<BMQ, T>(st, dpt, pa, sa);
+        cp_async_wait<0>();
+        wg::fence_proxy_async_smem();
+        __syncthreads();
+        const uint32_t done = cur;
+        cur = nxt;
+        nxt = nn;
+        nn = done;
+      }
+      dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + cur * kStageBytes, sdOa + cur * kStageBytes);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(dv);
+      wg::fence_operands(dk);
+      wg::fence_operands(pa);
+      wg::fence_operands(sa);
+    }
   } else if constexpr (D == 128 && BMQ == 64) {
     // ---- pipelined loop for D = 128, BMQ = 64 (PIPE >= 1), where PIPE = 0 already takes all 255
     // registers: the overlapped loop below (MMA1(it + 1) issued while MMA2(it) runs) ties st / dpt,
@@ -466,17 +585,25 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
 #endif  // PEAGLE_WGMMA_DEVICE
 }
 
-// Launch of the wgmma dK/dV pass (grid: key blocks x kv heads), on `stream`.
-template <int D, typename T, int BMQ>
-cudaError_t launch_dkv_wgmma(const CodAttnParams& p, cudaStream_t stream) {
-  using Cfg = DkvWgmmaConfig<D, BMQ>;
-  // p.wgmma_pipe (env PEAGLE_ATTN_WGMMA_PIPE): 1 and 2 both run the pipelined loop (no separate
-  // level 2 for this pass)
-  auto kernel = p.wgmma_pipe > 0 ? cod_attn_dkv_wgmma_kernel<D, T, BMQ, 1> : cod_attn_dkv_wgmma_kernel<D, T, BMQ, 0>;
+// Launch of the wgmma dK/dV pass (grid: key blocks x kv heads), on `stream`, with the loop PIPE.
+template <int D, typename T, int BMQ, int PIPE>
+cudaError_t launch_dkv_wgmma_loop(const CodAttnParams& p, cudaStream_t stream) {
+  using Cfg = DkvWgmmaConfig<D, BMQ, PIPE == 2 ? 3 : 2>;
+  auto kernel = cod_attn_dkv_wgmma_kernel<D, T, BMQ, PIPE>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   kernel<<<dim3((p.N + Cfg::kBN - 1) / Cfg::kBN, p.Hkv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// p.wgmma_pipe (env PEAGLE_ATTN_WGMMA_PIPE) picks the loop: 0, 1, or 2 (at D = 128, BMQ = 64: 1).
+template <int D, typename T, int BMQ>
+cudaError_t launch_dkv_wgmma(const CodAttnParams& p, cudaStream_t stream) {
+  if constexpr (!(D == 128 && BMQ == 64)) {
+    if (p.wgmma_pipe >= 2) return launch_dkv_wgmma_loop<D, T, BMQ, 2>(p, stream);
+  }
+  if (p.wgmma_pipe >= 1) return launch_dkv_wgmma_loop<D, T, BMQ, 1>(p, stream);
+  return launch_dkv_wgmma_loop<D, T, BMQ, 0>(p, stream);
 }
 
 }  // namespace peagle::attention::cuda
