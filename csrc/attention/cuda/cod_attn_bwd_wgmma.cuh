@@ -14,6 +14,8 @@
 //   mma.sync kernel), packed to 16-bit A fragments
 //   dV  += P^T dO  m64nDk16 x BMQ/16, A = P^T from registers, B = dO MN-major (RS)
 //   dK  += dS^T Q  m64nDk16 x BMQ/16, A = dS^T from registers, B = Q MN-major (RS)
+// PEAGLE_ATTN_WGMMA_PIPE = 1 / 2 (CodAttnParams::wgmma_pipe) selects software-pipelined query-block
+// loops (see the kernel) with bitwise the same dk / dv.
 #pragma once
 #include <climits>
 #include <cstdint>

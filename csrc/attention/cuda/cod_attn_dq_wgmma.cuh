@@ -17,6 +17,8 @@
 //   m16n8 C layout of the mma.sync kernel, so that code is unchanged), packed to 16-bit A fragments
 //   dQ += dS K    m64nDk16 x 64/16, A = dS from registers, B = K [keys][D] read MN-major (RS),
 //   the same form as the dK/dV kernel's dV += P^T dO.
+// PEAGLE_ATTN_WGMMA_PIPE >= 1 (CodAttnParams::wgmma_pipe) selects a software-pipelined key-block
+// loop (dQ += dS K left in flight; see the kernel) with bitwise the same dq.
 #pragma once
 #include <cstdint>
 

@@ -13,6 +13,8 @@
 //        MN-major (the reduction runs over the tile's rows), as dV += P^T dO in the wgmma dK/dV
 // so Q / K / V are read by the tensor cores straight from shared memory (no ldmatrix, no Q
 // fragments in registers). K / V are double-buffered with cp.async as in the mma.sync kernel.
+// PEAGLE_ATTN_WGMMA_PIPE (CodAttnParams::wgmma_pipe) selects software-pipelined key-block loops
+// (fwd_wgmma_blocks_pipe1 / _pipe2 below) with bitwise the same results.
 #pragma once
 #include <cmath>
 #include <cstdint>
