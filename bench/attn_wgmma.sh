@@ -80,7 +80,7 @@ note "wgmma_selftest: rc=$rc in $(( $(date +%s) - t0 ))s"
 rm -f "$OUT/wgmma_selftest"  # a binary does not need to come back
 
 # 2. tests
-sel="wgmma and not fwd_wgmma"  # the forward variant's tests are phase 3b
+sel="wgmma and not fwd_wgmma and not pipe"  # the forward variant's tests are phase 3b; pipelined: bench/attn_pipe.sh
 [ "${FULL:-0}" = "1" ] || sel="$sel and not 131072"
 t0=$(date +%s)
 timeout $(cap ${TEST_TIMEOUT:-200}) python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$sel" \
@@ -99,7 +99,7 @@ rc=$?; note "bench --bwd-configs ($bwd_names): rc=$rc in $(( $(date +%s) - t0 ))
 cat "$OUT/attn_wgmma_bench.log" >> "$summary"; tail -8 "$OUT/attn_wgmma_bench.log"
 
 # 3b. the wgmma forward: tests, then timing
-fsel="fwd_wgmma"
+fsel="fwd_wgmma and not pipe"
 [ "${FULL:-0}" = "1" ] || fsel="$fsel and not 131072"
 t0=$(date +%s)
 timeout $(cap ${FWD_TEST_TIMEOUT:-150}) python3 -m pytest -q -ra --timeout=90 python_tests/test_attention.py -k "$fsel" \

@@ -99,9 +99,13 @@ FWD_CONFIGS = {
     "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
     # one warpgroup per 64 query rows on sm_90a warpgroup MMAs (only where the GPU is sm_90)
     "wgmma": {"PEAGLE_ATTN_FWD": "wgmma"},
+    # its pipelined key-block loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same results): 1 = O += P V
+    # left in flight; 2 = the softmax of the next block overlapped with P V (FlashAttention-3 style)
+    "wgmma_pipe1": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
+    "wgmma_pipe": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
     "auto": {},
 }
-_FWD_ENV_KEYS = ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS", "PEAGLE_ATTN_FWD")
+_FWD_ENV_KEYS = ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS", "PEAGLE_ATTN_FWD", "PEAGLE_ATTN_WGMMA_PIPE")
 
 
 class env_config:
@@ -135,9 +139,16 @@ BWD_CONFIGS = {
     "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
     "wgmma": {"PEAGLE_ATTN_BWD": "wgmma"},
     "wgmma64": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64"},  # 64-query blocks at D = 128
+    # the pipelined dQ and dK/dV loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same gradients): 1 =
+    # each block's second MMA left in flight; 2 = the dK/dV elementwise overlapped with the previous
+    # block's dV / dK MMAs too (FlashAttention-3 style; at D = 128 only with 32-query blocks: the
+    # BMQ = 64 pass runs level 1 under 2)
+    "wgmma_pipe1": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
+    "wgmma_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
+    "wgmma64_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
     "auto": {},  # what runs without the env: wgmma64 at D=128 / wgmma at D=64 on sm_90, mma elsewhere
 }
-_BWD_ENV_KEYS = ("PEAGLE_ATTN_BWD", "PEAGLE_ATTN_WGMMA_BMQ")
+_BWD_ENV_KEYS = ("PEAGLE_ATTN_BWD", "PEAGLE_ATTN_WGMMA_BMQ", "PEAGLE_ATTN_WGMMA_PIPE")
 MMA_ENV = {"PEAGLE_ATTN_FWD": "mma", "PEAGLE_ATTN_BWD": "mma"}  # the mma.sync kernels everywhere
 
 

@@ -447,6 +447,12 @@ FWD_CONFIGS = {
     # PEAGLE_ATTN_FWD=wgmma: one warpgroup per 64 query rows on sm_90a warpgroup MMAs
     # (cod_attn_fwd_wgmma.cuh; sm_90 only, elsewhere it must refuse to run)
     "fwd_wgmma": {"PEAGLE_ATTN_FWD": "wgmma"},
+    # + PEAGLE_ATTN_WGMMA_PIPE (one switch for every wgmma kernel, CodAttnParams::wgmma_pipe): 1 =
+    # each block's second MMA left in flight; 2 = the forward's softmax overlapped with P V too, and
+    # the dK/dV elementwise with dV / dK += (FlashAttention-3 style; the dQ pass and the 64-query
+    # dK/dV pass run level 1). Bitwise equal to level 0.
+    "fwd_wgmma_pipe1": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
+    "fwd_wgmma_pipe": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
 }
 
 
@@ -461,10 +467,13 @@ HAS_FWD_WGMMA = _fwd_wgmma_runs_here()
 requires_fwd_wgmma = pytest.mark.skipif(not HAS_FWD_WGMMA,
                                         reason="PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU and a build with 90")
 FWD_WGMMA = pytest.param("fwd_wgmma", marks=requires_fwd_wgmma)
+FWD_WGMMA_PIPE = pytest.param("fwd_wgmma_pipe", marks=requires_fwd_wgmma)
+FWD_WGMMA_PIPE1 = pytest.param("fwd_wgmma_pipe1", marks=requires_fwd_wgmma)
 
 
 def set_fwd_config(monkeypatch, name):
-    for key in ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS", "PEAGLE_ATTN_FWD"):
+    """Also clears PEAGLE_ATTN_WGMMA_PIPE unless `name` sets it: call before set_bwd_variant."""
+    for key in ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS", "PEAGLE_ATTN_FWD", "PEAGLE_ATTN_WGMMA_PIPE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in FWD_CONFIGS[name].items():
         monkeypatch.setenv(key, value)
@@ -481,12 +490,15 @@ FWD_VARIANT_CASES = (
     + [("mf1w8", 128, i % 4 == 3, i) for i in range(1, len(GPU_SCENARIOS), 2)]  # D=128's former default
     # the wgmma forward (sm_90 only) on every scenario and head dim, the mode alternating
     + [("fwd_wgmma", d, (i + d // 64) % 2 == 0, i) for d in (64, 128) for i in range(len(GPU_SCENARIOS))]
+    # its pipelined loops: level 2 like fwd_wgmma (the other mode), level 1 on half
+    + [("fwd_wgmma_pipe", d, (i + d // 64) % 2 == 1, i) for d in (64, 128) for i in range(len(GPU_SCENARIOS))]
+    + [("fwd_wgmma_pipe1", 64 if i % 4 else 128, i % 4 == 0, i) for i in range(0, len(GPU_SCENARIOS), 2)]
 )
 
 
 @requires_cuda
 @pytest.mark.parametrize("cfg,d,cross,scen_idx",
-                         [pytest.param(*c, marks=requires_fwd_wgmma) if c[0] == "fwd_wgmma" else c
+                         [pytest.param(*c, marks=requires_fwd_wgmma) if c[0].startswith("fwd_wgmma") else c
                           for c in FWD_VARIANT_CASES],
                          ids=[f"{c}-D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}"
                               for c, d, x, i in FWD_VARIANT_CASES])
@@ -499,7 +511,7 @@ def test_cuda_fwd_configs_match_reference(monkeypatch, cfg, d, cross, scen_idx):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8", FWD_WGMMA])
+@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8", FWD_WGMMA, FWD_WGMMA_PIPE, FWD_WGMMA_PIPE1])
 @pytest.mark.parametrize("cross", [False, True], ids=["sym", "cross"])
 def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
     """test_cuda_tiny_and_padding's layouts (T = 1, N < K, padding runs) for every forward CTA
@@ -531,7 +543,7 @@ def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["mma", "mf2w4", "mf2w8", FWD_WGMMA])
+@pytest.mark.parametrize("cfg", ["mma", "mf2w4", "mf2w8", FWD_WGMMA, FWD_WGMMA_PIPE])
 def test_cuda_fwd_configs_deep_chains(monkeypatch, cfg):
     """K = 64 depths (the maximum) needs the most chain scratch: mf2w8 at D = 128 would exceed the
     shared memory per block and runs with 4 warps instead. Forward only, against the CPU op in
@@ -549,7 +561,7 @@ def test_cuda_fwd_configs_deep_chains(monkeypatch, cfg):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8", FWD_WGMMA])
+@pytest.mark.parametrize("cfg", ["mf1w4", "mf2w4", "mf2w8", FWD_WGMMA, FWD_WGMMA_PIPE])
 def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
     """The forward CTA shapes compute the same function: outputs and LSE agree with the default
     shape to bf16 rounding (the key-block partition differs, so not bitwise)."""
@@ -623,7 +635,8 @@ def test_cuda_fwd_wgmma_selects_kernel(monkeypatch, cfg):
 # FlashAttention-2-style one (dQ summed with fp32 atomics in the key-major dK/dV pass); "wgmma" =
 # the default with its dQ and dK/dV passes on Hopper warpgroup MMAs (cod_attn_dq_wgmma.cuh,
 # cod_attn_bwd_wgmma.cuh; sm_90 only).
-BWD_VARIANTS = {"auto": None, "mma": "mma", "atomic": "atomic", "wgmma": "wgmma", "wgmma64": "wgmma"}
+BWD_VARIANTS = {"auto": None, "mma": "mma", "atomic": "atomic", "wgmma": "wgmma", "wgmma64": "wgmma",
+                "wgmma_pipe": "wgmma", "wgmma64_pipe": "wgmma"}
 
 
 def _wgmma_runs_here():
@@ -636,16 +649,22 @@ def _wgmma_runs_here():
 HAS_WGMMA = _wgmma_runs_here()
 requires_wgmma = pytest.mark.skipif(not HAS_WGMMA, reason="PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU and a build with 90")
 WGMMA = pytest.param("wgmma", marks=requires_wgmma)
+WGMMA_PIPE = pytest.param("wgmma_pipe", marks=requires_wgmma)
+WGMMA64_PIPE = pytest.param("wgmma64_pipe", marks=requires_wgmma)
 
 
 def set_bwd_variant(monkeypatch, name):
-    """name in BWD_VARIANTS; "wgmma64" = wgmma with 64-query blocks at D = 128 (PEAGLE_ATTN_WGMMA_BMQ)."""
+    """name in BWD_VARIANTS; "wgmma64" = wgmma with 64-query blocks at D = 128 (PEAGLE_ATTN_WGMMA_BMQ);
+    "*_pipe" = with PEAGLE_ATTN_WGMMA_PIPE=2 (which the wgmma forward reads too); other names leave
+    PEAGLE_ATTN_WGMMA_PIPE as set_fwd_config left it."""
     monkeypatch.delenv("PEAGLE_ATTN_BWD", raising=False)
     monkeypatch.delenv("PEAGLE_ATTN_WGMMA_BMQ", raising=False)
     if BWD_VARIANTS[name] is not None:
         monkeypatch.setenv("PEAGLE_ATTN_BWD", BWD_VARIANTS[name])
-    if name == "wgmma64":
+    if name.startswith("wgmma64"):
         monkeypatch.setenv("PEAGLE_ATTN_WGMMA_BMQ", "64")
+    if name.endswith("_pipe"):
+        monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", "2")
 
 
 def assert_bf16_rounding_close(a, b, what):
@@ -700,37 +719,42 @@ def test_cuda_bwd_atomic_matches_reference(monkeypatch, d, cross, scen_idx):
 
 @requires_cuda
 @requires_wgmma
+@pytest.mark.parametrize("variant", ["wgmma", "wgmma_pipe"])
 @pytest.mark.parametrize("d,cross,scen_idx", BWD_VARIANT_CASES,
                          ids=[f"D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}" for d, x, i in BWD_VARIANT_CASES])
-def test_cuda_bwd_wgmma_matches_reference(monkeypatch, d, cross, scen_idx):
-    """The wgmma dQ + dK/dV backward against the float64 reference (same bound as the default one)."""
-    set_bwd_variant(monkeypatch, "wgmma")
+def test_cuda_bwd_wgmma_matches_reference(monkeypatch, d, cross, scen_idx, variant):
+    """The wgmma dQ + dK/dV backward (and its pipelined loops) against the float64 reference (same
+    bound as the default one)."""
+    set_bwd_variant(monkeypatch, variant)
     dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
-    _gpu_case(dtype, d, cross, GPU_SCENARIOS[scen_idx], seed_extra="bwd-wgmma")
+    _gpu_case(dtype, d, cross, GPU_SCENARIOS[scen_idx], seed_extra=f"bwd-{variant}")
 
 
 @requires_cuda
 @requires_wgmma
+@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "pipelined"])
 @pytest.mark.parametrize("scen_idx", range(len(GPU_SCENARIOS)), ids=[s[0] for s in GPU_SCENARIOS])
-def test_cuda_fwd_wgmma_bwd_wgmma_matches_reference(monkeypatch, scen_idx):
+def test_cuda_fwd_wgmma_bwd_wgmma_matches_reference(monkeypatch, scen_idx, pipe):
     """PEAGLE_ATTN_FWD=wgmma with PEAGLE_ATTN_BWD=wgmma (the Hopper fwd + bwd together; the backward
-    reads the wgmma forward's out and LSE) on every scenario, head dims / modes / dtypes alternating."""
-    set_fwd_config(monkeypatch, "fwd_wgmma")
-    set_bwd_variant(monkeypatch, "wgmma")
+    reads the wgmma forward's out and LSE) on every scenario, head dims / modes / dtypes alternating;
+    pipelined: all of them with PEAGLE_ATTN_WGMMA_PIPE=2."""
+    set_fwd_config(monkeypatch, "fwd_wgmma_pipe" if pipe else "fwd_wgmma")
+    set_bwd_variant(monkeypatch, "wgmma_pipe" if pipe else "wgmma")
     dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
     _gpu_case(dtype, 64 if scen_idx % 4 < 2 else 128, scen_idx % 2 == 1, GPU_SCENARIOS[scen_idx],
-              seed_extra="fwd-wgmma-bwd-wgmma")
+              seed_extra=f"fwd-wgmma-bwd-wgmma-{pipe}")
 
 
 @requires_cuda
 @requires_wgmma
+@pytest.mark.parametrize("variant", ["wgmma64", "wgmma64_pipe"])
 @pytest.mark.parametrize("scen_idx", range(len(GPU_SCENARIOS)), ids=[s[0] for s in GPU_SCENARIOS])
-def test_cuda_bwd_wgmma64_matches_reference(monkeypatch, scen_idx):
-    """PEAGLE_ATTN_WGMMA_BMQ=64 (64-query blocks, D = 128 only) on every scenario, modes and dtypes
-    alternating."""
-    set_bwd_variant(monkeypatch, "wgmma64")
+def test_cuda_bwd_wgmma64_matches_reference(monkeypatch, scen_idx, variant):
+    """PEAGLE_ATTN_WGMMA_BMQ=64 (64-query blocks, D = 128 only; and pipelined) on every scenario, modes
+    and dtypes alternating."""
+    set_bwd_variant(monkeypatch, variant)
     dtype = torch.bfloat16 if scen_idx % 2 == 1 else torch.float16
-    _gpu_case(dtype, 128, scen_idx % 2 == 0, GPU_SCENARIOS[scen_idx], seed_extra="bwd-wgmma64")
+    _gpu_case(dtype, 128, scen_idx % 2 == 0, GPU_SCENARIOS[scen_idx], seed_extra=f"bwd-{variant}")
 
 
 @requires_cuda
@@ -762,6 +786,100 @@ def test_cuda_bwd_wgmma_agrees_with_default(monkeypatch, d, variant, cross):
     pad = lay.document_ids[lay.anchor.long()] < 0
     assert cross or pad.any(), "symmetric layout should have padding rows"
     assert torch.equal(res["wgmma"][1][pad], torch.zeros_like(res["wgmma"][1][pad])), f"{what}: padding dq not 0"
+
+
+# Layouts of the pipelined-vs-unpipelined bitwise comparison: (name, n, cross, num_depths,
+# max_doc_len, pad_tail, max_anchors, window, sink). T (= the layout's token count) is not a multiple
+# of the 64-row tiles in every case but the tiny one (T < 64: one partial tile and key block).
+PIPE_BITWISE_LAYOUTS = [
+    ("padding-window-sink", 1500, False, 8, 500, 37, None, 200, 4),
+    ("cross-window", 1200, True, 8, 600, 0, None, 150, 0),
+    ("k64-chains", 500, False, 64, 300, 7, None, 64, 2),
+    ("long-doc-max-anchors", 2100, False, 8, 2100, 0, 300, None, 0),
+    ("tiny", 3, False, 8, 3, 0, None, None, 0),
+]
+
+
+def _wgmma_fwd_bwd(q, k, v, ctx, lay, go, window, sink):
+    """out, LSE (the forward op itself) and every gradient of one wgmma fwd + bwd."""
+    ins = [q, k, v] + list(ctx.values())
+    out = cod_attention(q, k, v, lay, window=window, sink=sink, **ctx)
+    grads = torch.autograd.grad(out, ins, go)
+    meta = cod_attention_metadata(lay, cross=bool(ctx), window=window, sink=sink)
+    _, lse = torch.ops.peagle.cod_attention_fwd(q.detach(), k.detach(), v.detach(), ctx.get("context_k"),
+                                                ctx.get("context_v"), meta.ranges, meta.chains, meta.depth_offsets,
+                                                1 / math.sqrt(q.shape[-1]), meta.use_sink)
+    return [out.detach(), lse] + list(grads)
+
+
+@requires_cuda
+@requires_wgmma
+@pytest.mark.parametrize("d,bwd", [(64, "wgmma"), (128, "wgmma"), (128, "wgmma64")])
+@pytest.mark.parametrize("case", PIPE_BITWISE_LAYOUTS, ids=[c[0] for c in PIPE_BITWISE_LAYOUTS])
+def test_cuda_wgmma_pipe_bitwise_equal(monkeypatch, case, d, bwd):
+    """PEAGLE_ATTN_WGMMA_PIPE=1 and 2 compute exactly what 0 does (the same wgmma and elementwise
+    operations in the same order, only the waits move): out, LSE, dq, dk, dv (+ context grads)
+    bitwise equal to PIPE=0, with the wgmma forward and backward, on padding, window + sink, cross
+    mode, K = 64 chains, many full key blocks, T not a multiple of 64 and a tiny T."""
+    name, n, cross, depths, max_doc, pad, max_anchors, window, sink = case
+    g = torch.Generator().manual_seed(61 + d + len(name))
+    lay = make_layout(g, n, cross=cross, num_depths=depths, max_doc_len=max_doc, pad_tail=pad,
+                      max_anchors=max_anchors, device="cuda")
+    assert name == "tiny" or lay.num_tokens % 64 != 0, "layout should end with a partial tile"
+    dtype = torch.float16 if name == "cross-window" else torch.bfloat16
+    q, k, v, ctx = make_inputs(g, lay, 8, 2, d, dtype, "cuda", cross)
+    go = torch.randn(q.shape, generator=g).to("cuda", dtype)
+    names = ["out", "lse", "dq", "dk", "dv"] + ["d" + x for x in ctx]
+    res = {}
+    for level in ("0", "1", "2"):
+        set_fwd_config(monkeypatch, "fwd_wgmma")
+        set_bwd_variant(monkeypatch, bwd)
+        monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", level)
+        res[level] = _wgmma_fwd_bwd(q, k, v, ctx, lay, go, window, sink)
+    assert all(torch.isfinite(x).all() for x in res["0"][2:]), f"{name}: non-finite gradients"
+    for level in ("1", "2"):
+        diff = [nm for nm, a, b in zip(names, res[level], res["0"]) if not torch.equal(a, b)]
+        assert not diff, f"{name} D={d} {bwd}: PIPE={level} differs from PIPE=0 in {diff} (T={lay.num_tokens})"
+
+
+def _pipe_level_of(kernel_name):
+    """The PIPE template argument of a wgmma kernel name as the profiler reports it, demangled
+    (cod_attn_fwd_wgmma_kernel<128, __nv_bfloat16, 64, 2>(...)) or mangled (...Li64ELi2EE...)."""
+    import re
+    m = re.search(r"<[^<>]*,\s*(\d+)>\(", kernel_name) or re.search(r"Li(\d+)EEEv", kernel_name)
+    return int(m.group(1)) if m else None
+
+
+@requires_cuda
+@requires_wgmma
+@pytest.mark.parametrize("bwd", ["wgmma", "wgmma64"])
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level, bwd):
+    """PEAGLE_ATTN_WGMMA_PIPE really picks the kernels (profiler, D = 128): the wgmma forward and the
+    dK/dV pass with PIPE = level (the 64-query dK/dV pass: min(level, 1)), the dQ pass with
+    min(level, 1). Without this the bitwise test above would also pass if the glue ignored the env."""
+    from torch.profiler import ProfilerActivity, profile
+    set_fwd_config(monkeypatch, "fwd_wgmma")
+    set_bwd_variant(monkeypatch, bwd)
+    monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", str(level))
+    g = torch.Generator().manual_seed(67)
+    lay = make_layout(g, 400, max_doc_len=200, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False)
+    go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+    out = cod_attention(q, k, v, lay, window=50, sink=2)
+    torch.autograd.grad(out, [q, k, v], go)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = cod_attention(q, k, v, lay, window=50, sink=2)
+        torch.autograd.grad(out, [q, k, v], go)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if "wgmma_kernel" in e.name}
+    if not names:
+        pytest.skip("the profiler recorded no kernels here")
+    want = {"cod_attn_fwd_wgmma_kernel": level, "cod_attn_dq_wgmma_kernel": min(level, 1),
+            "cod_attn_dkv_wgmma_kernel": min(level, 1) if bwd == "wgmma64" else level}
+    got = {kern: sorted({_pipe_level_of(n) for n in names if kern in n}) for kern in want}
+    assert got == {kern: [lv] for kern, lv in want.items()}, sorted(names)
 
 
 @requires_cuda
@@ -851,7 +969,7 @@ def test_cuda_bwd_atomic_agrees_with_default(monkeypatch, d, cross):
 
 @requires_cuda
 @pytest.mark.parametrize("cross", [False, True])
-@pytest.mark.parametrize("bwd", ["mma", "atomic", WGMMA])
+@pytest.mark.parametrize("bwd", ["mma", "atomic", WGMMA, WGMMA_PIPE])
 def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
     """K = 64 depths (the most chain keys per query: the atomic variant's finish kernel sums them
     per row) with window + sink, fwd and bwd against the CPU op in float32 on bf16-rounded inputs."""
@@ -998,7 +1116,7 @@ def test_cuda_all_padding_gives_zeros(monkeypatch, cfg, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA])
+@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA, WGMMA64_PIPE])
 @pytest.mark.parametrize("cross", [False, True])
 def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
     """Default and wgmma backward: bitwise reproducible. Atomic: out, dk, dv (and context grads) still are
@@ -1023,7 +1141,8 @@ def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA, pytest.param("wgmma64", marks=requires_wgmma)])
+@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA, pytest.param("wgmma64", marks=requires_wgmma),
+                                 WGMMA64_PIPE])
 def test_cuda_graph_capture(monkeypatch, bwd):
     """fwd + bwd captured in a CUDA graph (the atomic variant's workspace zeroing is a
     cudaMemsetAsync on the capturing stream) and replayed: same results as eager (dq of the atomic

@@ -67,6 +67,16 @@ struct CodAttnParams {
   int bwd_variant = kBwdDefault;
   float* dq_accum = nullptr;
   int depth_offsets[kMaxChain + 1] = {};
+  // software pipelining of the sm_90a warpgroup kernels (env PEAGLE_ATTN_WGMMA_PIPE, read by the
+  // glue; appended last so the fields above keep their offsets): 0 = the kernels as verified
+  // first (every wgmma group waited for before the next step); 1 = the second MMA of each block
+  // (O += P V, dQ += dS K, dV / dK += ...) left in flight over the next block's copies and first
+  // MMA; 2 = additionally, in the forward and the dK/dV pass, the next block's first MMA (S = Q K^T,
+  // S^T / dP^T) issued before this block's second one, so that the softmax / P^T, dS^T run while the
+  // tensor cores do it (FlashAttention-3's intra-warpgroup overlap; the dQ pass, and the dK/dV pass
+  // at D = 128 with 64-query blocks, run level 1 there). Results are bitwise equal at every level
+  // (same operations on the same values; see cod_attn_fwd_wgmma.cuh).
+  int wgmma_pipe = 0;
 };
 
 // workspace for the metadata build (the document-run scan); query with ws == nullptr.

@@ -14,6 +14,8 @@
 //   mma.sync kernel), packed to 16-bit A fragments
 //   dV  += P^T dO  m64nDk16 x BMQ/16, A = P^T from registers, B = dO MN-major (RS)
 //   dK  += dS^T Q  m64nDk16 x BMQ/16, A = dS^T from registers, B = Q MN-major (RS)
+// PEAGLE_ATTN_WGMMA_PIPE = 1 / 2 (CodAttnParams::wgmma_pipe) selects software-pipelined query-block
+// loops (see the kernel) with bitwise the same dk / dv.
 #pragma once
 #include <climits>
 #include <cstdint>
@@ -23,24 +25,160 @@
 
 namespace peagle::attention::cuda {
 
-template <int D, int BMQ>
+// STAGES: stages of Q, dO and row metadata: 2, or 3 for the PIPE = 2 loop (three query blocks in
+// use at once: MMA2 of block it, MMA1 of block it + 1, the copies of block it + 2).
+template <int D, int BMQ, int STAGES = 2>
 struct DkvWgmmaConfig {
   static_assert(D % 64 == 0 && BMQ % 16 == 0 && (BMQ == 32 || BMQ == 64), "wgmma dK/dV tile shapes");
   static constexpr int kBN = 64;  // keys per CTA: the m64 of the warpgroup MMA
   static constexpr int kThreads = 128;
+  static constexpr int kStages = STAGES;
   static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
   static constexpr int kKTileBytes = kBN * D * 2;
   static constexpr int kQTileBytes = BMQ * D * 2;  // one stage of Q (or dO)
-  static constexpr int kTileBytes = 2 * kKTileBytes + 4 * kQTileBytes;  // K, V + 2 stages of Q, dO
+  static constexpr int kTileBytes = 2 * kKTileBytes + 2 * STAGES * kQTileBytes;  // K, V + the stages of Q, dO
   static_assert(kKTileBytes % 1024 == 0 && kQTileBytes % 1024 == 0, "tiles must keep 1024-byte alignment");
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes in the kernel
-  static constexpr int kSmemBytes = 1024 + kTileBytes + (2 * kMetaFields * BMQ + 6 * kMaxChain + 1) * 4;
+  static constexpr int kSmemBytes = 1024 + kTileBytes + (STAGES * kMetaFields * BMQ + 6 * kMaxChain + 1) * 4;
 };
 
+// ---- pieces of the pipelined loop (PIPE >= 1): the statements of the PIPE = 0 loop body (kept
+// inline there, so that its code stays as verified), wgmma rules as in cod_attn_fwd_wgmma.cuh.
+
+// S^T = K Q^T and dP^T = V dO^T over the D / 16 k-steps (the first overwrites: scale-d = 0), one group.
+template <int D, typename T, int BMQ, int BN>
+__device__ __forceinline__ void dkv_wgmma_issue_mma1(float (&st)[BMQ / 8][4], float (&dpt)[BMQ / 8][4], uint32_t sKa,
+                                                     uint32_t sVa, uint32_t qt, uint32_t dot) {
+  wg::fence_operands(st);
+  wg::fence_operands(dpt);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    wg::wgmma_ss<BMQ, T>(st, wg::desc_kmajor<BN>(sKa, kk), wg::desc_kmajor<BMQ>(qt, kk), kk > 0);
+    wg::wgmma_ss<BMQ, T>(dpt, wg::desc_kmajor<BN>(sVa, kk), wg::desc_kmajor<BMQ>(dot, kk), kk > 0);
+  }
+  wg::wgmma_commit();
+}
+
+// dV += P^T dO and dK += dS^T Q over the BMQ / 16 k-steps (B read MN-major), one group.
 template <int D, typename T, int BMQ>
+__device__ __forceinline__ void dkv_wgmma_issue_mma2(float (&dk)[D / 8][4], float (&dv)[D / 8][4],
+                                                     uint32_t (&pa)[BMQ / 16][4], uint32_t (&sa)[BMQ / 16][4],
+                                                     uint32_t qt, uint32_t dot) {
+  wg::fence_operands(pa);
+  wg::fence_operands(sa);
+  wg::fence_operands(dv);
+  wg::fence_operands(dk);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kq = 0; kq < BMQ / 16; ++kq) {
+    wg::wgmma_rs<D, T>(dv, pa[kq], wg::desc_mnmajor<BMQ>(dot, kq), 1);
+    wg::wgmma_rs<D, T>(dk, sa[kq], wg::desc_mnmajor<BMQ>(qt, kq), 1);
+  }
+  wg::wgmma_commit();
+}
+
+// P^T and dS^T of one query block from st / dpt (row metadata m = one stage of s_meta), packed into
+// the RS A fragments pa / sa: the same float operations as the PIPE = 0 loop (pv, then
+// pv * (dP - delta), each rounded once by the pack), but st / dpt are only read, never written:
+// ptxas serializes the wgmmas of a loop that leaves a group pending across its back edge if
+// ordinary code writes any wgmma accumulator in it (C7515), as the in-place P^T / dS^T would.
+template <int BMQ, int BN, int MF, typename T>
+__device__ __forceinline__ void dkv_wgmma_elementwise(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
+                                                      const int* m, int j0, const int (&key_row)[2], int lane, int t,
+                                                      float sl2, uint32_t (&pa)[BMQ / 16][4],
+                                                      uint32_t (&sa)[BMQ / 16][4]) {
+  auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
+  bool cov = covers(lane);
+  if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
+  const bool full = __all_sync(0xffffffffu, cov);
+#pragma unroll
+  for (int kq = 0; kq < BMQ / 16; ++kq) {
+    float pv[2][4], ds[2][4];  // accumulator n-tiles 2 kq, 2 kq + 1
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = 2 * kq + h;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int qc = 8 * n + 2 * t + (x & 1);
+        const int j = key_row[x >> 1];
+        bool ok = full;
+        if (!ok) {
+          const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
+          ok = r.allows(j, INT_MAX);
+        }
+        const bool valid = m[4 * BMQ + qc] != 0;
+        const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
+        const float dl = __int_as_float(m[6 * BMQ + qc]);
+        pv[h][x] = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
+        ds[h][x] = pv[h][x] * (dpt[n][x] - dl);
+      }
+    }
+    pa[kq][0] = Pack<T>::two(pv[0][0], pv[0][1]);
+    pa[kq][1] = Pack<T>::two(pv[0][2], pv[0][3]);
+    pa[kq][2] = Pack<T>::two(pv[1][0], pv[1][1]);
+    pa[kq][3] = Pack<T>::two(pv[1][2], pv[1][3]);
+    sa[kq][0] = Pack<T>::two(ds[0][0], ds[0][1]);
+    sa[kq][1] = Pack<T>::two(ds[0][2], ds[0][3]);
+    sa[kq][2] = Pack<T>::two(ds[1][0], ds[1][1]);
+    sa[kq][3] = Pack<T>::two(ds[1][2], ds[1][3]);
+  }
+}
+
+// The same P^T / dS^T as dkv_wgmma_elementwise, written in place into st / dpt (for the PIPE = 2
+// loop, which computes them while the previous block's MMA2 still reads pa / sa), and the pack.
+template <int BMQ, int BN, int MF>
+__device__ __forceinline__ void dkv_wgmma_p_ds_inplace(float (&st)[BMQ / 8][4], float (&dpt)[BMQ / 8][4], const int* m,
+                                                       int j0, const int (&key_row)[2], int lane, int t, float sl2) {
+  auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
+  bool cov = covers(lane);
+  if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
+  const bool full = __all_sync(0xffffffffu, cov);
+#pragma unroll
+  for (int n = 0; n < BMQ / 8; ++n) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int qc = 8 * n + 2 * t + (x & 1);
+      const int j = key_row[x >> 1];
+      bool ok = full;
+      if (!ok) {
+        const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
+        ok = r.allows(j, INT_MAX);
+      }
+      const bool valid = m[4 * BMQ + qc] != 0;
+      const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
+      const float dl = __int_as_float(m[6 * BMQ + qc]);
+      const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
+      st[n][x] = pv;
+      dpt[n][x] = pv * (dpt[n][x] - dl);
+    }
+  }
+}
+template <int BMQ, typename T>
+__device__ __forceinline__ void dkv_wgmma_pack(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
+                                               uint32_t (&pa)[BMQ / 16][4], uint32_t (&sa)[BMQ / 16][4]) {
+#pragma unroll
+  for (int kq = 0; kq < BMQ / 16; ++kq) {
+    pa[kq][0] = Pack<T>::two(st[2 * kq][0], st[2 * kq][1]);
+    pa[kq][1] = Pack<T>::two(st[2 * kq][2], st[2 * kq][3]);
+    pa[kq][2] = Pack<T>::two(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+    pa[kq][3] = Pack<T>::two(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+    sa[kq][0] = Pack<T>::two(dpt[2 * kq][0], dpt[2 * kq][1]);
+    sa[kq][1] = Pack<T>::two(dpt[2 * kq][2], dpt[2 * kq][3]);
+    sa[kq][2] = Pack<T>::two(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
+    sa[kq][3] = Pack<T>::two(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
+  }
+}
+
+// PIPE (CodAttnParams::wgmma_pipe): 0 = every wgmma group waited for before the next step (the
+// first verified form); 1 = the dV / dK MMAs (MMA2) of query block `it` left in flight over the
+// wait for block it + 1's copies, the barrier and the issue of block it + 1's S^T / dP^T (MMA1);
+// 2 = MMA1(it + 1) issued before MMA2(it), the elementwise of it + 1 overlapping MMA2(it) (three
+// stages; not instantiated at D = 128, BMQ = 64, which runs PIPE = 1 instead). See the loops.
+template <int D, typename T, int BMQ, int PIPE>
 __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAttnParams p) {
 #if PEAGLE_WGMMA_DEVICE
-  using Cfg = DkvWgmmaConfig<D, BMQ>;
+  using Cfg = DkvWgmmaConfig<D, BMQ, PIPE == 2 ? 3 : 2>;
   constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // B128 swizzle atoms must start on 1024-byte shared-memory boundaries (descriptor base offset 0)
@@ -48,10 +186,10 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
   const uint32_t sKa = base, sVa = base + Cfg::kKTileBytes;
-  const uint32_t sQa = base + 2 * Cfg::kKTileBytes;         // [2 stages] B128 tiles [BMQ][D]
-  const uint32_t sdOa = sQa + 2 * Cfg::kQTileBytes;         // [2 stages]
-  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [2][MF][BMQ]
-  int* s_span_lo = s_meta + 2 * MF * BMQ;                        // [2K]
+  const uint32_t sQa = base + 2 * Cfg::kKTileBytes;         // [stages] B128 tiles [BMQ][D]
+  const uint32_t sdOa = sQa + Cfg::kStages * Cfg::kQTileBytes;  // [stages]
+  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [stages][MF][BMQ]
+  int* s_span_lo = s_meta + Cfg::kStages * MF * BMQ;             // [2K]
   int* s_span_hi = s_span_lo + 2 * kMaxChain;                    // [2K]
   int* s_blk_off = s_span_hi + 2 * kMaxChain;                    // [2K + 1]
 
@@ -157,90 +295,278 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
   const float sl2 = p.scale_log2;
   const int key_row[2] = {j0 + 16 * warp + g, j0 + 16 * warp + g + 8};
 
+  if constexpr (PIPE == 0) {
 #pragma unroll 1
-  for (int it = 0; it < n_iters; ++it) {
-    const int stage = it & 1;
-    if (it + 1 < n_iters) issue(it + 1, stage ^ 1);
-    cp_async_commit();
-    const uint32_t qt = sQa + stage * kStageBytes, dot = sdOa + stage * kStageBytes;
-    const int* m = s_meta + stage * MF * BMQ;
+    for (int it = 0; it < n_iters; ++it) {
+      const int stage = it & 1;
+      if (it + 1 < n_iters) issue(it + 1, stage ^ 1);
+      cp_async_commit();
+      const uint32_t qt = sQa + stage * kStageBytes, dot = sdOa + stage * kStageBytes;
+      const int* m = s_meta + stage * MF * BMQ;
 
-    // S^T = K Q^T and dP^T = V dO^T: rows = the 64 keys (warp w: 16 w .. 16 w + 15), columns =
-    // BMQ queries; the first k-step overwrites (scale-d = 0) the previous block's values.
-    wg::fence_operands(st);
-    wg::fence_operands(dpt);
-    wg::wgmma_fence();
+      // S^T = K Q^T and dP^T = V dO^T: rows = the 64 keys (warp w: 16 w .. 16 w + 15), columns =
+      // BMQ queries; the first k-step overwrites (scale-d = 0) the previous block's values.
+      wg::fence_operands(st);
+      wg::fence_operands(dpt);
+      wg::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wg::wgmma_ss<BMQ, T>(st, wg::desc_kmajor<BN>(sKa, kk), wg::desc_kmajor<BMQ>(qt, kk), kk > 0);
-      wg::wgmma_ss<BMQ, T>(dpt, wg::desc_kmajor<BN>(sVa, kk), wg::desc_kmajor<BMQ>(dot, kk), kk > 0);
-    }
-    wg::wgmma_commit();
-    wg::wgmma_wait<0>();
-    wg::fence_operands(st);
-    wg::fence_operands(dpt);
-
-    // the block is "full" when every valid query row's window range covers all 64 keys
-    auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
-    bool cov = covers(lane);
-    if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
-    const bool full = __all_sync(0xffffffffu, cov);
-    // P^T (stored in st) and dS^T (stored in dpt)
-#pragma unroll
-    for (int n = 0; n < BMQ / 8; ++n) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int qc = 8 * n + 2 * t + (x & 1);
-        const int j = key_row[x >> 1];
-        bool ok = full;
-        if (!ok) {
-          const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
-          ok = r.allows(j, INT_MAX);
-        }
-        const bool valid = m[4 * BMQ + qc] != 0;
-        const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
-        const float dl = __int_as_float(m[6 * BMQ + qc]);
-        const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
-        st[n][x] = pv;
-        dpt[n][x] = pv * (dpt[n][x] - dl);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        wg::wgmma_ss<BMQ, T>(st, wg::desc_kmajor<BN>(sKa, kk), wg::desc_kmajor<BMQ>(qt, kk), kk > 0);
+        wg::wgmma_ss<BMQ, T>(dpt, wg::desc_kmajor<BN>(sVa, kk), wg::desc_kmajor<BMQ>(dot, kk), kk > 0);
       }
+      wg::wgmma_commit();
+      wg::wgmma_wait<0>();
+      wg::fence_operands(st);
+      wg::fence_operands(dpt);
+
+      // the block is "full" when every valid query row's window range covers all 64 keys
+      auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
+      bool cov = covers(lane);
+      if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
+      const bool full = __all_sync(0xffffffffu, cov);
+      // P^T (stored in st) and dS^T (stored in dpt)
+#pragma unroll
+      for (int n = 0; n < BMQ / 8; ++n) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int qc = 8 * n + 2 * t + (x & 1);
+          const int j = key_row[x >> 1];
+          bool ok = full;
+          if (!ok) {
+            const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
+            ok = r.allows(j, INT_MAX);
+          }
+          const bool valid = m[4 * BMQ + qc] != 0;
+          const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
+          const float dl = __int_as_float(m[6 * BMQ + qc]);
+          const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
+          st[n][x] = pv;
+          dpt[n][x] = pv * (dpt[n][x] - dl);
+        }
+      }
+      // dV += P^T dO, dK += dS^T Q (k-dim = the BMQ queries): A fragments from the accumulators
+      // (accumulator n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq + 15), B = the dO / Q stage
+      // read MN-major.
+      uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
+#pragma unroll
+      for (int kq = 0; kq < BMQ / 16; ++kq) {
+        pa[kq][0] = Pack<T>::two(st[2 * kq][0], st[2 * kq][1]);
+        pa[kq][1] = Pack<T>::two(st[2 * kq][2], st[2 * kq][3]);
+        pa[kq][2] = Pack<T>::two(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+        pa[kq][3] = Pack<T>::two(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+        sa[kq][0] = Pack<T>::two(dpt[2 * kq][0], dpt[2 * kq][1]);
+        sa[kq][1] = Pack<T>::two(dpt[2 * kq][2], dpt[2 * kq][3]);
+        sa[kq][2] = Pack<T>::two(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
+        sa[kq][3] = Pack<T>::two(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
+      }
+      wg::fence_operands(pa);
+      wg::fence_operands(sa);
+      wg::fence_operands(dv);
+      wg::fence_operands(dk);
+      wg::wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < BMQ / 16; ++kq) {
+        wg::wgmma_rs<D, T>(dv, pa[kq], wg::desc_mnmajor<BMQ>(dot, kq), 1);
+        wg::wgmma_rs<D, T>(dk, sa[kq], wg::desc_mnmajor<BMQ>(qt, kq), 1);
+      }
+      wg::wgmma_commit();
+      // The next iteration overwrites st / dpt (and this stage's tiles after the barrier below):
+      // wait for this batch, which reads pa / sa and the stage.
+      wg::wgmma_wait<0>();
+      wg::fence_operands(dv);
+      wg::fence_operands(dk);
+      wg::fence_operands(pa);
+      wg::fence_operands(sa);
+      cp_async_wait<0>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
     }
-    // dV += P^T dO, dK += dS^T Q (k-dim = the BMQ queries): A fragments from the accumulators
-    // (accumulator n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq + 15), B = the dO / Q stage
-    // read MN-major.
+  } else if constexpr (PIPE == 2) {
+    // ---- PIPE = 2 (FlashAttention-3's intra-warpgroup overlap; not at D = 128, BMQ = 64, whose
+    // registers do not allow it, see below): MMA1 of block it + 1 is issued BEFORE MMA2 of block
+    // it, so wait<1> returns with S^T / dP^T of block it + 1 while MMA2(it) may still run, and the
+    // elementwise P^T / dS^T of block it + 1 (in place in st / dpt) runs during MMA2(it); only the
+    // pack into pa / sa waits for MMA2(it), which reads them. Three stages of Q / dO / metadata
+    // (stage(x) = x % 3): iteration it reads stage(it) (MMA2(it)) and stage(it + 1) (MMA1(it + 1)
+    // and the elementwise) while the copies of block it + 2 fill stage(it + 2) = stage(it - 1), whose
+    // readers (MMA1(it - 1), MMA2(it - 1), the elementwise of it - 1) completed before the barrier
+    // ending iteration it - 1. Iteration it:
+    //   copies of block it + 2 -> stage(it + 2)
+    //   MMA1(it + 1) issue                 writes st / dpt (block it is packed in pa / sa)
+    //   MMA2(it) issue                     reads pa / sa, stage(it); accumulates dk / dv
+    //   wait<1>                            MMA1(it + 1) complete (committed first)
+    //   P^T / dS^T of block it + 1 in st / dpt (metadata stage(it + 1))
+    //   wait<0>                            MMA2(it) complete: pa / sa free; pack
+    //   cp.async wait, proxy fence, barrier    block it + 2 visible; every warp past MMA1(it + 1), MMA2(it)
+    // Prologue: copies of block 1, MMA1(0), its P^T / dS^T and pack, barrier; the last MMA2 is
+    // peeled off (no wgmma pending across the back edge, all waits unconditional: see the PIPE = 1
+    // loop). 87 KiB (D = 128, BMQ = 32) / 72 KiB (D = 64) of shared memory: two CTAs per SM as with
+    // PIPE = 0, which the registers limit to two. Bitwise the same dk / dv: the same wgmma sequences
+    // on the same operands in the same order, the same P^T / dS^T arithmetic.
+    static_assert(!(D == 128 && BMQ == 64), "no PIPE = 2 dK/dV loop at D = 128, BMQ = 64");
     uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
-#pragma unroll
-    for (int kq = 0; kq < BMQ / 16; ++kq) {
-      pa[kq][0] = Pack<T>::two(st[2 * kq][0], st[2 * kq][1]);
-      pa[kq][1] = Pack<T>::two(st[2 * kq][2], st[2 * kq][3]);
-      pa[kq][2] = Pack<T>::two(st[2 * kq + 1][0], st[2 * kq + 1][1]);
-      pa[kq][3] = Pack<T>::two(st[2 * kq + 1][2], st[2 * kq + 1][3]);
-      sa[kq][0] = Pack<T>::two(dpt[2 * kq][0], dpt[2 * kq][1]);
-      sa[kq][1] = Pack<T>::two(dpt[2 * kq][2], dpt[2 * kq][3]);
-      sa[kq][2] = Pack<T>::two(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
-      sa[kq][3] = Pack<T>::two(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
+    if (n_iters > 0) {
+      if (n_iters > 1) issue(1, 1);
+      cp_async_commit();
+      dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa, sdOa);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(st);
+      wg::fence_operands(dpt);
+      dkv_wgmma_p_ds_inplace<BMQ, BN, MF>(st, dpt, s_meta, j0, key_row, lane, t, sl2);
+      dkv_wgmma_pack<BMQ, T>(st, dpt, pa, sa);
+      // block 1 visible; every warp's MMA1(0) complete
+      cp_async_wait<0>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
+      uint32_t cur = 0, nxt = 1, nn = 2;  // stage(it), stage(it + 1), stage(it + 2)
+#pragma unroll 1
+      for (int it = 0; it + 1 < n_iters; ++it) {
+        if (it + 2 < n_iters) issue(it + 2, nn);
+        cp_async_commit();
+        dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa + nxt * kStageBytes, sdOa + nxt * kStageBytes);
+        dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + cur * kStageBytes, sdOa + cur * kStageBytes);
+        wg::wgmma_wait<1>();  // MMA1(it + 1) complete; MMA2(it) may run on (dk, dv, pa, sa, stage(it) only)
+        wg::fence_operands(st);
+        wg::fence_operands(dpt);
+        dkv_wgmma_p_ds_inplace<BMQ, BN, MF>(st, dpt, s_meta + nxt * MF * BMQ, j0, key_row, lane, t, sl2);
+        wg::wgmma_wait<0>();  // MMA2(it) complete
+        wg::fence_operands(dv);
+        wg::fence_operands(dk);
+        wg::fence_operands(pa);
+        wg::fence_operands(sa);
+        dkv_wgmma_pack<BMQ, T>(st, dpt, pa, sa);
+        cp_async_wait<0>();
+        wg::fence_proxy_async_smem();
+        __syncthreads();
+        const uint32_t done = cur;
+        cur = nxt;
+        nxt = nn;
+        nn = done;
+      }
+      dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + cur * kStageBytes, sdOa + cur * kStageBytes);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(dv);
+      wg::fence_operands(dk);
+      wg::fence_operands(pa);
+      wg::fence_operands(sa);
     }
-    wg::fence_operands(pa);
-    wg::fence_operands(sa);
+  } else if constexpr (D == 128 && BMQ == 64) {
+    // ---- pipelined loop for D = 128, BMQ = 64 (PIPE >= 1), where PIPE = 0 already takes all 255
+    // registers: the overlapped loop below (MMA1(it + 1) issued while MMA2(it) runs) ties st / dpt,
+    // dk / dv and pa / sa (224 registers) to in-flight wgmmas at once and spills (240 bytes, inside
+    // the loop; also with MMA1 issued after MMA2's wait: 132 bytes). Here the PIPE = 0 loop only
+    // leaves MMA2(it) (dV += P^T dO, dK += dS^T Q) in flight over the copies' wait and the barrier
+    // that end iteration it, and waits for it at the top of iteration it + 1, followed by a proxy
+    // fence and a second barrier before the copies of block it + 2 overwrite MMA2(it)'s stage:
+    //   wait<0>                            MMA2(it - 1) complete (this warp): dk, dv, pa, sa free
+    //   proxy fence, barrier               ... every warp: stage(it - 1) = stage(it + 1) free
+    //   copies of block it + 1 -> stage(it + 1)
+    //   MMA1(it) issue, wait<0>            (it reads stage(it), visible since the end of it - 1)
+    //   elementwise + pack of block it     (pa, sa free: MMA2(it - 1) complete)
+    //   MMA2(it) issue, NO wait
+    //   cp.async wait, proxy fence, barrier    block it + 1 visible to every thread's wgmma
+    // A wgmma group is pending across the back edge here, which ptxas accepts as long as no
+    // ordinary instruction writes dk / dv in the loop (none does; checked: no C751x warning).
+    // Register use as PIPE = 0; bitwise the same values (same instructions, same order per block).
+    uint32_t pa[BMQ / 16][4] = {}, sa[BMQ / 16][4] = {};
+    // Pins the zero-filled dk / dv here: otherwise the compiler sinks a second copy of the zero
+    // fill into the n_iters == 0 path, which it lays out between the loop's last MMA2 issue and the
+    // wait after the loop, and ptxas then serializes the wgmmas (C7515: non-wgmma instructions
+    // defining accumulator registers within the stage).
+    wg::fence_operands(dk);
+    wg::fence_operands(dv);
+#pragma unroll 1
+    for (int it = 0; it < n_iters; ++it) {
+      const uint32_t stage = it & 1;
+      wg::wgmma_wait<0>();  // MMA2(it - 1) complete (it = 0: nothing pending)
+      wg::fence_operands(dv);
+      wg::fence_operands(dk);
+      wg::fence_operands(pa);
+      wg::fence_operands(sa);
+      wg::fence_proxy_async_smem();
+      __syncthreads();
+      if (it + 1 < n_iters) issue(it + 1, stage ^ 1);
+      cp_async_commit();
+      const uint32_t qt = sQa + stage * kStageBytes, dot = sdOa + stage * kStageBytes;
+      dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, qt, dot);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(st);
+      wg::fence_operands(dpt);
+      dkv_wgmma_elementwise<BMQ, BN, MF, T>(st, dpt, s_meta + stage * MF * BMQ, j0, key_row, lane, t, sl2, pa, sa);
+      dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, qt, dot);
+      cp_async_wait<0>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
+    }
+    wg::wgmma_wait<0>();  // the last MMA2 before the epilogue reads dk, dv
     wg::fence_operands(dv);
     wg::fence_operands(dk);
-    wg::wgmma_fence();
-#pragma unroll
-    for (int kq = 0; kq < BMQ / 16; ++kq) {
-      wg::wgmma_rs<D, T>(dv, pa[kq], wg::desc_mnmajor<BMQ>(dot, kq), 1);
-      wg::wgmma_rs<D, T>(dk, sa[kq], wg::desc_mnmajor<BMQ>(qt, kq), 1);
-    }
-    wg::wgmma_commit();
-    // The next iteration overwrites st / dpt (and this stage's tiles after the barrier below):
-    // wait for this batch, which reads pa / sa and the stage.
-    wg::wgmma_wait<0>();
-    wg::fence_operands(dv);
-    wg::fence_operands(dk);
     wg::fence_operands(pa);
     wg::fence_operands(sa);
-    cp_async_wait<0>();
-    wg::fence_proxy_async_smem();
-    __syncthreads();
+  } else {
+    // ---- pipelined loop (PIPE >= 1). Iteration it (stage(x) = x & 1 holds block x's Q, dO and
+    // row metadata; K, V are fixed for the CTA):
+    //   MMA2(it) issue                     dV += P^T dO, dK += dS^T Q: reads pa, sa, dO / Q stage(it)
+    //   cp.async wait, proxy fence, barrier    block it + 1 (stage(it + 1)) visible to every thread
+    //   MMA1(it + 1) issue                 S^T, dP^T of block it + 1: writes st, dpt (their block-it
+    //                                      values were packed into pa, sa before MMA2(it) was issued)
+    //   wait<1>                            MMA2(it) complete (groups complete in commit order; only
+    //                                      MMA1(it + 1) may still run): dk, dv, pa, sa free
+    //   proxy fence, barrier               every warp's MMA2(it) complete, so stage(it) may be
+    //                                      overwritten (its MMA1(it) reads completed before every
+    //                                      warp's elementwise of it, its metadata reads are that
+    //                                      elementwise, both before the previous barrier)
+    //   copies of block it + 2 -> stage(it)
+    //   wait<0>                            MMA1(it + 1) complete
+    //   elementwise + pack of block it + 1
+    // The prologue copies block 1 into stage 1 (unused so far) and runs MMA1(0) and its elementwise;
+    // the last block's MMA2 is peeled off and waited for before the epilogue. No wgmma group is
+    // pending across the loop's back edge and every wgmma issue / wait in the loop is
+    // unconditional: otherwise ptxas serializes the wgmmas (-Xptxas -v warnings C7514 / C7515).
+    // Two stages, shared memory and occupancy as PIPE = 0. Bitwise the same dk / dv as PIPE = 0:
+    // the same wgmma sequences on the same operands in the same order, the same elementwise code.
+    uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
+    if (n_iters > 0) {
+      if (n_iters > 1) issue(1, 1);
+      cp_async_commit();
+      dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa, sdOa);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(st);
+      wg::fence_operands(dpt);
+      dkv_wgmma_elementwise<BMQ, BN, MF, T>(st, dpt, s_meta, j0, key_row, lane, t, sl2, pa, sa);
+#pragma unroll 1
+      for (int it = 0; it + 1 < n_iters; ++it) {
+        const uint32_t stage = it & 1, nstage = stage ^ 1;
+        dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + stage * kStageBytes, sdOa + stage * kStageBytes);
+        cp_async_wait<0>();
+        wg::fence_proxy_async_smem();
+        __syncthreads();
+        dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa + nstage * kStageBytes, sdOa + nstage * kStageBytes);
+        wg::wgmma_wait<1>();  // MMA2(it) complete; MMA1(it + 1) may run on
+        wg::fence_operands(dv);
+        wg::fence_operands(dk);
+        wg::fence_operands(pa);
+        wg::fence_operands(sa);
+        // every warp's MMA2(it) reads of stage(it) complete before the copies overwrite it (the proxy
+        // fence keeps PIPE = 0's order: wgmma completion, fence.proxy.async, barrier, cp.async)
+        wg::fence_proxy_async_smem();
+        __syncthreads();
+        if (it + 2 < n_iters) issue(it + 2, stage);
+        cp_async_commit();
+        wg::wgmma_wait<0>();  // MMA1(it + 1) complete
+        wg::fence_operands(st);
+        wg::fence_operands(dpt);
+        dkv_wgmma_elementwise<BMQ, BN, MF, T>(st, dpt, s_meta + nstage * MF * BMQ, j0, key_row, lane, t, sl2, pa, sa);
+      }
+      const uint32_t last = (n_iters - 1) & 1;
+      dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + last * kStageBytes, sdOa + last * kStageBytes);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(dv);
+      wg::fence_operands(dk);
+      wg::fence_operands(pa);
+      wg::fence_operands(sa);
+      cp_async_wait<0>();  // an empty group: nothing in flight at the epilogue
+    }
   }
 
   const float scale = p.scale;
@@ -261,15 +587,25 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
 #endif  // PEAGLE_WGMMA_DEVICE
 }
 
-// Launch of the wgmma dK/dV pass (grid: key blocks x kv heads), on `stream`.
-template <int D, typename T, int BMQ>
-cudaError_t launch_dkv_wgmma(const CodAttnParams& p, cudaStream_t stream) {
-  using Cfg = DkvWgmmaConfig<D, BMQ>;
-  auto kernel = cod_attn_dkv_wgmma_kernel<D, T, BMQ>;
+// Launch of the wgmma dK/dV pass (grid: key blocks x kv heads), on `stream`, with the loop PIPE.
+template <int D, typename T, int BMQ, int PIPE>
+cudaError_t launch_dkv_wgmma_loop(const CodAttnParams& p, cudaStream_t stream) {
+  using Cfg = DkvWgmmaConfig<D, BMQ, PIPE == 2 ? 3 : 2>;
+  auto kernel = cod_attn_dkv_wgmma_kernel<D, T, BMQ, PIPE>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   kernel<<<dim3((p.N + Cfg::kBN - 1) / Cfg::kBN, p.Hkv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// p.wgmma_pipe (env PEAGLE_ATTN_WGMMA_PIPE) picks the loop: 0, 1, or 2 (at D = 128, BMQ = 64: 1).
+template <int D, typename T, int BMQ>
+cudaError_t launch_dkv_wgmma(const CodAttnParams& p, cudaStream_t stream) {
+  if constexpr (!(D == 128 && BMQ == 64)) {
+    if (p.wgmma_pipe >= 2) return launch_dkv_wgmma_loop<D, T, BMQ, 2>(p, stream);
+  }
+  if (p.wgmma_pipe >= 1) return launch_dkv_wgmma_loop<D, T, BMQ, 1>(p, stream);
+  return launch_dkv_wgmma_loop<D, T, BMQ, 0>(p, stream);
 }
 
 }  // namespace peagle::attention::cuda

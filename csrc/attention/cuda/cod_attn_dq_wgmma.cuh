@@ -17,6 +17,8 @@
 //   m16n8 C layout of the mma.sync kernel, so that code is unchanged), packed to 16-bit A fragments
 //   dQ += dS K    m64nDk16 x 64/16, A = dS from registers, B = K [keys][D] read MN-major (RS),
 //   the same form as the dK/dV kernel's dV += P^T dO.
+// PEAGLE_ATTN_WGMMA_PIPE >= 1 (CodAttnParams::wgmma_pipe) selects a software-pipelined key-block
+// loop (dQ += dS K left in flight; see the kernel) with bitwise the same dq.
 #pragma once
 #include <cstdint>
 
@@ -109,8 +111,69 @@ __device__ __forceinline__ void dq_chain_keys_sw128(const CodAttnParams& p, cons
   }
 }
 
-template <int D, typename T>
-__global__ void __launch_bounds__(128, 1) cod_attn_dq_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
+// ---- pieces of the pipelined loop (PIPE >= 1): the statements of the PIPE = 0 loop body (kept
+// inline there, so that its code stays as verified); wgmma rules as in cod_attn_fwd_wgmma.cuh.
+
+// S = Q K^T and dP = dO V^T over the D / 16 k-steps (the first overwrites: scale-d = 0), one group.
+template <int D, typename T, int BM, int BN>
+__device__ __forceinline__ void dq_wgmma_issue_mma1(float (&s)[BN / 8][4], float (&dpv)[BN / 8][4], uint32_t sQa,
+                                                    uint32_t sdOa, uint32_t kt, uint32_t vt) {
+  wg::fence_operands(s);
+  wg::fence_operands(dpv);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
+    wg::wgmma_ss<BN, T>(dpv, wg::desc_kmajor<BM>(sdOa, kk), wg::desc_kmajor<BN>(vt, kk), kk > 0);
+  }
+  wg::wgmma_commit();
+}
+
+// dQ += dS K over the BN / 16 k-steps (B = the K tile read MN-major), one group.
+template <int D, typename T, int BN>
+__device__ __forceinline__ void dq_wgmma_issue_mma2(float (&dq)[D / 8][4], uint32_t (&a)[BN / 16][4], uint32_t kt) {
+  wg::fence_operands(a);
+  wg::fence_operands(dq);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) wg::wgmma_rs<D, T>(dq, a[kk], wg::desc_mnmajor<BN>(kt, kk), 1);
+  wg::wgmma_commit();
+}
+
+// dS = P (dP - delta) of one key block packed into the RS A fragments a: the same float operations
+// as the PIPE = 0 loop (P, then P (dP - delta), rounded once by the pack); s / dpv only read.
+template <int BN, typename T>
+__device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], const float (&dpv)[BN / 8][4],
+                                                 const RowRanges (&rr)[2], bool full, int j0, int jend, int t,
+                                                 float sl2, const float (&lse2)[2], const float (&dlt)[2],
+                                                 uint32_t (&a)[BN / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    float ds[2][4];  // accumulator n-tiles 2 kk, 2 kk + 1
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = 2 * kk + h;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int j = j0 + 8 * n + 2 * t + (x & 1);
+        const int r = x >> 1;
+        const bool ok = full || rr[r].allows(j, jend);
+        const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
+        ds[h][x] = pv * (dpv[n][x] - dlt[r]);
+      }
+    }
+    a[kk][0] = Pack<T>::two(ds[0][0], ds[0][1]);
+    a[kk][1] = Pack<T>::two(ds[0][2], ds[0][3]);
+    a[kk][2] = Pack<T>::two(ds[1][0], ds[1][1]);
+    a[kk][3] = Pack<T>::two(ds[1][2], ds[1][3]);
+  }
+}
+
+// PIPE (CodAttnParams::wgmma_pipe): 0 = every wgmma group waited for before the next step (the
+// first verified form); >= 1 = dQ += dS K of key block b left in flight over the wait for block
+// b + 1's copies, the barrier and the issue of block b + 1's S / dP (see the loop).
+template <int D, typename T, int PIPE>
+__global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_dq_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
 #if PEAGLE_WGMMA_DEVICE
   using Cfg = DqWgmmaConfig<D>;
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, NT = Cfg::kThreads;
@@ -184,73 +247,145 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dq_wgmma_kernel(const CodAttn
     for (int x = 0; x < 4; ++x) s[n][x] = dpv[n][x] = 0.f;
 
   // ---- key blocks
+  if constexpr (PIPE == 0) {
 #pragma unroll 1
-  for (int b = 0; b < tk.nblocks; ++b) {
-    const int stage = b & 1;
-    if (b + 1 < tk.nblocks) {
-      int nj0, njend;
-      key_block<BN>(tk, b + 1, nj0, njend);
-      wg::load_tile_sw128<BN, D, NT>(sKa + (stage ^ 1) * kStageBytes, rkbase, kld, nj0, njend, tid);
-      wg::load_tile_sw128<BN, D, NT>(sVa + (stage ^ 1) * kStageBytes, rvbase, kld, nj0, njend, tid);
-    }
-    cp_async_commit();
-    int j0, jend;
-    key_block<BN>(tk, b, j0, jend);
-    const uint32_t kt = sKa + stage * kStageBytes, vt = sVa + stage * kStageBytes;
-
-    // S = Q K^T and dP = dO V^T: rows = the 64 queries (warp w: 16 w .. 16 w + 15), columns = the
-    // 64 keys; the first k-step overwrites (scale-d = 0) the previous block's values.
-    wg::fence_operands(s);
-    wg::fence_operands(dpv);
-    wg::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
-      wg::wgmma_ss<BN, T>(dpv, wg::desc_kmajor<BM>(sdOa, kk), wg::desc_kmajor<BN>(vt, kk), kk > 0);
-    }
-    wg::wgmma_commit();
-    wg::wgmma_wait<0>();
-    wg::fence_operands(s);
-    wg::fence_operands(dpv);
-
-    // P and dS (in s) exactly as cod_attn_dq_kernel
-    const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int j = j0 + 8 * n + 2 * t + (x & 1);
-        const int r = x >> 1;
-        const bool ok = full || rr[r].allows(j, jend);
-        const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
-        s[n][x] = pv * (dpv[n][x] - dlt[r]);  // dS
+    for (int b = 0; b < tk.nblocks; ++b) {
+      const int stage = b & 1;
+      if (b + 1 < tk.nblocks) {
+        int nj0, njend;
+        key_block<BN>(tk, b + 1, nj0, njend);
+        wg::load_tile_sw128<BN, D, NT>(sKa + (stage ^ 1) * kStageBytes, rkbase, kld, nj0, njend, tid);
+        wg::load_tile_sw128<BN, D, NT>(sVa + (stage ^ 1) * kStageBytes, rvbase, kld, nj0, njend, tid);
       }
+      cp_async_commit();
+      int j0, jend;
+      key_block<BN>(tk, b, j0, jend);
+      const uint32_t kt = sKa + stage * kStageBytes, vt = sVa + stage * kStageBytes;
+
+      // S = Q K^T and dP = dO V^T: rows = the 64 queries (warp w: 16 w .. 16 w + 15), columns = the
+      // 64 keys; the first k-step overwrites (scale-d = 0) the previous block's values.
+      wg::fence_operands(s);
+      wg::fence_operands(dpv);
+      wg::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
+        wg::wgmma_ss<BN, T>(dpv, wg::desc_kmajor<BM>(sdOa, kk), wg::desc_kmajor<BN>(vt, kk), kk > 0);
+      }
+      wg::wgmma_commit();
+      wg::wgmma_wait<0>();
+      wg::fence_operands(s);
+      wg::fence_operands(dpv);
+
+      // P and dS (in s) exactly as cod_attn_dq_kernel
+      const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int j = j0 + 8 * n + 2 * t + (x & 1);
+          const int r = x >> 1;
+          const bool ok = full || rr[r].allows(j, jend);
+          const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
+          s[n][x] = pv * (dpv[n][x] - dlt[r]);  // dS
+        }
+      }
+      // dQ += dS K (k-dim = the 64 keys): A fragments from the accumulators (n-tiles 2 kk, 2 kk + 1
+      // = A columns 16 kk .. 16 kk + 15), B = this stage's K tile read MN-major (rows = keys = k,
+      // columns = head dim = n; LBO = BN * 128 = the next 64-column panel).
+      uint32_t a[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        a[kk][0] = Pack<T>::two(s[2 * kk][0], s[2 * kk][1]);
+        a[kk][1] = Pack<T>::two(s[2 * kk][2], s[2 * kk][3]);
+        a[kk][2] = Pack<T>::two(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[kk][3] = Pack<T>::two(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+      wg::fence_operands(a);
+      wg::fence_operands(dq);
+      wg::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) wg::wgmma_rs<D, T>(dq, a[kk], wg::desc_mnmajor<BN>(kt, kk), 1);
+      wg::wgmma_commit();
+      // The next iteration overwrites s / dpv and, after the barrier below, prefetches into this
+      // stage: wait for this batch, which reads a and the stage's K tile.
+      wg::wgmma_wait<0>();
+      wg::fence_operands(dq);
+      wg::fence_operands(a);
+      cp_async_wait<0>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
     }
-    // dQ += dS K (k-dim = the 64 keys): A fragments from the accumulators (n-tiles 2 kk, 2 kk + 1
-    // = A columns 16 kk .. 16 kk + 15), B = this stage's K tile read MN-major (rows = keys = k,
-    // columns = head dim = n; LBO = BN * 128 = the next 64-column panel).
+  } else {
+    // ---- pipelined loop (PIPE >= 1). Iteration b (stage(x) = x & 1 holds key block x's K and V):
+    //   MMA2(b) issue                      dQ += dS(b) K(b): reads a, K stage(b); accumulates dq
+    //   cp.async wait, proxy fence, barrier    block b + 1 (stage(b + 1)) visible to every thread
+    //   MMA1(b + 1) issue                  S, dP of block b + 1: writes s, dpv (block b's dS was
+    //                                      packed into a before MMA2(b) was issued)
+    //   wait<1>                            MMA2(b) complete (groups complete in commit order; only
+    //                                      MMA1(b + 1) may still run): dq, a free
+    //   proxy fence, barrier               every warp's MMA2(b) complete, so stage(b) may be
+    //                                      overwritten (its MMA1(b) reads completed before every
+    //                                      warp's elementwise of b, before the previous barrier)
+    //   copies of block b + 2 -> stage(b)
+    //   wait<0>                            MMA1(b + 1) complete
+    //   dS of block b + 1 packed into a
+    // The prologue copies block 1 into stage 1 (unused so far) and runs MMA1(0) and its dS; the
+    // last block's MMA2 is peeled off and waited for before the epilogue. No wgmma group is pending
+    // across the loop's back edge and every wgmma issue / wait in the loop is unconditional:
+    // otherwise ptxas serializes the wgmmas (-Xptxas -v warnings C7514 / C7515). Two stages,
+    // shared memory and occupancy as PIPE = 0. Bitwise the same dq as PIPE = 0: the same wgmma
+    // sequences on the same operands in the same order, the same dS arithmetic.
+    const int nb = tk.nblocks;
+    auto copy_block = [&](int blk, uint32_t stage) {
+      int j0, jend;
+      key_block<BN>(tk, blk, j0, jend);
+      wg::load_tile_sw128<BN, D, NT>(sKa + stage * kStageBytes, rkbase, kld, j0, jend, tid);
+      wg::load_tile_sw128<BN, D, NT>(sVa + stage * kStageBytes, rvbase, kld, j0, jend, tid);
+    };
+    auto ds_pack = [&](int blk, uint32_t (&a)[BN / 16][4]) {
+      int j0, jend;
+      key_block<BN>(tk, blk, j0, jend);
+      const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
+      dq_wgmma_ds_pack<BN, T>(s, dpv, rr, full, j0, jend, t, sl2, lse2, dlt, a);
+    };
     uint32_t a[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      a[kk][0] = Pack<T>::two(s[2 * kk][0], s[2 * kk][1]);
-      a[kk][1] = Pack<T>::two(s[2 * kk][2], s[2 * kk][3]);
-      a[kk][2] = Pack<T>::two(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[kk][3] = Pack<T>::two(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    if (nb > 0) {
+      if (nb > 1) copy_block(1, 1);
+      cp_async_commit();
+      dq_wgmma_issue_mma1<D, T, BM, BN>(s, dpv, sQa, sdOa, sKa, sVa);  // stage 0: the prologue barrier
+      wg::wgmma_wait<0>();
+      wg::fence_operands(s);
+      wg::fence_operands(dpv);
+      ds_pack(0, a);
+#pragma unroll 1
+      for (int b = 0; b + 1 < nb; ++b) {
+        const uint32_t stage = b & 1, nstage = stage ^ 1;
+        dq_wgmma_issue_mma2<D, T, BN>(dq, a, sKa + stage * kStageBytes);
+        cp_async_wait<0>();
+        wg::fence_proxy_async_smem();
+        __syncthreads();
+        dq_wgmma_issue_mma1<D, T, BM, BN>(s, dpv, sQa, sdOa, sKa + nstage * kStageBytes, sVa + nstage * kStageBytes);
+        wg::wgmma_wait<1>();  // MMA2(b) complete; MMA1(b + 1) may run on
+        wg::fence_operands(dq);
+        wg::fence_operands(a);
+        // every warp's MMA2(b) reads of K stage(b) complete before the copies overwrite it (the
+        // proxy fence keeps PIPE = 0's order: wgmma completion, fence.proxy.async, barrier, cp.async)
+        wg::fence_proxy_async_smem();
+        __syncthreads();
+        if (b + 2 < nb) copy_block(b + 2, stage);
+        cp_async_commit();
+        wg::wgmma_wait<0>();  // MMA1(b + 1) complete
+        wg::fence_operands(s);
+        wg::fence_operands(dpv);
+        ds_pack(b + 1, a);
+      }
+      dq_wgmma_issue_mma2<D, T, BN>(dq, a, sKa + ((nb - 1) & 1) * kStageBytes);
+      wg::wgmma_wait<0>();
+      wg::fence_operands(dq);
+      wg::fence_operands(a);
+      cp_async_wait<0>();  // an empty group: nothing in flight at the epilogue
     }
-    wg::fence_operands(a);
-    wg::fence_operands(dq);
-    wg::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wg::wgmma_rs<D, T>(dq, a[kk], wg::desc_mnmajor<BN>(kt, kk), 1);
-    wg::wgmma_commit();
-    // The next iteration overwrites s / dpv and, after the barrier below, prefetches into this
-    // stage: wait for this batch, which reads a and the stage's K tile.
-    wg::wgmma_wait<0>();
-    wg::fence_operands(dq);
-    wg::fence_operands(a);
-    cp_async_wait<0>();
-    wg::fence_proxy_async_smem();
-    __syncthreads();
   }
 
   const float scale = p.scale;
@@ -276,7 +411,10 @@ cudaError_t launch_dq_wgmma(const CodAttnParams& p, cudaStream_t stream) {
   TileMap tm;
   const int ntiles = make_tile_map(p, Cfg::kBM, tm);
   if (ntiles == 0) return cudaSuccess;
-  auto kernel = cod_attn_dq_wgmma_kernel<D, T>;
+  // p.wgmma_pipe (env PEAGLE_ATTN_WGMMA_PIPE): 1 and 2 both run the pipelined loop (no separate
+  // level 2 for this pass: issuing MMA1(b + 1) before MMA2(b) needs a third K stage, 112 KiB of
+  // tiles at D = 128, one CTA per SM instead of two)
+  auto kernel = p.wgmma_pipe > 0 ? cod_attn_dq_wgmma_kernel<D, T, 1> : cod_attn_dq_wgmma_kernel<D, T, 0>;
   const int smem = Cfg::kSmemBytes + Cfg::chain_bytes(p.K);
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;

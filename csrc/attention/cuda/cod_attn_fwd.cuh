@@ -148,6 +148,61 @@ __device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], floa
   }
 }
 
+// fwd_softmax_fragment without the rescale of acc, for the pipelined wgmma forward (PIPE = 2 in
+// cod_attn_fwd_wgmma.cuh), where acc is still being accumulated by the previous block's P V when
+// this block's softmax runs: the same statements in the same order on s, m and l (so bitwise the
+// same values, including the l *= alpha before the first l += pv); alpha[r] is returned for
+// fwd_rescale_acc, applied to acc once that P V is complete. A separate function, not a flag of
+// fwd_softmax_fragment: that one is inlined into the default kernels' code. Change both together.
+template <int BN>
+__device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
+                                                           const RowRanges (&rf)[2], bool full, int j0, int jend,
+                                                           int t, float sl2, float (&alpha)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int j = j0 + 8 * n + 2 * t + (x & 1);
+      float v = s[n][x] * sl2;
+      if (!full && !rf[x >> 1].allows(j, jend)) v = -INFINITY;
+      s[n][x] = v;
+      mx[x >> 1] = fmaxf(mx[x >> 1], v);
+    }
+  }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], quad_max(mx[r]));
+    base[r] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[r] = fast_exp2(m[r] - base[r]);
+    m[r] = m_new;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const float pv = fast_exp2(s[n][x] - base[x >> 1]);
+      s[n][x] = pv;
+      l[x >> 1] += pv;
+    }
+  }
+}
+
+// The acc rescale of fwd_softmax_fragment (same multiplications), deferred: see fwd_softmax_fragment_alpha.
+template <int D>
+__device__ __forceinline__ void fwd_rescale_acc(float (&acc)[D / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      acc[n][2 * r] *= alpha[r];
+      acc[n][2 * r + 1] *= alpha[r];
+    }
+  }
+}
+
 // Epilogue of one query row i (fragment row half r of acc): out = acc / l (zeros for rows that
 // are invalid or have no keys) and LSE (natural log; +inf for rows without keys, the backward's
 // convention). lsum = the quad-summed l.

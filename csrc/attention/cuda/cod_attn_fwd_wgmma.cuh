@@ -13,6 +13,8 @@
 //        MN-major (the reduction runs over the tile's rows), as dV += P^T dO in the wgmma dK/dV
 // so Q / K / V are read by the tensor cores straight from shared memory (no ldmatrix, no Q
 // fragments in registers). K / V are double-buffered with cp.async as in the mma.sync kernel.
+// PEAGLE_ATTN_WGMMA_PIPE (CodAttnParams::wgmma_pipe) selects software-pipelined key-block loops
+// (fwd_wgmma_blocks_pipe1 / _pipe2 below) with bitwise the same results.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -53,7 +55,238 @@ __device__ __forceinline__ float dot_sw128_global(const unsigned char* tile, int
   return s;
 }
 
+// ---- pieces of the pipelined key-block loops (PIPE = 1, 2). The same wgmma instructions as the
+// PIPE = 0 loop, on the same operands, so every value is bitwise the same; only the points where
+// the warps wait for them move. Hardware rules used below (PTX ISA, wgmma):
+//  * wgmma.commit_group closes a group of this warp's wgmma.mma_async; groups complete in commit
+//    order, and wgmma.wait_group N returns once at most N of them are pending, so after committing
+//    groups G1 then G2, wait<1> means G1 is complete (G2 may run on).
+//  * until the wait that covers a wgmma, ordinary code must neither read nor write its accumulators
+//    and must not write its register A fragments; its shared-memory operands must not be
+//    overwritten (by any thread: the barrier after every warp's wait) until it is complete.
+//  * wgmma_fence (wgmma.fence) before a wgmma whose accumulators / A fragments ordinary code
+//    wrote; wg::fence_operands pins the compiler's accesses to the registers on the right side of
+//    the (volatile) fence / wait asm.
+
+// S = Q K^T over the D / 16 k-steps (the first overwrites s: scale-d = 0) as one wgmma group.
+template <int D, typename T, int BN, int BM>
+__device__ __forceinline__ void fwd_wgmma_issue_s(float (&s)[BN / 8][4], uint32_t sQa, uint32_t kt) {
+  wg::fence_operands(s);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
+  wg::wgmma_commit();
+}
+
+// O += P V over the BN / 16 k-steps (A = pa, B = the V tile read MN-major) as one wgmma group.
 template <int D, typename T, int BN>
+__device__ __forceinline__ void fwd_wgmma_issue_pv(float (&acc)[D / 8][4], uint32_t (&pa)[BN / 16][4], uint32_t vt) {
+  wg::fence_operands(pa);
+  wg::fence_operands(acc);
+  wg::wgmma_fence();
+#pragma unroll
+  for (int kq = 0; kq < BN / 16; ++kq) wg::wgmma_rs<D, T>(acc, pa[kq], wg::desc_mnmajor<BN>(vt, kq), 1);
+  wg::wgmma_commit();
+}
+
+// P (unnormalized probabilities in s) packed into the RS A fragments, as in the PIPE = 0 loop.
+template <typename T, int BN>
+__device__ __forceinline__ void fwd_pack_p(const float (&s)[BN / 8][4], uint32_t (&pa)[BN / 16][4]) {
+#pragma unroll
+  for (int kq = 0; kq < BN / 16; ++kq) {
+    pa[kq][0] = Pack<T>::two(s[2 * kq][0], s[2 * kq][1]);
+    pa[kq][1] = Pack<T>::two(s[2 * kq][2], s[2 * kq][3]);
+    pa[kq][2] = Pack<T>::two(s[2 * kq + 1][0], s[2 * kq + 1][1]);
+    pa[kq][3] = Pack<T>::two(s[2 * kq + 1][2], s[2 * kq + 1][3]);
+  }
+}
+
+// Both loops below keep two properties that ptxas needs to leave the wgmma asynchronous (else it
+// serializes them, warnings C7514 / C7515 with -Xptxas -v): no wgmma group is pending across the
+// loop's back edge, and every wgmma issue / wait in the loop is unconditional (the last block is
+// peeled off instead of `if (b + 1 < nb)` around the next block's S). Checked for every
+// instantiation: -Xptxas -v prints no C751x warning for this file.
+
+// PIPE = 1: O += P(b) V(b) runs while the warps wait for block b + 1's copies, pass the barrier and
+// issue S(b + 1) = Q K(b + 1)^T; it is waited for (wait<1>: groups complete in commit order, so
+// this leaves only S(b + 1) pending) before block b + 2's copies overwrite its V stage and before
+// the softmax of b + 1 rescales acc and pa is repacked. Loop iteration b (stage(x) = x & 1 holds
+// K(x) and V(x)):
+//   PV(b) issue                        reads pa, V stage(b); accumulates acc
+//   cp.async wait, proxy fence, barrier    K(b + 1), V(b + 1) (stage(b + 1)) visible to all wgmma
+//   S(b + 1) issue                     reads Q, K stage(b + 1); writes s (its P(b) was packed into pa)
+//   wait<1>                            PV(b) complete: acc, pa, V stage(b) free for this warp
+//   proxy fence, barrier               ... for every warp; K stage(b) is free too: its reader S(b)
+//                                      completed before every warp's previous softmax
+//   copies of b + 2 -> stage(b)
+//   wait<0>                            S(b + 1) complete
+//   softmax(b + 1) (rescales acc), pack pa
+// The prologue runs S(0) and its softmax (with the copies of block 1 into the unused stage 1 in
+// flight); the peeled last block is PV(nb - 1) + wait<0>. Two stages suffice (see the copies),
+// so shared memory and occupancy are PIPE = 0's. The values are bitwise PIPE = 0's: the same
+// wgmma sequences on the same operands and the same fwd_softmax_fragment, in the same order per
+// block (softmax(b) -> rescale acc -> PV(b) -> softmax(b + 1) ...).
+template <int D, typename T, int BN, int BM, int NT>
+__device__ __forceinline__ void fwd_wgmma_blocks_pipe1(const TileKeys& tk, uint32_t sQa, uint32_t sKa, uint32_t sVa,
+                                                       const T* rkbase, const T* rvbase, int64_t kld, int tid, int t,
+                                                       const RowRanges (&rr)[2], float sl2, float (&s)[BN / 8][4],
+                                                       float (&acc)[D / 8][4], float (&m)[2], float (&l)[2]) {
+  constexpr uint32_t kStageBytes = BN * D * 2;
+  const int nb = tk.nblocks;
+  if (nb == 0) return;
+  auto copy_block = [&](int blk, uint32_t stage) {
+    int j0, jend;
+    key_block<BN>(tk, blk, j0, jend);
+    wg::load_tile_sw128<BN, D, NT>(sKa + stage * kStageBytes, rkbase, kld, j0, jend, tid);
+    wg::load_tile_sw128<BN, D, NT>(sVa + stage * kStageBytes, rvbase, kld, j0, jend, tid);
+  };
+  auto softmax = [&](int blk) {
+    int j0, jend;
+    key_block<BN>(tk, blk, j0, jend);
+    const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
+    fwd_softmax_fragment<D, BN>(s, acc, m, l, rr, full, j0, jend, t, sl2);
+  };
+  uint32_t pa[BN / 16][4];  // P(b): read by PV(b) until its wait
+  // ---- prologue: copies of block 1 into stage 1 (nothing read it yet); S(0) (Q, K(0), V(0) made
+  // visible by the kernel's prologue barrier) and its softmax (acc: only the chain fold wrote it)
+  if (nb > 1) copy_block(1, 1);
+  cp_async_commit();
+  fwd_wgmma_issue_s<D, T, BN, BM>(s, sQa, sKa);
+  wg::wgmma_wait<0>();
+  wg::fence_operands(s);
+  softmax(0);
+  fwd_pack_p<T, BN>(s, pa);
+  // ---- blocks 0 .. nb - 2; at the top of block b: pa = P(b), acc rescaled for b, no wgmma pending,
+  // K(b + 1) / V(b + 1) copies committed (the last cp.async group)
+#pragma unroll 1
+  for (int b = 0; b + 1 < nb; ++b) {
+    const uint32_t stage = b & 1, nstage = stage ^ 1;
+    fwd_wgmma_issue_pv<D, T, BN>(acc, pa, sVa + stage * kStageBytes);
+    cp_async_wait<0>();
+    wg::fence_proxy_async_smem();
+    __syncthreads();
+    fwd_wgmma_issue_s<D, T, BN, BM>(s, sQa, sKa + nstage * kStageBytes);
+    wg::wgmma_wait<1>();  // PV(b) complete (committed before S(b + 1)); S(b + 1) may run on
+    wg::fence_operands(acc);
+    wg::fence_operands(pa);
+    // Every warp's PV(b) reads of V stage(b) are complete before any thread's copies overwrite it
+    // (the proxy fence keeps PIPE = 0's order at this async-proxy read -> generic write reuse:
+    // wgmma completion, fence.proxy.async, barrier, cp.async).
+    wg::fence_proxy_async_smem();
+    __syncthreads();
+    if (b + 2 < nb) copy_block(b + 2, stage);
+    cp_async_commit();
+    wg::wgmma_wait<0>();  // S(b + 1) complete
+    wg::fence_operands(s);
+    softmax(b + 1);  // rescales acc: PV(b) is complete
+    fwd_pack_p<T, BN>(s, pa);  // PV(b), the last reader of pa, is complete
+  }
+  // ---- the last block: its V was made visible by the last barrier (or the kernel's prologue's)
+  fwd_wgmma_issue_pv<D, T, BN>(acc, pa, sVa + ((nb - 1) & 1) * kStageBytes);
+  wg::wgmma_wait<0>();
+  wg::fence_operands(acc);
+  wg::fence_operands(pa);
+  cp_async_wait<0>();  // (an empty group: no copies are left in flight at the epilogue)
+}
+
+// PIPE = 2 (FlashAttention-3's intra-warpgroup overlap): S(b + 1) = Q K(b + 1)^T is issued BEFORE
+// O += P(b) V(b), so wait<1> returns with S(b + 1) complete while PV(b) may still run, and the
+// softmax of block b + 1 (row max, alpha, P, l) runs on the CUDA cores during PV(b). The rescale
+// acc *= alpha(b + 1) is deferred to the next iteration, between the issue of S(b + 2) and that of
+// PV(b + 1) (acc is free then: PV(b) was waited for; it overlaps S(b + 2)), and pa(b + 1) is packed
+// after PV(b)'s wait (PV(b) reads pa). Loop iteration b (K copied two blocks ahead, V one block
+// ahead; K stage(x) = V stage(x) = x & 1):
+//   copies K(b + 2) -> K stage(b), V(b + 1) -> V stage(b + 1)
+//   S(b + 1) issue                     reads Q, K stage(b + 1); writes s (P(b) is already in pa)
+//   acc *= alpha(b)                    no wgmma on acc is pending (PV(b - 1) was waited for)
+//   PV(b) issue                        reads pa, V stage(b); accumulates acc
+//   wait<1>                            S(b + 1) complete (committed first); PV(b) may run on
+//   softmax(b + 1) without the rescale -> P(b + 1) in s, alpha(b + 1)
+//   wait<0>                            PV(b) complete: pa free; pack pa = P(b + 1)
+//   cp.async wait, proxy fence, barrier    K(b + 2), V(b + 1) visible to every thread's wgmma, and
+//                                      every warp's S(b + 1), PV(b) complete before iteration
+//                                      b + 1's copies overwrite K stage(b + 1) and V stage(b)
+// The copies at the top of iteration b overwrite K stage(b) (last read by S(b): complete before
+// the barrier that ended iteration b - 1, or the prologue's) and V stage(b + 1) (last read by
+// PV(b - 1): complete before that same barrier): two stages each, shared memory and occupancy as
+// PIPE = 0. The prologue copies K(1) and runs S(0) and its softmax; the peeled last block is
+// acc *= alpha(nb - 1), PV(nb - 1), wait<0>.
+// Bitwise equal to PIPE = 0: per block the same S (the same wgmma sequence on the same tiles; the
+// first k-step overwrites), the same softmax statements in the same order on s, m and l
+// (fwd_softmax_fragment_alpha = fwd_softmax_fragment minus the acc rescale, which is the same
+// multiplication by the same alpha, fwd_rescale_acc), and acc goes through exactly PIPE = 0's
+// operations in the same order: chain fold, then per block acc *= alpha(b), acc += P(b) V(b)
+// (the same RS wgmma chain on the same pa and V tile).
+template <int D, typename T, int BN, int BM, int NT>
+__device__ __forceinline__ void fwd_wgmma_blocks_pipe2(const TileKeys& tk, uint32_t sQa, uint32_t sKa, uint32_t sVa,
+                                                       const T* rkbase, const T* rvbase, int64_t kld, int tid, int t,
+                                                       const RowRanges (&rr)[2], float sl2, float (&s)[BN / 8][4],
+                                                       float (&acc)[D / 8][4], float (&m)[2], float (&l)[2]) {
+  constexpr uint32_t kStageBytes = BN * D * 2;
+  const int nb = tk.nblocks;
+  if (nb == 0) return;
+  auto copy_tile = [&](uint32_t tile, const T* gbase, int blk) {
+    int j0, jend;
+    key_block<BN>(tk, blk, j0, jend);
+    wg::load_tile_sw128<BN, D, NT>(tile, gbase, kld, j0, jend, tid);
+  };
+  float alpha[2];  // the rescale of acc for the block whose P is in pa
+  auto softmax = [&](int blk) {
+    int j0, jend;
+    key_block<BN>(tk, blk, j0, jend);
+    const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
+    fwd_softmax_fragment_alpha<BN>(s, m, l, rr, full, j0, jend, t, sl2, alpha);
+  };
+  uint32_t pa[BN / 16][4];  // P(b): read by PV(b) until its wait
+  // ---- prologue: K(1) into K stage 1 (nothing read it yet); S(0) (Q, K(0), V(0) made visible by
+  // the kernel's prologue barrier) and its softmax
+  if (nb > 1) copy_tile(sKa + kStageBytes, rkbase, 1);
+  cp_async_commit();
+  fwd_wgmma_issue_s<D, T, BN, BM>(s, sQa, sKa);
+  wg::wgmma_wait<0>();
+  wg::fence_operands(s);
+  softmax(0);
+  fwd_pack_p<T, BN>(s, pa);
+  // K(1) visible; every warp's S(0) complete before iteration 0's copies overwrite K stage 0
+  cp_async_wait<0>();
+  wg::fence_proxy_async_smem();
+  __syncthreads();
+  // ---- blocks 0 .. nb - 2; at the top of iteration b: pa = P(b), alpha = alpha(b) (acc not yet
+  // rescaled for b), no wgmma pending, K(b + 1) and V(b) visible, every warp past S(b) and PV(b - 1)
+#pragma unroll 1
+  for (int b = 0; b + 1 < nb; ++b) {
+    const uint32_t stage = b & 1, nstage = stage ^ 1;
+    if (b + 2 < nb) copy_tile(sKa + stage * kStageBytes, rkbase, b + 2);
+    copy_tile(sVa + nstage * kStageBytes, rvbase, b + 1);
+    cp_async_commit();
+    fwd_wgmma_issue_s<D, T, BN, BM>(s, sQa, sKa + nstage * kStageBytes);
+    fwd_rescale_acc<D>(acc, alpha);  // acc: no pending wgmma; S(b + 1) does not touch it
+    fwd_wgmma_issue_pv<D, T, BN>(acc, pa, sVa + stage * kStageBytes);
+    wg::wgmma_wait<1>();  // S(b + 1) complete; PV(b) may run on (it touches only acc, pa, V stage(b))
+    wg::fence_operands(s);
+    softmax(b + 1);  // s, m, l, alpha only
+    wg::wgmma_wait<0>();  // PV(b) complete: acc and pa free
+    wg::fence_operands(acc);
+    wg::fence_operands(pa);
+    fwd_pack_p<T, BN>(s, pa);
+    cp_async_wait<0>();
+    wg::fence_proxy_async_smem();
+    __syncthreads();
+  }
+  // ---- the last block (its V visible: the last barrier, or the kernel's prologue's if nb == 1)
+  fwd_rescale_acc<D>(acc, alpha);
+  fwd_wgmma_issue_pv<D, T, BN>(acc, pa, sVa + ((nb - 1) & 1) * kStageBytes);
+  wg::wgmma_wait<0>();
+  wg::fence_operands(acc);
+  wg::fence_operands(pa);
+}
+
+// PIPE (CodAttnParams::wgmma_pipe): 0 = every wgmma group waited for before the next step (the
+// first verified form); 1 = O += P V left in flight over the next block's S = Q K^T issue and the
+// barrier; 2 = S(b + 1) issued before O += P(b) V(b), its softmax overlapping P V (FlashAttention-3
+// intra-warpgroup pipelining). The PIPE = 0 loop is the original code, unchanged.
+template <int D, typename T, int BN, int PIPE>
 __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
 #if PEAGLE_WGMMA_DEVICE
   using Cfg = FwdWgmmaConfig<D, BN>;
@@ -118,58 +351,66 @@ __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAtt
   for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 
   // ---- key blocks
+  if constexpr (PIPE == 0) {
 #pragma unroll 1
-  for (int b = 0; b < tk.nblocks; ++b) {
-    const int stage = b & 1;
-    if (b + 1 < tk.nblocks) {
-      int nj0, njend;
-      key_block<BN>(tk, b + 1, nj0, njend);
-      wg::load_tile_sw128<BN, D, NT>(sKa + (stage ^ 1) * kStageBytes, rkbase, kld, nj0, njend, tid);
-      wg::load_tile_sw128<BN, D, NT>(sVa + (stage ^ 1) * kStageBytes, rvbase, kld, nj0, njend, tid);
+    for (int b = 0; b < tk.nblocks; ++b) {
+      const int stage = b & 1;
+      if (b + 1 < tk.nblocks) {
+        int nj0, njend;
+        key_block<BN>(tk, b + 1, nj0, njend);
+        wg::load_tile_sw128<BN, D, NT>(sKa + (stage ^ 1) * kStageBytes, rkbase, kld, nj0, njend, tid);
+        wg::load_tile_sw128<BN, D, NT>(sVa + (stage ^ 1) * kStageBytes, rvbase, kld, nj0, njend, tid);
+      }
+      cp_async_commit();
+      int j0, jend;
+      key_block<BN>(tk, b, j0, jend);
+      const uint32_t kt = sKa + stage * kStageBytes, vt = sVa + stage * kStageBytes;
+
+      // S = Q K^T: rows = the 64 queries, columns = the BN keys
+      wg::fence_operands(s);
+      wg::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
+      wg::wgmma_commit();
+      wg::wgmma_wait<0>();
+      wg::fence_operands(s);
+
+      const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
+      fwd_softmax_fragment<D, BN>(s, acc[0], m[0], l[0], rr, full, j0, jend, t, sl2);
+
+      // O += P V: A = P from the accumulators (n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq +
+      // 15, the m16n8k16 A-fragment packing of the mma.sync kernel), B = the V stage read MN-major
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int kq = 0; kq < BN / 16; ++kq) {
+        pa[kq][0] = Pack<T>::two(s[2 * kq][0], s[2 * kq][1]);
+        pa[kq][1] = Pack<T>::two(s[2 * kq][2], s[2 * kq][3]);
+        pa[kq][2] = Pack<T>::two(s[2 * kq + 1][0], s[2 * kq + 1][1]);
+        pa[kq][3] = Pack<T>::two(s[2 * kq + 1][2], s[2 * kq + 1][3]);
+      }
+      // acc was rescaled (and, before the first block, filled by the chain fold) by ordinary code
+      wg::fence_operands(pa);
+      wg::fence_operands(acc[0]);
+      wg::wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < BN / 16; ++kq) wg::wgmma_rs<D, T>(acc[0], pa[kq], wg::desc_mnmajor<BN>(vt, kq), 1);
+      wg::wgmma_commit();
+      // The next block's softmax rescales acc and overwrites s (and, after the barrier below, the
+      // next copies overwrite this stage): wait for this batch, which reads pa and the stage.
+      wg::wgmma_wait<0>();
+      wg::fence_operands(acc[0]);
+      wg::fence_operands(pa);
+      cp_async_wait<0>();
+      wg::fence_proxy_async_smem();
+      __syncthreads();
     }
-    cp_async_commit();
-    int j0, jend;
-    key_block<BN>(tk, b, j0, jend);
-    const uint32_t kt = sKa + stage * kStageBytes, vt = sVa + stage * kStageBytes;
-
-    // S = Q K^T: rows = the 64 queries, columns = the BN keys
-    wg::fence_operands(s);
-    wg::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
-    wg::wgmma_commit();
-    wg::wgmma_wait<0>();
-    wg::fence_operands(s);
-
-    const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
-    fwd_softmax_fragment<D, BN>(s, acc[0], m[0], l[0], rr, full, j0, jend, t, sl2);
-
-    // O += P V: A = P from the accumulators (n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq +
-    // 15, the m16n8k16 A-fragment packing of the mma.sync kernel), B = the V stage read MN-major
-    uint32_t pa[BN / 16][4];
-#pragma unroll
-    for (int kq = 0; kq < BN / 16; ++kq) {
-      pa[kq][0] = Pack<T>::two(s[2 * kq][0], s[2 * kq][1]);
-      pa[kq][1] = Pack<T>::two(s[2 * kq][2], s[2 * kq][3]);
-      pa[kq][2] = Pack<T>::two(s[2 * kq + 1][0], s[2 * kq + 1][1]);
-      pa[kq][3] = Pack<T>::two(s[2 * kq + 1][2], s[2 * kq + 1][3]);
-    }
-    // acc was rescaled (and, before the first block, filled by the chain fold) by ordinary code
-    wg::fence_operands(pa);
-    wg::fence_operands(acc[0]);
-    wg::wgmma_fence();
-#pragma unroll
-    for (int kq = 0; kq < BN / 16; ++kq) wg::wgmma_rs<D, T>(acc[0], pa[kq], wg::desc_mnmajor<BN>(vt, kq), 1);
-    wg::wgmma_commit();
-    // The next block's softmax rescales acc and overwrites s (and, after the barrier below, the
-    // next copies overwrite this stage): wait for this batch, which reads pa and the stage.
-    wg::wgmma_wait<0>();
-    wg::fence_operands(acc[0]);
-    wg::fence_operands(pa);
-    cp_async_wait<0>();
-    wg::fence_proxy_async_smem();
-    __syncthreads();
+  } else if constexpr (PIPE == 1) {
+    fwd_wgmma_blocks_pipe1<D, T, BN, BM, NT>(tk, sQa, sKa, sVa, rkbase, rvbase, kld, tid, t, rr, sl2, s, acc[0], m[0],
+                                             l[0]);
+  } else {
+    fwd_wgmma_blocks_pipe2<D, T, BN, BM, NT>(tk, sQa, sKa, sVa, rkbase, rvbase, kld, tid, t, rr, sl2, s, acc[0], m[0],
+                                             l[0]);
   }
 
   // ---- epilogue
@@ -183,14 +424,15 @@ __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAtt
 }
 
 // Launch of the wgmma forward (grid: query tiles of 64 rows x q heads), on `stream`.
-template <int D, typename T>
+// PIPE: CodAttnParams::wgmma_pipe (the instantiation is chosen by the dispatch).
+template <int D, typename T, int PIPE>
 cudaError_t launch_fwd_wgmma(const CodAttnParams& p, cudaStream_t stream) {
   constexpr int BN = 64;
   using Cfg = FwdWgmmaConfig<D, BN>;
   TileMap tm;
   const int ntiles = make_tile_map(p, Cfg::kBM, tm);
   if (ntiles == 0 || p.Hq == 0) return cudaSuccess;
-  auto kernel = cod_attn_fwd_wgmma_kernel<D, T, BN>;
+  auto kernel = cod_attn_fwd_wgmma_kernel<D, T, BN, PIPE>;
   const int smem = Cfg::kSmemBytes + Cfg::chain_bytes(p.K);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;

@@ -81,6 +81,16 @@ int bwd_variant_from_env(int64_t D) {
   return bmq == 64 ? kBwdWgmma64 : kBwdWgmma;
 }
 
+// PEAGLE_ATTN_WGMMA_PIPE: software-pipelining level of the sm_90a warpgroup kernels (forward, dQ,
+// dK/dV; see CodAttnParams::wgmma_pipe): 1 or 2; anything else (or unset) = 0, the unpipelined
+// kernels. Ignored by the mma.sync kernels.
+int wgmma_pipe_from_env() {
+  const char* v = std::getenv("PEAGLE_ATTN_WGMMA_PIPE");
+  if (v == nullptr) return 0;
+  const int level = std::atoi(v);
+  return (level == 1 || level == 2) ? level : 0;
+}
+
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& context_k, const std::optional<at::Tensor>& context_v,
                           const at::Tensor& ranges, const at::Tensor& chains, at::IntArrayRef depth_offsets,
@@ -119,6 +129,7 @@ CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Te
   for (int64_t e = 0; e <= s.K; ++e) p.depth_offsets[e] = static_cast<int>(depth_offsets[e]);
   p.fwd_warps = fwd_warps_from_env();
   p.fwd_mf = fwd_mf_from_env();
+  p.wgmma_pipe = wgmma_pipe_from_env();
   return p;
 }
 
