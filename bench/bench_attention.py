@@ -98,7 +98,7 @@ FWD_CONFIGS = {
     "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
     "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
     # one warpgroup per 64 query rows on sm_90a warpgroup MMAs (only where the GPU is sm_90)
-    "wgmma": {"PEAGLE_ATTN_FWD": "wgmma"},
+    "wgmma": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "0"},  # unpipelined (unset = 2)
     # its pipelined key-block loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same results): 1 = O += P V
     # left in flight; 2 = the softmax of the next block overlapped with P V (FlashAttention-3 style)
     "wgmma_pipe1": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
@@ -137,8 +137,9 @@ def fwd_config(name):
 BWD_CONFIGS = {
     "mma": {"PEAGLE_ATTN_BWD": "mma"},
     "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
-    "wgmma": {"PEAGLE_ATTN_BWD": "wgmma"},
-    "wgmma64": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64"},  # 64-query blocks at D = 128
+    "wgmma": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "0"},  # unpipelined (unset = 2)
+    "wgmma64": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64",  # 64-query blocks at D = 128
+                "PEAGLE_ATTN_WGMMA_PIPE": "0"},
     # the pipelined dQ and dK/dV loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same gradients): 1 =
     # each block's second MMA left in flight; 2 = the dK/dV elementwise overlapped with the previous
     # block's dV / dK MMAs too (FlashAttention-3 style; at D = 128 only with 32-query blocks: the

@@ -5,7 +5,8 @@
 #          only with FULL=1), then the model's CUDA tests, then the 8K train step under auto and
 #          under the mma.sync kernels;
 #   GPU 1: the attention bench (QUICK: ours vs flex incl. its mask, vs SDPA causal; the mma.sync
-#          kernels at two sizes), then the kernel variants at head dim 64 (auto's choice there).
+#          kernels at two sizes), then the kernel variants at head dim 64 (auto's choice there), the
+#          backward variants at 128, and compute-sanitizer memcheck + racecheck of the defaults.
 # Both lanes run at the same time, each time-boxed (bench/_gpu_box.sh); the two GPUs share nothing
 # but the CPUs. Logs in $OUT/wgdef.tgz, the summary in $OUT/summary.txt.
 #   OUT=/path bash bench/gpu_wgmma_default.sh
@@ -36,6 +37,12 @@ lane1() {
     BWD_NAMES=mma,wgmma,auto python3 bench/bench_attention.py --bwd-configs
   box 30 "$work/bench_d64_fwd.log" env CUDA_VISIBLE_DEVICES=$lane1_gpu BENCH_D=64 QUICK=1 OUT="$work/d64" \
     FWD_NAMES=mma,wgmma,auto python3 bench/bench_attention.py --fwd-configs
+  box 45 "$work/bench_d128_bwd.log" env CUDA_VISIBLE_DEVICES=$lane1_gpu QUICK=1 OUT="$work/d128" \
+    BWD_NAMES=mma,wgmma64,auto python3 bench/bench_attention.py --bwd-configs
+  for tool in memcheck racecheck; do
+    box 90 "$work/sanitize_$tool.log" env CUDA_VISIBLE_DEVICES=$lane1_gpu compute-sanitizer --tool $tool \
+      --error-exitcode 99 python3 bench/sanitize_attention.py
+  done
 }
 if [ $lane1_gpu -eq 1 ]; then
   lane0 & p0=$!
@@ -52,7 +59,10 @@ note "-- test_model: $(tail -1 "$work/test_model.log")"
 for v in auto mma; do grep -E "^\| peagle" "$work/train_step_$v.log" | sed "s/^/$v /" | tee -a "$sum"; done
 note "-- bench_attention (QUICK)"
 grep -vE "^\s*$" "$work/bench_attention.log" | tail -30 | tee -a "$sum"
-note "-- head dim 64"
-tail -6 "$work/bench_d64_bwd.log" "$work/bench_d64_fwd.log" | tee -a "$sum"
+note "-- head dim 64, and the backward variants at 128"
+for f in bench_d64_bwd bench_d64_fwd bench_d128_bwd; do tail -n 6 "$work/$f.log" | tee -a "$sum"; done
+for tool in memcheck racecheck; do
+  note "-- $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$work/sanitize_$tool.log" | tail -1)"
+done
 rm -rf "$work"/train_step_*/*.pt "$work"/train_step_*_logs 2>/dev/null
 call_end

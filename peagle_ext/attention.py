@@ -15,7 +15,9 @@ dim 128 (at 64 the forwards use other query tiles and agree to rounding), the Ho
 backward instead: dq is summed with fp32 atomics inside the key-major dK/dV pass (5 matmuls per
 allowed pair instead of 7, plus a T x Hq x D float32 workspace). dq is then NOT bitwise
 reproducible between runs (it varies at the level of one bf16/fp16 rounding step); dk and dv
-still are. Any other value is refused with a ValueError.
+still are. PEAGLE_ATTN_WGMMA_PIPE = 0, 1 or 2 (default 2) is the software-pipelining level of the
+Hopper kernels (bitwise the same results at every level). Any other value is refused with a
+ValueError.
 
 Set PEAGLE_ATTN_CHECK=1 to also validate the layout's contents (sorted anchors, depth segments,
 depth-0 rows, contiguous documents) on CUDA; this syncs with the host. The CPU path always does.

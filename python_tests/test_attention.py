@@ -446,7 +446,8 @@ FWD_CONFIGS = {
     "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
     # PEAGLE_ATTN_FWD=wgmma: one warpgroup per 64 query rows on sm_90a warpgroup MMAs
     # (cod_attn_fwd_wgmma.cuh; sm_90 only, elsewhere it must refuse to run)
-    "fwd_wgmma": {"PEAGLE_ATTN_FWD": "wgmma"},
+    # (unpipelined: PEAGLE_ATTN_WGMMA_PIPE=0; unset means 2)
+    "fwd_wgmma": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "0"},
     # + PEAGLE_ATTN_WGMMA_PIPE (one switch for every wgmma kernel, CodAttnParams::wgmma_pipe): 1 =
     # each block's second MMA left in flight; 2 = the forward's softmax overlapped with P V too, and
     # the dK/dV elementwise with dV / dK += (FlashAttention-3 style; the dQ pass and the 64-query
@@ -655,8 +656,9 @@ WGMMA64_PIPE = pytest.param("wgmma64_pipe", marks=requires_wgmma)
 
 def set_bwd_variant(monkeypatch, name):
     """name in BWD_VARIANTS; "wgmma64" = wgmma with 64-query blocks at D = 128 (PEAGLE_ATTN_WGMMA_BMQ);
-    "*_pipe" = with PEAGLE_ATTN_WGMMA_PIPE=2 (which the wgmma forward reads too); other names leave
-    PEAGLE_ATTN_WGMMA_PIPE as set_fwd_config left it."""
+    "*_pipe" = with PEAGLE_ATTN_WGMMA_PIPE=2 (which the wgmma forward reads too); "wgmma" /
+    "wgmma64" = the unpipelined loops (PIPE=0) unless PEAGLE_ATTN_WGMMA_PIPE is set already (by
+    set_fwd_config); other names leave it as it is (unset = 2)."""
     monkeypatch.delenv("PEAGLE_ATTN_BWD", raising=False)
     monkeypatch.delenv("PEAGLE_ATTN_WGMMA_BMQ", raising=False)
     if BWD_VARIANTS[name] is not None:
@@ -665,6 +667,8 @@ def set_bwd_variant(monkeypatch, name):
         monkeypatch.setenv("PEAGLE_ATTN_WGMMA_BMQ", "64")
     if name.endswith("_pipe"):
         monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", "2")
+    elif name in ("wgmma", "wgmma64") and "PEAGLE_ATTN_WGMMA_PIPE" not in os.environ:
+        monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", "0")
 
 
 def assert_bf16_rounding_close(a, b, what):
@@ -853,15 +857,20 @@ def _pipe_level_of(kernel_name):
 @requires_cuda
 @requires_wgmma
 @pytest.mark.parametrize("bwd", ["wgmma", "wgmma64"])
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, "unset"])
 def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level, bwd):
     """PEAGLE_ATTN_WGMMA_PIPE really picks the kernels (profiler, D = 128): the wgmma forward and the
     dK/dV pass with PIPE = level (the 64-query dK/dV pass: min(level, 1)), the dQ pass with
-    min(level, 1). Without this the bitwise test above would also pass if the glue ignored the env."""
+    min(level, 1); unset = level 2. Without this the bitwise test above would also pass if the glue
+    ignored the env."""
     from torch.profiler import ProfilerActivity, profile
     set_fwd_config(monkeypatch, "fwd_wgmma")
     set_bwd_variant(monkeypatch, bwd)
-    monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", str(level))
+    if level == "unset":
+        monkeypatch.delenv("PEAGLE_ATTN_WGMMA_PIPE")
+        level = 2
+    else:
+        monkeypatch.setenv("PEAGLE_ATTN_WGMMA_PIPE", str(level))
     g = torch.Generator().manual_seed(67)
     lay = make_layout(g, 400, max_doc_len=200, device="cuda")
     q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False)

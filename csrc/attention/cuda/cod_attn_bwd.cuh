@@ -302,6 +302,16 @@ __device__ __forceinline__ void atomic_add4(float* dst, float a, float b, float 
 #endif
 }
 
+// Grid of the dK/dV passes (this one and cod_attn_dkv_wgmma_kernel): one CTA per (key block of BN
+// range keys, kv head), 1-D and key-block major: blockIdx.x = block * Hkv + head. With causal
+// ranges the work of a key block falls with its position (key j is seen by every later query), so
+// this order starts the heaviest blocks of every head first; head-major order started the last
+// heads' heaviest blocks in the final wave (a greedy-schedule model puts that tail at 1.2-1.5x of
+// the ideal at N = 4K-8K on 132 SMs, against 1.01x for this order).
+inline dim3 dkv_grid(const CodAttnParams& p, int bn) {
+  return dim3(static_cast<unsigned>((p.N + bn - 1) / bn) * static_cast<unsigned>(p.Hkv));
+}
+
 template <int D, typename T, int BMQ, bool DQ_ATOMIC>
 __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParams p) {
   using Cfg = DkvConfig<D, BMQ, DQ_ATOMIC>;
@@ -320,8 +330,9 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int hk = blockIdx.y;
-  const int j0 = blockIdx.x * BN;
+  // 1-D grid, key-block major (dkv_grid)
+  const int hk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
+  const int j0 = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv)) * BN;
   const int j1 = min(j0 + BN, p.N);
   const int64_t T_ = p.T;
 
@@ -765,7 +776,7 @@ cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
       auto kernel = cod_attn_dkv_kernel<D, T, DKV_BMQ, kAtomic>;
       cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       if (e != cudaSuccess) return e;
-      kernel<<<dim3((p.N + Cfg::kBN - 1) / Cfg::kBN, p.Hkv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+      kernel<<<dkv_grid(p, Cfg::kBN), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
       return cudaGetLastError();
     };
     if (wgmma)

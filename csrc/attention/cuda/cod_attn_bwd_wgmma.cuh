@@ -195,8 +195,9 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int hk = blockIdx.y;
-  const int j0 = blockIdx.x * BN;
+  // 1-D grid, key-block major (dkv_grid in cod_attn_bwd.cuh)
+  const int hk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
+  const int j0 = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv)) * BN;
   const int j1 = min(j0 + BN, p.N);
   const int64_t T_ = p.T;
 
@@ -594,7 +595,7 @@ cudaError_t launch_dkv_wgmma_loop(const CodAttnParams& p, cudaStream_t stream) {
   auto kernel = cod_attn_dkv_wgmma_kernel<D, T, BMQ, PIPE>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
-  kernel<<<dim3((p.N + Cfg::kBN - 1) / Cfg::kBN, p.Hkv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  kernel<<<dkv_grid(p, Cfg::kBN), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -82,13 +82,15 @@ int bwd_variant_from_env(int64_t D) {
 }
 
 // PEAGLE_ATTN_WGMMA_PIPE: software-pipelining level of the sm_90a warpgroup kernels (forward, dQ,
-// dK/dV; see CodAttnParams::wgmma_pipe): 1 or 2; anything else (or unset) = 0, the unpipelined
-// kernels. Ignored by the mma.sync kernels.
+// dK/dV; see CodAttnParams::wgmma_pipe): 0 = unpipelined, 1, or 2 (unset, empty or "auto": 2, the
+// fastest on an H200 by 1-4% of fwd+bwd, bitwise the same results: bench/RESULTS.md run 21).
+// Ignored by the mma.sync kernels.
 int wgmma_pipe_from_env() {
   const char* v = std::getenv("PEAGLE_ATTN_WGMMA_PIPE");
-  if (v == nullptr) return 0;
-  const int level = std::atoi(v);
-  return (level == 1 || level == 2) ? level : 0;
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return 2;
+  if (std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0) return v[0] - '0';
+  TORCH_CHECK_VALUE(false, "cod_attention: PEAGLE_ATTN_WGMMA_PIPE=", v, " is not a pipelining level; use 0, 1, 2 or auto");
+  return 2;
 }
 
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
