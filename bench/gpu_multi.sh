@@ -47,10 +47,10 @@ if [ "${PROFILE:-0}" = "1" ]; then
     sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
 --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats"
     # one warm-up step (3 matching launches: fwd, dq, dkv), then the profiled step
-    box 120 "$work/ncu_default.log" ncu --clock-control none -k "regex:cod_attn_(fwd|dq|dkv)_kernel" \
+    box 120 "$work/ncu_default.log" ncu --clock-control none -k "regex:cod_attn_(fwd|dq|dkv)(_wgmma)?_kernel" \
       --launch-skip 3 --launch-count 3 $sections python3 bench/profile_attention.py --ncu --n 8192 --cap 1024
     box 90 "$work/ncu_atomic.log" env PEAGLE_ATTN_BWD=atomic ncu --clock-control none \
-      -k "regex:cod_attn_(fwd|dq|dkv)_kernel" --launch-skip 2 --launch-count 2 $sections \
+      -k "regex:cod_attn_(fwd|dq|dkv)(_wgmma)?_kernel" --launch-skip 2 --launch-count 2 $sections \
       python3 bench/profile_attention.py --ncu --n 8192 --cap 1024
     for f in "$work"/ncu_*.log; do
       echo "== $f" >> "$sum"
