@@ -1,4 +1,4 @@
-"""Distributed training step (peagle_ext.distributed): 1 GPU vs 2 GPUs under DDP and FSDP2.
+"""Distributed training step (peagle_ext.distributed): 1 GPU vs 2 (or more) GPUs under DDP and FSDP2.
 
     torchrun --standalone --nproc_per_node 2 bench/bench_distributed.py [--sizes 8192,32768]
              [--steps 3] [--warmup 1] [--modes ddp,fsdp] [--out DIR]
@@ -11,8 +11,8 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1); set here when unset
 The drafter: Qwen3-8B-shaped (hidden 4096, 32 query / 8 KV heads of 128, intermediate 12288,
 vocab 151936 = draft vocab, 3 aux layers), 1 decoder layer, K = 8, random weights, random
 verifier hidden states (no verifier model), bf16 autocast, the whole embedding trained (the GPU
-default). A step's global batch is 2 packed rows of N tokens ("units"): 1 GPU runs both
-(gradient accumulation 2), 2 GPUs one each, exactly as `peagle train` does (units assigned by
+default). A step's global batch is 2 packed rows of N tokens ("units"), or one per rank on more
+than 2 ranks: 1 GPU runs them all (gradient accumulation), each rank one, as `peagle train` does (units assigned by
 peagle_ext.distributed, loss over the global token count, sum-reduced gradients).
 
 Reported per (mode, GPUs, N): step time (mean of --steps after --warmup), tokens/s per GPU,
@@ -142,7 +142,9 @@ class Run:
             if not p.requires_grad:
                 continue
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[n] = t.detach().float().cpu()
+            # copy=True: on CPU with fp32 parameters .float().cpu() would return the live tensor,
+            # and the initial snapshot would follow the optimizer (update 0: ratios meaningless)
+            out[n] = t.detach().to("cpu", torch.float32, copy=True)
         return out
 
     def close(self):
@@ -155,8 +157,14 @@ class Run:
             torch.cuda.empty_cache()
 
 
-def time_config(ctx, shape, device, amp, n, steps, warmup):
-    units = make_units(shape, n, 2, device, amp or torch.float32, seed=n)
+def units_per_step(world: int) -> int:
+    """Packed rows in a step's global batch: 2, or one per rank on more than 2 ranks (the 1-rank
+    baseline then accumulates them all)."""
+    return max(2, world)
+
+
+def time_config(ctx, shape, device, amp, n, steps, warmup, count):
+    units = make_units(shape, n, count, device, amp or torch.float32, seed=n)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     run = Run(ctx, shape, device, amp)
@@ -199,11 +207,11 @@ def _rel_l2(a: dict, b: dict, base: dict | None = None) -> tuple[float, float]:
     return (num ** 0.5) / max(den ** 0.5, 1e-30), worst
 
 
-def check_config(mode, ctx1, ctx2, shape, device, n, steps, rank):
-    """1 GPU (rank 0 alone) vs 2 GPUs from the same init on the same global batch: the first
+def check_config(mode, ctx1, ctx2, shape, device, n, steps, rank, count):
+    """1 GPU (rank 0 alone) vs all ranks from the same init on the same global batch: the first
     step's summed gradient, and the parameters after `steps` AdamW steps."""
     amp = torch.bfloat16 if (device.type == "cuda" and mode == "ddp") else None
-    units = make_units(shape, n, 2, device, amp or torch.float32, seed=7 + n)
+    units = make_units(shape, n, count, device, amp or torch.float32, seed=7 + n)
 
     def train(ctx, **kw):
         run = Run(ctx, shape, device, amp, **kw)
@@ -243,13 +251,13 @@ def write_outputs(args, world, device, shape, sizes, steps, runs, correctness):
     for r in runs:
         b = base.get(r["n"])
         if r["mode"] != "single" and b:
-            # throughput 2 GPUs / (2 x throughput 1 GPU); both process the same global batch
+            # throughput of the ranks / (ranks x throughput of 1 GPU); both process the same global batch
             r["scaling_efficiency"] = b["step_s"] / (r["gpus"] * r["step_s"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "shape": shape, "sizes": sizes, "steps": steps, "warmup": args.warmup,
-            "units_per_step": 2, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+            "units_per_step": units_per_step(world), "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
     (out / "bench_distributed.json").write_text(json.dumps({**meta, "runs": runs, "correctness": correctness},
                                                            indent=1))
     lines = ["| mode | GPUs | N | step ms | tokens/s per GPU | peak GiB per GPU | first-step peak GiB | scaling efficiency |",
@@ -262,7 +270,7 @@ def write_outputs(args, world, device, shape, sizes, steps, runs, correctness):
         lines += ["", "| check | N | precision | step-1 grad rel. L2 | param max abs diff | param diff / update | "
                   "pass |", "|---|---|---|---|---|---|---|"]
         for c in correctness:
-            lines.append(f"| {c['mode']} 2 vs 1 | {c['n']} | {c['precision']} | {c['grad_rel_l2']:.3g} | "
+            lines.append(f"| {c['mode']} {world} vs 1 | {c['n']} | {c['precision']} | {c['grad_rel_l2']:.3g} | "
                          f"{c['max_abs_diff']:.3g} | {c['rel_to_update']:.3g} | {c['passed']} |")
     table = "\n".join(lines) + "\n"
     (out / "bench_distributed.md").write_text(f"# bench_distributed ({meta['device']})\n\n" + table)
@@ -289,8 +297,8 @@ def main():
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else shape["sizes"]
     steps = args.steps if args.steps is not None else (2 if args.tiny else 3)
     device_kind = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if int(os.environ.get("WORLD_SIZE", "1")) != 2:
-        sys.exit("run under torchrun --nproc_per_node 2 (it compares 1 and 2 ranks)")
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        sys.exit("run under torchrun --nproc_per_node 2 (or more): it compares 1 rank with all of them")
     torch.set_num_threads(1 if device_kind == "cpu" else torch.get_num_threads())
 
     # the process group: NCCL on GPUs, gloo on CPU; every context below shares it
@@ -309,13 +317,14 @@ def main():
         f"sizes {sizes}, K={shape['num_depths']}, {steps} steps after {args.warmup} warm-up")
     for n in sizes:
         if rank == 0:
-            r = time_config(single, shape, device, amp, n, steps, args.warmup)
+            r = time_config(single, shape, device, amp, n, steps, args.warmup, units_per_step(world))
             runs.append({"mode": "single", "gpus": 1, **r})
             say(f"  N={n} 1 rank : {r['step_s'] * 1e3:8.1f} ms/step, {r['tokens_per_s_per_rank']:10.0f} tok/s, "
                 f"peak {r['peak_gib']:.1f} GiB (first step {r['peak_gib_first_step']:.1f})")
         dist.barrier()
         for mode in modes:
-            r = time_config(DistContext.from_env(mode, device.type), shape, device, amp, n, steps, args.warmup)
+            r = time_config(DistContext.from_env(mode, device.type), shape, device, amp, n, steps, args.warmup,
+                            units_per_step(world))
             per_rank = [None] * world
             dist.all_gather_object(per_rank, r)
             if rank == 0:
@@ -339,10 +348,10 @@ def main():
         n_check = sizes[0]
         for mode in modes:
             res = check_config(mode, single, DistContext.from_env(mode, device.type), shape, device, n_check,
-                               args.check_steps, rank)
+                               args.check_steps, rank, units_per_step(world))
             if rank == 0:
                 correctness.append(res)
-                say(f"  check {mode}: 2 ranks vs 1 ({res['precision']}): step-1 gradient |dg|/|g| "
+                say(f"  check {mode}: {world} ranks vs 1 ({res['precision']}): step-1 gradient |dg|/|g| "
                     f"{res['grad_rel_l2']:.3g}; after {res['steps']} steps max |dp| {res['max_abs_diff']:.3g}, "
                     f"|dp| / |update| {res['rel_to_update']:.3g} -> {'PASS' if res['passed'] else 'FAIL'}")
             dist.barrier()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200-x2 (phases switched by env, 1 = run):
-#   DIST      issue 9's distributed bench (1 vs 2 GPUs, DDP and FSDP2, N = 8K and 32K, and the
-#             2-vs-1 parameter check)
+# One device call on nvidia-h200-x2 (or -x4, -x8; phases switched by env, 1 = run):
+#   DIST      issue 9's distributed bench (1 vs all GPUs, DDP and FSDP2, N = 8K and 32K
+#             (DIST_SIZES, space-separated), and the all-vs-1 parameter check)
 #   MODELTEST the CUDA model tests (fp32 parameters without autocast among them)
 #   PROFILE   per-kernel attention time (bench/profile_attention.py, default and atomic backward)
 #             and Nsight Compute sections of the forward, dQ and dK/dV kernels
@@ -21,10 +21,15 @@ nvidia-smi topo -m > "$work/topo.txt" 2>&1; head -4 "$work/topo.txt" | tee -a "$
 # NVLink multicast off (shared host); the bench also sets these when unset
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ "${DIST:-1}" = "1" ]; then
-  box ${DIST_BOX:-300} "$work/bench_distributed.log" torchrun --standalone --nproc_per_node 2 \
-    bench/bench_distributed.py --sizes ${DIST_SIZES:-8192,32768} --steps 3 --warmup 1 --out "$OUT"
-  grep -E "N=|check|^\|" "$work/bench_distributed.log" | tee -a "$sum"
-  grep -E "Error|error" "$work/bench_distributed.log" | head -10 | tee -a "$sum"
+  # every GPU of the machine (NPROC to override); one torchrun per size, so a size the time box cuts
+  # off does not take the finished ones with it (each writes $OUT/dist_N/bench_distributed.*)
+  nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
+  for n in ${DIST_SIZES:-8192 32768}; do
+    box ${DIST_BOX:-300} "$work/bench_distributed_$n.log" torchrun --standalone --nproc_per_node $nproc \
+      bench/bench_distributed.py --sizes $n --steps 3 --warmup 1 --out "$OUT/dist_$n"
+    grep -E "N=|check|^\|" "$work/bench_distributed_$n.log" | tee -a "$sum"
+    grep -E "Error|error" "$work/bench_distributed_$n.log" | head -10 | tee -a "$sum"
+  done
 fi
 
 if [ "${MODELTEST:-0}" = "1" ]; then
