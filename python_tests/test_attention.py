@@ -930,6 +930,24 @@ def test_cuda_auto_is_bitwise_mma(monkeypatch, d, cross, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("var,value", [("PEAGLE_ATTN_FWD", "wgmmma"), ("PEAGLE_ATTN_BWD", "fast"),
+                                       ("PEAGLE_ATTN_WGMMA_PIPE", "3")])
+def test_cuda_unknown_kernel_env_refused(monkeypatch, var, value):
+    """A misspelt kernel choice is a ValueError naming the variable and its value (the forward reads
+    PEAGLE_ATTN_FWD and PEAGLE_ATTN_WGMMA_PIPE, the backward PEAGLE_ATTN_BWD), never a silent
+    fallback to some other kernel."""
+    set_fwd_config(monkeypatch, "auto")
+    set_bwd_variant(monkeypatch, "auto")
+    monkeypatch.setenv(var, value)
+    g = torch.Generator().manual_seed(71)
+    lay = make_layout(g, 200, device="cuda")
+    q, k, v, _ = make_inputs(g, lay, 4, 2, 64, torch.bfloat16, "cuda", False)
+    with pytest.raises(ValueError, match=f"{var}={value}"):
+        out = cod_attention(q, k, v, lay)
+        torch.autograd.grad(out.float().sum(), [q, k, v])
+
+
+@requires_cuda
 def test_cuda_bwd_wgmma_refused_off_sm90(monkeypatch):
     """Where wgmma cannot run (not compute capability 9.0, or a build without sm_90a), the backward
     raises a sentence naming the requirement instead of running anything."""
