@@ -9,10 +9,13 @@ checks; metadata equal on both devices; the non-default forward CTA shapes
 shape; the opt-in atomic-dQ backward (PEAGLE_ATTN_BWD=atomic) on a subset of the reference
 scenarios, tiny / padding / all-padding / K=64 layouts, large-N spot checks, graph capture, its
 run-to-run closeness (dq is summed with fp32 atomics: not bitwise reproducible) and its agreement
-with the deterministic backward; the opt-in Hopper backward (PEAGLE_ATTN_BWD=wgmma: the dQ and dK/dV
-passes on sm_90a warpgroup MMAs) on the same subsets where the GPU is sm_90 (skipped elsewhere, where it must
-refuse to run); likewise the opt-in Hopper forward (PEAGLE_ATTN_FWD=wgmma, config "fwd_wgmma") as a
-forward variant, alone and with the wgmma backward. A failing GPU case names its configuration.
+with the deterministic backward; the Hopper kernels (sm_90a warpgroup MMAs; what "auto", the
+default, runs on an sm_90 GPU): the backward forced by PEAGLE_ATTN_BWD=wgmma (32- or 64-query
+blocks) and the forward by PEAGLE_ATTN_FWD=wgmma, with and without their pipelined loops
+(PEAGLE_ATTN_WGMMA_PIPE), on the same subsets where the GPU is sm_90 (skipped elsewhere, where
+they must refuse to run), bitwise equal to the mma.sync kernels ("mma") at D = 128 and across
+pipelining levels. The plain tests (no config) run "auto". A failing GPU case names its
+configuration.
 """
 import math
 import os
