@@ -460,14 +460,30 @@ FWD_CONFIGS = {
 }
 
 
-def _fwd_wgmma_runs_here():
-    """PEAGLE_ATTN_FWD=wgmma runs on compute capability 9.0 with a build that has sm_90a kernels."""
+def _wgmma_runs_here():
+    """The wgmma kernels (PEAGLE_ATTN_FWD / PEAGLE_ATTN_BWD = wgmma, and auto's choice) run on
+    compute capability 9.0 with a build that has sm_90a kernels."""
     if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
         return False
     return "90" in peagle_ext.build_info().get("cuda_archs", [])
 
 
-HAS_FWD_WGMMA = _fwd_wgmma_runs_here()
+def profiled_kernel_names(run, contains):
+    """Names of the CUDA kernels containing `contains` that one call of run() launches (after a
+    warm-up call, under torch.profiler); skips the test where the profiler records no kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if contains in e.name}
+    if not names:
+        pytest.skip("the profiler recorded no kernels here")
+    return names
+
+
+HAS_WGMMA = HAS_FWD_WGMMA = _wgmma_runs_here()
 requires_fwd_wgmma = pytest.mark.skipif(not HAS_FWD_WGMMA,
                                         reason="PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU and a build with 90")
 FWD_WGMMA = pytest.param("fwd_wgmma", marks=requires_fwd_wgmma)
@@ -614,19 +630,11 @@ def test_cuda_fwd_wgmma_selects_kernel(monkeypatch, cfg):
     PEAGLE_ATTN_FWD=wgmma and without the env on sm_90, cod_attn_fwd_kernel otherwise (mma, a CTA
     shape, or auto elsewhere); without this every fwd_wgmma test would also pass if the glue
     ignored the env."""
-    from torch.profiler import ProfilerActivity, profile
     set_fwd_config(monkeypatch, cfg)
     g = torch.Generator().manual_seed(53)
     lay = make_layout(g, 400, max_doc_len=200, device="cuda")
     q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False, requires_grad=False)
-    cod_attention(q, k, v, lay, window=50, sink=2)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        cod_attention(q, k, v, lay, window=50, sink=2)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "cod_attn_fwd" in e.name]
-    if not names:
-        pytest.skip("the profiler recorded no kernels here")
+    names = profiled_kernel_names(lambda: cod_attention(q, k, v, lay, window=50, sink=2), "cod_attn_fwd")
     has_wgmma = any("cod_attn_fwd_wgmma_kernel" in n for n in names)
     has_mma = any("cod_attn_fwd_kernel" in n for n in names)
     wgmma = cfg == "fwd_wgmma" or (cfg == "auto" and HAS_FWD_WGMMA)
@@ -643,14 +651,6 @@ BWD_VARIANTS = {"auto": None, "mma": "mma", "atomic": "atomic", "wgmma": "wgmma"
                 "wgmma_pipe": "wgmma", "wgmma64_pipe": "wgmma"}
 
 
-def _wgmma_runs_here():
-    """PEAGLE_ATTN_BWD=wgmma runs on compute capability 9.0 with a build that has sm_90a kernels."""
-    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    return "90" in peagle_ext.build_info().get("cuda_archs", [])
-
-
-HAS_WGMMA = _wgmma_runs_here()
 requires_wgmma = pytest.mark.skipif(not HAS_WGMMA, reason="PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU and a build with 90")
 WGMMA = pytest.param("wgmma", marks=requires_wgmma)
 WGMMA_PIPE = pytest.param("wgmma_pipe", marks=requires_wgmma)
@@ -866,7 +866,6 @@ def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level, bwd):
     dK/dV pass with PIPE = level (the 64-query dK/dV pass: min(level, 1)), the dQ pass with
     min(level, 1); unset = level 2. Without this the bitwise test above would also pass if the glue
     ignored the env."""
-    from torch.profiler import ProfilerActivity, profile
     set_fwd_config(monkeypatch, "fwd_wgmma")
     set_bwd_variant(monkeypatch, bwd)
     if level == "unset":
@@ -878,16 +877,8 @@ def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level, bwd):
     lay = make_layout(g, 400, max_doc_len=200, device="cuda")
     q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False)
     go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
-    out = cod_attention(q, k, v, lay, window=50, sink=2)
-    torch.autograd.grad(out, [q, k, v], go)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = cod_attention(q, k, v, lay, window=50, sink=2)
-        torch.autograd.grad(out, [q, k, v], go)
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if "wgmma_kernel" in e.name}
-    if not names:
-        pytest.skip("the profiler recorded no kernels here")
+    names = profiled_kernel_names(
+        lambda: torch.autograd.grad(cod_attention(q, k, v, lay, window=50, sink=2), [q, k, v], go), "wgmma_kernel")
     want = {"cod_attn_fwd_wgmma_kernel": level, "cod_attn_dq_wgmma_kernel": min(level, 1),
             "cod_attn_dkv_wgmma_kernel": min(level, 1) if bwd == "wgmma64" else level}
     got = {kern: sorted({_pipe_level_of(n) for n in names if kern in n}) for kern in want}
@@ -1025,24 +1016,17 @@ def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
 @requires_cuda
 @pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA])
 def test_cuda_bwd_variants_select_kernels(monkeypatch, bwd):
-    """The env switch really picks the backward: the kernels launched by one backward (profiler)
+    """The env switch really picks the backward: the kernels launched by one fwd+bwd (profiler)
     are the query-major dQ kernel for the default and the dQ finish kernel (no dQ kernel) for
     "atomic"; "wgmma" runs the wgmma dQ and dK/dV kernels instead of the mma.sync ones.
     Without this, every variant test above would also pass if the glue ignored the env."""
-    from torch.profiler import ProfilerActivity, profile
     set_bwd_variant(monkeypatch, bwd)
     g = torch.Generator().manual_seed(41)
     lay = make_layout(g, 400, max_doc_len=200, device="cuda")
     q, k, v, _ = make_inputs(g, lay, 4, 2, 64, torch.bfloat16, "cuda", False)
     go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
-    out = cod_attention(q, k, v, lay, window=50, sink=2)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.autograd.grad(out, [q, k, v], go)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "cod_attn_" in e.name]
-    if not names:
-        pytest.skip("the profiler recorded no kernels here")
+    names = profiled_kernel_names(
+        lambda: torch.autograd.grad(cod_attention(q, k, v, lay, window=50, sink=2), [q, k, v], go), "cod_attn_")
     has_dq = any("cod_attn_dq_kernel" in n for n in names)
     has_dq_wgmma = any("cod_attn_dq_wgmma_kernel" in n for n in names)
     has_finish = any("cod_attn_dq_finish_kernel" in n for n in names)
