@@ -93,6 +93,20 @@ int wgmma_pipe_from_env() {
   return 2;
 }
 
+// A forced wgmma kernel (PEAGLE_ATTN_FWD / PEAGLE_ATTN_BWD = wgmma) where it cannot run: an error
+// naming the device's compute capability and the build's archs, instead of a launch failure.
+// `what` is a literal so the sentence stays greppable in the built library (bench/attn_wgmma.sh
+// looks for it).
+void require_wgmma(const char* what) {
+  if (cod_attn_wgmma_available()) return;
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  TORCH_CHECK(false, what, " (compute capability 9.0; this one is ", major, ".", minor,
+              ") and a build with 90 in PEAGLE_CUDA_ARCHS (this one: " PEAGLE_CUDA_ARCHS ")");
+}
+
 CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& context_k, const std::optional<at::Tensor>& context_v,
                           const at::Tensor& ranges, const at::Tensor& chains, at::IntArrayRef depth_offsets,
@@ -173,14 +187,7 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_fwd_cuda(const at::Tensor& q, c
   CodAttnParams p = base_params(s, q, k, v, context_k, context_v, ranges, chains, depth_offsets, scale, use_sink);
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  if (p.fwd_mf == kFwdWgmma && !cod_attn_wgmma_available()) {
-    int dev = 0, major = 0, minor = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    TORCH_CHECK(false, "cod_attention: PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU (compute capability 9.0; this one is ",
-                major, ".", minor, ") and a build with 90 in PEAGLE_CUDA_ARCHS (this one: " PEAGLE_CUDA_ARCHS ")");
-  }
+  if (p.fwd_mf == kFwdWgmma) require_wgmma("cod_attention: PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU");
   check_launch(cod_attn_fwd_launch(p, attn_dtype(q), c10::cuda::getCurrentCUDAStream()), "forward");
   return {out, lse};
 }
@@ -225,14 +232,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
   p.drk = s.cross ? dck.data_ptr() : dk.data_ptr();
   p.drv = s.cross ? dcv.data_ptr() : dv.data_ptr();
   p.bwd_variant = bwd_variant_from_env(s.D);
-  if ((p.bwd_variant == kBwdWgmma || p.bwd_variant == kBwdWgmma64) && !cod_attn_wgmma_available()) {
-    int dev = 0, major = 0, minor = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    TORCH_CHECK(false, "cod_attention: PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU (compute capability 9.0; this one is ",
-                major, ".", minor, ") and a build with 90 in PEAGLE_CUDA_ARCHS (this one: " PEAGLE_CUDA_ARCHS ")");
-  }
+  if (p.bwd_variant == kBwdWgmma || p.bwd_variant == kBwdWgmma64)
+    require_wgmma("cod_attention: PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU");
   at::Tensor dq_accum;  // fp32 [T, Hq, D] workspace of the atomic variant (zeroed by the launcher)
   if (p.bwd_variant == kBwdAtomic) {
     dq_accum = at::empty({s.T, s.Hq, s.D}, q.options().dtype(at::kFloat));
