@@ -27,7 +27,6 @@ as for SDPA causal (T(T+1)/2 pairs). The floor is the time at the H200's dense b
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -432,18 +431,23 @@ def _variant_cases():
     return out_dir, cases
 
 
+def _variant_names(env_var, configs, what):
+    """The variants named in env_var (comma list; default: all of `configs`) that run here (wgmma
+    ones need an sm_90 GPU, bwd_config_runs); the first is the baseline. Prints the skipped ones."""
+    wanted = [x for x in os.environ.get(env_var, "").split(",") if x] or list(configs)
+    names = [nm for nm in wanted if nm in configs and bwd_config_runs(nm)]
+    skipped = [nm for nm in wanted if nm not in names]
+    if skipped:
+        print(f"# skipped {what} variants (not runnable here or unknown): {skipped}")
+    return names
+
+
 def fwd_configs_main():
     """Forward only, every variant of FWD_CONFIGS on the bench layouts (plus a windowed one):
     time, useful TF/s, speed-up over the baseline (the first name), and max |diff| of out against it."""
     out_dir, cases = _variant_cases()
     dev = torch.cuda.get_device_name()
-    # FWD_NAMES=mma,wgmma (optional) restricts the variants; the first one is the baseline.
-    # wgmma runs only where the GPU is sm_90 (bwd_config_runs: same requirement as the backward's)
-    wanted = [x for x in os.environ.get("FWD_NAMES", "").split(",") if x] or list(FWD_CONFIGS)
-    names = [nm for nm in wanted if nm in FWD_CONFIGS and bwd_config_runs(nm)]
-    skipped = [nm for nm in wanted if nm not in names]
-    if skipped:
-        print(f"# skipped forward variants (not runnable here or unknown): {skipped}")
+    names = _variant_names("FWD_NAMES", FWD_CONFIGS, "forward")  # e.g. FWD_NAMES=mma,wgmma
     print(f"# COD attention forward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
           f"ratio = {names[0]} ms / variant ms (>1: faster than {names[0]})")
     print(f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} " + " ".join(f"{nm + ' ms':>10} {'TF/s':>5} {'ratio':>5}"
@@ -493,12 +497,7 @@ def bwd_configs_main():
     from the baseline."""
     out_dir, cases = _variant_cases()
     dev = torch.cuda.get_device_name()
-    # BWD_NAMES=mma,wgmma (optional) restricts the variants; the first one is the baseline
-    wanted = [x for x in os.environ.get("BWD_NAMES", "").split(",") if x] or list(BWD_CONFIGS)
-    names = [nm for nm in wanted if nm in BWD_CONFIGS and bwd_config_runs(nm)]
-    skipped = [nm for nm in wanted if nm not in names]
-    if skipped:
-        print(f"# skipped backward variants (not runnable here or unknown): {skipped}")
+    names = _variant_names("BWD_NAMES", BWD_CONFIGS, "backward")  # e.g. BWD_NAMES=mma,wgmma
     print(f"# COD attention backward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; forward as the env "
           f"says (auto if unset); bwd = f+b - fwd; ratio = {names[0]} ms / variant ms (>1: faster); floor = bwd "
           f"FLOPs at {PEAK_BF16_TFLOPS:.0f} TF/s")
