@@ -21,55 +21,13 @@
 # Logs under $OUT; summary in $OUT/attn_pipe_summary.txt. Exit code non-zero if any phase failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
-unset PEAGLE_ATTN_FWD_MF PEAGLE_ATTN_FWD_WARPS PEAGLE_ATTN_FWD PEAGLE_ATTN_BWD PEAGLE_ATTN_WGMMA_BMQ PEAGLE_ATTN_WGMMA_PIPE
-summary="$OUT/attn_pipe_summary.txt"
-: > "$summary"
-note() { echo "$*" | tee -a "$summary"; }
-status=0
-t_end=$(( $(date +%s) + ${CALL_BUDGET:-540} ))
-cap() { local left=$(( t_end - $(date +%s) - 5 )); [ $left -lt 1 ] && left=1; [ $1 -lt $left ] && echo $1 || echo $left; }
-nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>/dev/null | tee -a "$summary"
-
+source bench/_attn_gpu.sh
+attn_gpu_start attn_pipe
 # 0. build: a build from before this change has no PEAGLE_ATTN_WGMMA_PIPE in its glue
-has_pipe_build() {
-  python3 - <<'EOF' 2>/dev/null
-import glob, os, sys
-import peagle_ext
-if not peagle_ext.has_cuda_kernels():
-    sys.exit(1)
-so = glob.glob(os.path.join(os.path.dirname(peagle_ext.__file__), "_C*.so"))
-sys.exit(0 if so and b"PEAGLE_ATTN_WGMMA_PIPE" in open(so[0], "rb").read() else 1)
-EOF
-}
-if ! has_pipe_build; then
-  if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++; fi
-  t0=$(date +%s)
-  MAX_JOBS=${MAX_JOBS:-16} PEAGLE_WITH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -e . \
-    > "$OUT/attn_pipe_build.log" 2>&1
-  rc=$?; note "build: rc=$rc in $(( $(date +%s) - t0 ))s"
-  [ $rc -eq 0 ] || { tail -40 "$OUT/attn_pipe_build.log"; exit 1; }
-fi
-python3 -c "import peagle_ext; print(peagle_ext.build_info())" | tee -a "$summary"
+attn_gpu_build attn_pipe PEAGLE_ATTN_WGMMA_PIPE
 
-# 1. building blocks
-t0=$(date +%s)
-nvcc -std=c++17 -O2 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I csrc \
-  tools/wgmma_selftest.cu -o "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest_build.log" 2>&1
-rc=$?
-if [ $rc -eq 0 ]; then
-  timeout $(cap 40) "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest.log" 2>&1
-  rc=$?
-  grep -E "^(FAIL|    C\[)" "$OUT/wgmma_selftest.log" | head -20 | tee -a "$summary"
-  tail -1 "$OUT/wgmma_selftest.log" | tee -a "$summary"
-else
-  tail -20 "$OUT/wgmma_selftest_build.log" | tee -a "$summary"
-fi
-note "wgmma_selftest: rc=$rc in $(( $(date +%s) - t0 ))s"
-[ $rc -eq 0 ] || status=1
-rm -f "$OUT/wgmma_selftest"
+# 1. building blocks (unchanged by the pipelining: a failure here is not the pipelining)
+attn_gpu_selftest 40
 
 run_tests() {  # run_tests NAME SELECTION CAP
   local t0=$(date +%s)

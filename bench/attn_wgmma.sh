@@ -25,59 +25,13 @@
 # Logs under $OUT; the summary is $OUT/attn_wgmma_summary.txt. Exit code non-zero if any phase failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
-unset PEAGLE_ATTN_FWD_MF PEAGLE_ATTN_FWD_WARPS PEAGLE_ATTN_FWD PEAGLE_ATTN_BWD  # the tests and the bench set them per case
-summary="$OUT/attn_wgmma_summary.txt"
-: > "$summary"
-note() { echo "$*" | tee -a "$summary"; }
-status=0
-# the whole script stays inside one device call: every phase's time cap is cut to what is left of
-# CALL_BUDGET (seconds from here; default 540, the call limit is 600 with the machine's start)
-t_end=$(( $(date +%s) + ${CALL_BUDGET:-540} ))
-cap() { local left=$(( t_end - $(date +%s) - 5 )); [ $left -lt 1 ] && left=1; [ $1 -lt $left ] && echo $1 || echo $left; }
-nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>/dev/null | tee -a "$summary"
-
+source bench/_attn_gpu.sh
+attn_gpu_start attn_wgmma
 # A build from before the wgmma forward has no PEAGLE_ATTN_FWD=wgmma glue: its error sentence is the marker.
-has_wgmma_build() {
-  python3 - <<'EOF' 2>/dev/null
-import glob, os, sys
-import peagle_ext
-if not peagle_ext.has_cuda_kernels():
-    sys.exit(1)
-so = glob.glob(os.path.join(os.path.dirname(peagle_ext.__file__), "_C*.so"))
-sys.exit(0 if so and b"PEAGLE_ATTN_FWD=wgmma needs" in open(so[0], "rb").read() else 1)
-EOF
-}
-if ! has_wgmma_build; then
-  # same build as bench/gpu_suite.sh (system compiler: see the note there)
-  if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++; fi
-  t0=$(date +%s)
-  MAX_JOBS=${MAX_JOBS:-16} PEAGLE_WITH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -e . \
-    > "$OUT/attn_wgmma_build.log" 2>&1
-  rc=$?; note "build: rc=$rc in $(( $(date +%s) - t0 ))s"
-  [ $rc -eq 0 ] || { tail -40 "$OUT/attn_wgmma_build.log"; exit 1; }
-fi
-python3 -c "import peagle_ext; print(peagle_ext.build_info())" | tee -a "$summary"
+attn_gpu_build attn_wgmma "PEAGLE_ATTN_FWD=wgmma needs"
 
 # 1. building blocks
-t0=$(date +%s)
-nvcc -std=c++17 -O2 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I csrc \
-  tools/wgmma_selftest.cu -o "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest_build.log" 2>&1
-rc=$?
-if [ $rc -eq 0 ]; then
-  timeout $(cap ${SELFTEST_TIMEOUT:-60}) "$OUT/wgmma_selftest" > "$OUT/wgmma_selftest.log" 2>&1
-  rc=$?
-  cat "$OUT/wgmma_selftest.log" >> "$summary"
-  grep -E "^(FAIL|    C\[)" "$OUT/wgmma_selftest.log" | head -20
-  tail -1 "$OUT/wgmma_selftest.log"
-else
-  tail -20 "$OUT/wgmma_selftest_build.log" | tee -a "$summary"
-fi
-note "wgmma_selftest: rc=$rc in $(( $(date +%s) - t0 ))s"
-[ $rc -eq 0 ] || status=1
-rm -f "$OUT/wgmma_selftest"  # a binary does not need to come back
+attn_gpu_selftest ${SELFTEST_TIMEOUT:-60}
 
 # 2. tests
 sel="wgmma and not fwd_wgmma and not pipe"  # the forward variant's tests are phase 3b; pipelined: bench/attn_pipe.sh
