@@ -12,8 +12,6 @@ cd "$(dirname "$0")/.."
 source bench/_gpu_box.sh
 unset PEAGLE_ATTN_FWD PEAGLE_ATTN_BWD PEAGLE_ATTN_FWD_MF PEAGLE_ATTN_FWD_WARPS PEAGLE_ATTN_WGMMA_BMQ PEAGLE_ATTN_WGMMA_PIPE
 call_start pipe 545
-ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-lane1_gpu=1; [ "${SERIAL:-0}" = "1" ] || [ "$ngpu" -lt 2 ] && lane1_gpu=0
 
 lane0() {
   box $(( $(left) - 10 )) "$work/attn_pipe.log" env CUDA_VISIBLE_DEVICES=0 OUT="$work/attn_pipe" \
@@ -25,13 +23,7 @@ lane1() {
   box 200 "$work/bench_pipe2.log" env CUDA_VISIBLE_DEVICES=$lane1_gpu QUICK=1 OUT="$work/pipe2" \
     PEAGLE_ATTN_WGMMA_PIPE=2 python3 bench/bench_attention.py
 }
-if [ $lane1_gpu -eq 1 ]; then
-  lane0 & p0=$!
-  lane1 & p1=$!
-  wait $p0 $p1
-else
-  lane0; lane1
-fi
+run_lanes lane0 lane1  # lane1 uses $lane1_gpu (bench/_gpu_box.sh)
 note "-- attn_pipe"
 cat "$work/attn_pipe/attn_pipe_summary.txt" >> "$sum"
 grep -E "^(tests|bench|compute-sanitizer|wgmma_selftest|attn_pipe|FAILED|PASS:)" "$work/attn_pipe/attn_pipe_summary.txt"

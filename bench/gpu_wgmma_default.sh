@@ -15,8 +15,6 @@ cd "$(dirname "$0")/.."
 source bench/_gpu_box.sh
 unset PEAGLE_ATTN_FWD PEAGLE_ATTN_BWD PEAGLE_ATTN_FWD_MF PEAGLE_ATTN_FWD_WARPS PEAGLE_ATTN_WGMMA_BMQ
 call_start wgdef 540
-ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-lane1_gpu=1; [ "${SERIAL:-0}" = "1" ] || [ "$ngpu" -lt 2 ] && lane1_gpu=0
 
 lane0() {
   local k="cuda"; [ "${FULL:-0}" = "1" ] || k="cuda and not 131072"
@@ -44,13 +42,7 @@ lane1() {
       --error-exitcode 99 python3 bench/sanitize_attention.py
   done
 }
-if [ $lane1_gpu -eq 1 ]; then
-  lane0 & p0=$!
-  lane1 & p1=$!
-  wait $p0 $p1
-else
-  lane0; lane1
-fi
+run_lanes lane0 lane1  # lane1 uses $lane1_gpu (bench/_gpu_box.sh)
 
 note "-- test_attention: $(tail -1 "$work/test_attention.log")"
 grep -E "^(FAILED|ERROR)" "$work/test_attention.log" | head -12 | tee -a "$sum"
