@@ -112,13 +112,13 @@ __device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], floa
                                                      float (&l)[2], const RowRanges (&rf)[2], bool full, int j0,
                                                      int jend, int t, float sl2) {
   float mx[2] = {-INFINITY, -INFINITY};
+  const BlockRowMask bm[2] = {BlockRowMask(rf[0], j0, jend, BN, t), BlockRowMask(rf[1], j0, jend, BN, t)};
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int j = j0 + 8 * n + 2 * t + (x & 1);
       float v = s[n][x] * sl2;
-      if (!full && !rf[x >> 1].allows(j, jend)) v = -INFINITY;
+      if (!full && !bm[x >> 1].allows(8 * n + (x & 1))) v = -INFINITY;  // key j0 + 2 t + 8 n + (x & 1)
       s[n][x] = v;
       mx[x >> 1] = fmaxf(mx[x >> 1], v);
     }
@@ -159,13 +159,13 @@ __device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4]
                                                            const RowRanges (&rf)[2], bool full, int j0, int jend,
                                                            int t, float sl2, float (&alpha)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
+  const BlockRowMask bm[2] = {BlockRowMask(rf[0], j0, jend, BN, t), BlockRowMask(rf[1], j0, jend, BN, t)};
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int j = j0 + 8 * n + 2 * t + (x & 1);
       float v = s[n][x] * sl2;
-      if (!full && !rf[x >> 1].allows(j, jend)) v = -INFINITY;
+      if (!full && !bm[x >> 1].allows(8 * n + (x & 1))) v = -INFINITY;  // key j0 + 2 t + 8 n + (x & 1)
       s[n][x] = v;
       mx[x >> 1] = fmaxf(mx[x >> 1], v);
     }
