@@ -58,3 +58,17 @@ def test_cuda_kernel_sources_compile_for_sm90(tmp_path):
         results = list(ex.map(compile_one, sources))
     failed = [(s.relative_to(ROOT), err) for s, rc, err in results if rc != 0]
     assert not failed, "nvcc -arch=sm_90 failed:\n" + "\n\n".join(f"{s}:\n{e}" for s, e in failed)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not installed")
+def test_block_row_mask_equals_row_ranges(tmp_path):
+    """tools/check_block_row_mask.cu (host code: runs without a GPU): the wgmma forward's and dQ
+    pass's per-block mask (BlockRowMask, cod_attn_tile.cuh) answers as RowRanges::allows for every
+    key of 400K random and adversarial (range, block, jend) cases."""
+    exe = tmp_path / "check_block_row_mask"
+    r = subprocess.run([_nvcc(), "-std=c++17", "-O2", "-I", str(ROOT / "csrc"),
+                        str(ROOT / "tools" / "check_block_row_mask.cu"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("PASS"), run.stdout[-2000:]

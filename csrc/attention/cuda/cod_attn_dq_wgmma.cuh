@@ -147,6 +147,7 @@ __device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], co
                                                  const RowRanges (&rr)[2], bool full, int j0, int jend, int t,
                                                  float sl2, const float (&lse2)[2], const float (&dlt)[2],
                                                  uint32_t (&a)[BN / 16][4]) {
+  const BlockRowMask bm[2] = {BlockRowMask(rr[0], j0, jend, BN, t), BlockRowMask(rr[1], j0, jend, BN, t)};
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
     float ds[2][4];  // accumulator n-tiles 2 kk, 2 kk + 1
@@ -155,9 +156,8 @@ __device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], co
       const int n = 2 * kk + h;
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
-        const int j = j0 + 8 * n + 2 * t + (x & 1);
         const int r = x >> 1;
-        const bool ok = full || rr[r].allows(j, jend);
+        const bool ok = full || bm[r].allows(8 * n + (x & 1));  // key j0 + 2 t + 8 n + (x & 1)
         const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
         ds[h][x] = pv * (dpv[n][x] - dlt[r]);
       }
@@ -279,13 +279,13 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_d
 
       // P and dS (in s) exactly as cod_attn_dq_kernel
       const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
+      const BlockRowMask bm[2] = {BlockRowMask(rr[0], j0, jend, BN, t), BlockRowMask(rr[1], j0, jend, BN, t)};
 #pragma unroll
       for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          const int j = j0 + 8 * n + 2 * t + (x & 1);
           const int r = x >> 1;
-          const bool ok = full || rr[r].allows(j, jend);
+          const bool ok = full || bm[r].allows(8 * n + (x & 1));  // key j0 + 2 t + 8 n + (x & 1)
           const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
           s[n][x] = pv * (dpv[n][x] - dlt[r]);  // dS
         }

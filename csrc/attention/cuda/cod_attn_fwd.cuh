@@ -104,6 +104,24 @@ __device__ __forceinline__ void fwd_chain_keys(const CodAttnParams& p, const QTi
   }
 }
 
+// acc *= alpha per fragment row (the online-softmax rescale; fwd_softmax_fragment, and deferred in
+// the pipelined wgmma forward: see fwd_softmax_fragment_alpha). Skipped when alpha is 1 for every
+// row of the warp, which is most blocks once a row's running max has settled: x * 1.0f == x for
+// every float (NaN, inf and -0 included), so skipping changes no bit; the test is warp-uniform so
+// the warp does not diverge. Used by the wgmma forward only (the mma.sync kernel keeps its copy).
+template <int D>
+__device__ __forceinline__ void fwd_rescale_acc(float (&acc)[D / 8][4], const float (&alpha)[2]) {
+  if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      acc[n][2 * r] *= alpha[r];
+      acc[n][2 * r + 1] *= alpha[r];
+    }
+  }
+}
+
 // Online softmax of one 16-row fragment over key block [j0, j0 + BN) (clipped to jend): scores s
 // (m16 x BN accumulator fragments) -> masked, scaled to the log2 domain, running max m / sum l
 // (per-thread partial) updated, acc rescaled, s replaced by the unnormalized probabilities.
@@ -112,31 +130,27 @@ __device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], floa
                                                      float (&l)[2], const RowRanges (&rf)[2], bool full, int j0,
                                                      int jend, int t, float sl2) {
   float mx[2] = {-INFINITY, -INFINITY};
+  const BlockRowMask bm[2] = {BlockRowMask(rf[0], j0, jend, BN, t), BlockRowMask(rf[1], j0, jend, BN, t)};
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int j = j0 + 8 * n + 2 * t + (x & 1);
       float v = s[n][x] * sl2;
-      if (!full && !rf[x >> 1].allows(j, jend)) v = -INFINITY;
+      if (!full && !bm[x >> 1].allows(8 * n + (x & 1))) v = -INFINITY;  // key j0 + 2 t + 8 n + (x & 1)
       s[n][x] = v;
       mx[x >> 1] = fmaxf(mx[x >> 1], v);
     }
   }
-  float base[2];
+  float base[2], alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float m_new = fmaxf(m[r], quad_max(mx[r]));
     base[r] = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = fast_exp2(m[r] - base[r]);
+    alpha[r] = fast_exp2(m[r] - base[r]);
     m[r] = m_new;
-    l[r] *= alpha;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      acc[n][2 * r] *= alpha;
-      acc[n][2 * r + 1] *= alpha;
-    }
+    l[r] *= alpha[r];
   }
+  fwd_rescale_acc<D>(acc, alpha);
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
@@ -159,13 +173,13 @@ __device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4]
                                                            const RowRanges (&rf)[2], bool full, int j0, int jend,
                                                            int t, float sl2, float (&alpha)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
+  const BlockRowMask bm[2] = {BlockRowMask(rf[0], j0, jend, BN, t), BlockRowMask(rf[1], j0, jend, BN, t)};
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int j = j0 + 8 * n + 2 * t + (x & 1);
       float v = s[n][x] * sl2;
-      if (!full && !rf[x >> 1].allows(j, jend)) v = -INFINITY;
+      if (!full && !bm[x >> 1].allows(8 * n + (x & 1))) v = -INFINITY;  // key j0 + 2 t + 8 n + (x & 1)
       s[n][x] = v;
       mx[x >> 1] = fmaxf(mx[x >> 1], v);
     }
@@ -190,18 +204,6 @@ __device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4]
   }
 }
 
-// The acc rescale of fwd_softmax_fragment (same multiplications), deferred: see fwd_softmax_fragment_alpha.
-template <int D>
-__device__ __forceinline__ void fwd_rescale_acc(float (&acc)[D / 8][4], const float (&alpha)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      acc[n][2 * r] *= alpha[r];
-      acc[n][2 * r + 1] *= alpha[r];
-    }
-  }
-}
 
 // Epilogue of one query row i (fragment row half r of acc): out = acc / l (zeros for rows that
 // are invalid or have no keys) and LSE (natural log; +inf for rows without keys, the backward's
