@@ -850,11 +850,16 @@ def test_cuda_wgmma_pipe_bitwise_equal(monkeypatch, case, d, bwd):
 
 
 def _pipe_level_of(kernel_name):
-    """The PIPE template argument of a wgmma kernel name as the profiler reports it, demangled
-    (cod_attn_fwd_wgmma_kernel<128, __nv_bfloat16, 64, 2>(...)) or mangled (...Li64ELi2EE...)."""
+    """The PIPE template argument of a wgmma kernel name as the profiler reports it: the fourth one
+    (<D, dtype, BMQ, PIPE> for all three kernels; the dK/dV kernel has a fifth, DQ_ATOMIC), demangled
+    (cod_attn_dkv_wgmma_kernel<128, __nv_bfloat16, 64, 2, false>(...)) or mangled (...Li128E13__nv_
+    bfloat16Li64ELi2ELb0EEEv...: the third integer literal)."""
     import re
-    m = re.search(r"<[^<>]*,\s*(\d+)>\(", kernel_name) or re.search(r"Li(\d+)EEEv", kernel_name)
-    return int(m.group(1)) if m else None
+    m = re.search(r"_kernel<\s*\d+,\s*[\w:]+,\s*\d+,\s*(\d+)\s*[,>]", kernel_name)
+    if m:
+        return int(m.group(1))
+    ints = re.findall(r"Li(\d+)E", kernel_name)
+    return int(ints[2]) if len(ints) >= 3 else None
 
 
 @requires_cuda
