@@ -850,16 +850,20 @@ def test_cuda_wgmma_pipe_bitwise_equal(monkeypatch, case, d, bwd):
 
 
 def _pipe_level_of(kernel_name):
-    """The PIPE template argument of a wgmma kernel name as the profiler reports it: the fourth one
-    (<D, dtype, BMQ, PIPE> for all three kernels; the dK/dV kernel has a fifth, DQ_ATOMIC), demangled
-    (cod_attn_dkv_wgmma_kernel<128, __nv_bfloat16, 64, 2, false>(...)) or mangled (...Li128E13__nv_
-    bfloat16Li64ELi2ELb0EEEv...: the third integer literal)."""
+    """The PIPE template argument of a wgmma kernel name as the profiler reports it, demangled
+    (cod_attn_dkv_wgmma_kernel<128, __nv_bfloat16, 64, 2, 0>(...)) or mangled (...Li128E13__nv_
+    bfloat16Li64ELi2ELi0EEEv...). The forward <D, dtype, 64, PIPE> and the dK/dV pass <D, dtype, BMQ,
+    PIPE, DQ_ADD> have it 4th, the dQ pass <D, dtype, PIPE> 3rd (its integer literals: D, PIPE)."""
     import re
-    m = re.search(r"_kernel<\s*\d+,\s*[\w:]+,\s*\d+,\s*(\d+)\s*[,>]", kernel_name)
+    dq = "dq_wgmma_kernel" in kernel_name
+    m = re.search(r"_kernel<([^<>]*)>\(", kernel_name)
     if m:
-        return int(m.group(1))
+        args = [a.strip() for a in m.group(1).split(",")]
+        pos = 2 if dq else 3
+        return int(args[pos]) if len(args) > pos and args[pos].isdigit() else None
     ints = re.findall(r"Li(\d+)E", kernel_name)
-    return int(ints[2]) if len(ints) >= 3 else None
+    pos = 1 if dq else 2
+    return int(ints[pos]) if len(ints) > pos else None
 
 
 @requires_cuda
