@@ -9,7 +9,7 @@
 #          backward variants at 128, and compute-sanitizer memcheck + racecheck of the defaults.
 # Both lanes run at the same time, each time-boxed (bench/_gpu_box.sh); the two GPUs share nothing
 # but the CPUs. Logs in $OUT/wgdef.tgz, the summary in $OUT/summary.txt.
-#   OUT=/path bash bench/gpu_wgmma_default.sh
+#   OUT=/path [FULL=1] [BENCH_QUICK=0] bash bench/gpu_wgmma_default.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/_gpu_box.sh
@@ -29,7 +29,9 @@ lane0() {
   done
 }
 lane1() {
-  box 240 "$work/bench_attention.log" env CUDA_VISIBLE_DEVICES=$lane1_gpu QUICK=1 OUT="$work" \
+  # BENCH_QUICK=0: every size of the issue (4K, 8K, 16K, 32K, 128K), about 2.5x the QUICK time
+  local bq=${BENCH_QUICK:-1} bt=240; [ "$bq" = "1" ] || bt=380
+  box $bt "$work/bench_attention.log" env CUDA_VISIBLE_DEVICES=$lane1_gpu QUICK=$bq OUT="$work" \
     python3 bench/bench_attention.py
   box 45 "$work/bench_d64_bwd.log" env CUDA_VISIBLE_DEVICES=$lane1_gpu BENCH_D=64 QUICK=1 OUT="$work/d64" \
     BWD_NAMES=mma,wgmma,auto python3 bench/bench_attention.py --bwd-configs
@@ -49,7 +51,7 @@ grep -E "^(FAILED|ERROR)" "$work/test_attention.log" | head -12 | tee -a "$sum"
 grep -E "^E  .*(Assertion|Error)" "$work/test_attention.log" | head -6 | cut -c1-400 | tee -a "$sum"
 note "-- test_model: $(tail -1 "$work/test_model.log")"
 for v in auto mma; do grep -E "^\| peagle" "$work/train_step_$v.log" | sed "s/^/$v /" | tee -a "$sum"; done
-note "-- bench_attention (QUICK)"
+note "-- bench_attention (QUICK=${BENCH_QUICK:-1})"
 grep -vE "^\s*$" "$work/bench_attention.log" | tail -30 | tee -a "$sum"
 note "-- head dim 64, and the backward variants at 128"
 for f in bench_d64_bwd bench_d64_fwd bench_d128_bwd; do tail -n 6 "$work/$f.log" | tee -a "$sum"; done
