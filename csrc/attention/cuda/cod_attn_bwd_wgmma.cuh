@@ -78,20 +78,39 @@ __device__ __forceinline__ void dkv_wgmma_issue_mma2(float (&dk)[D / 8][4], floa
   wg::wgmma_commit();
 }
 
-// P^T and dS^T of one query block from st / dpt (row metadata m = one stage of s_meta), packed into
-// the RS A fragments pa / sa: the same float operations as the PIPE = 0 loop (pv, then
-// pv * (dP - delta), each rounded once by the pack), but st / dpt are only read, never written:
-// ptxas serializes the wgmmas of a loop that leaves a group pending across its back edge if
-// ordinary code writes any wgmma accumulator in it (C7515), as the in-place P^T / dS^T would.
-template <int BMQ, int BN, int MF, typename T>
-__device__ __forceinline__ void dkv_wgmma_elementwise(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
-                                                      const int* m, int j0, const int (&key_row)[2], int lane, int t,
-                                                      float sl2, uint32_t (&pa)[BMQ / 16][4],
-                                                      uint32_t (&sa)[BMQ / 16][4]) {
+// Whether key block [j0, j0 + BN) is "full" for this warp's query columns of the stage's row
+// metadata m: every valid row's window range covers all BN keys (warp-uniform).
+template <int BMQ, int BN>
+__device__ __forceinline__ bool dkv_block_full(const int* m, int j0, int lane) {
   auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
   bool cov = covers(lane);
   if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
-  const bool full = __all_sync(0xffffffffu, cov);
+  return __all_sync(0xffffffffu, cov);
+}
+
+// P^T and dS^T of one element: query column qc of the stage's row metadata m, key j, scores st /
+// dpt. MASKED: the key is tested against the row's ranges; otherwise the block is full. Callers
+// branch on dkv_block_full and instantiate both: a per-element `ok = full; if (!ok) ...` was
+// if-converted (the five range loads and the test on every block), see fwd_scale_mask_max.
+template <int BMQ, bool MASKED>
+__device__ __forceinline__ void dkv_p_ds(float st, float dpt, const int* m, int qc, int j, float sl2, float& pv,
+                                         float& ds) {
+  bool ok = true;
+  if constexpr (MASKED) {
+    const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
+    ok = r.allows(j, INT_MAX);
+  }
+  const bool valid = m[4 * BMQ + qc] != 0;
+  const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
+  const float dl = __int_as_float(m[6 * BMQ + qc]);
+  pv = ok ? fast_exp2(st * sl2 - l2) : 0.f;
+  ds = pv * (dpt - dl);
+}
+
+template <int BMQ, typename T, bool MASKED>
+__device__ __forceinline__ void dkv_wgmma_elementwise_as(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
+                                                         const int* m, const int (&key_row)[2], int t, float sl2,
+                                                         uint32_t (&pa)[BMQ / 16][4], uint32_t (&sa)[BMQ / 16][4]) {
 #pragma unroll
   for (int kq = 0; kq < BMQ / 16; ++kq) {
     float pv[2][4], ds[2][4];  // accumulator n-tiles 2 kq, 2 kq + 1
@@ -99,20 +118,8 @@ __device__ __forceinline__ void dkv_wgmma_elementwise(const float (&st)[BMQ / 8]
     for (int h = 0; h < 2; ++h) {
       const int n = 2 * kq + h;
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int qc = 8 * n + 2 * t + (x & 1);
-        const int j = key_row[x >> 1];
-        bool ok = full;
-        if (!ok) {
-          const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
-          ok = r.allows(j, INT_MAX);
-        }
-        const bool valid = m[4 * BMQ + qc] != 0;
-        const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
-        const float dl = __int_as_float(m[6 * BMQ + qc]);
-        pv[h][x] = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
-        ds[h][x] = pv[h][x] * (dpt[n][x] - dl);
-      }
+      for (int x = 0; x < 4; ++x)
+        dkv_p_ds<BMQ, MASKED>(st[n][x], dpt[n][x], m, 8 * n + 2 * t + (x & 1), key_row[x >> 1], sl2, pv[h][x], ds[h][x]);
     }
     pa[kq][0] = Pack<T>::two(pv[0][0], pv[0][1]);
     pa[kq][1] = Pack<T>::two(pv[0][2], pv[0][3]);
@@ -125,34 +132,47 @@ __device__ __forceinline__ void dkv_wgmma_elementwise(const float (&st)[BMQ / 8]
   }
 }
 
-// The same P^T / dS^T as dkv_wgmma_elementwise, written in place into st / dpt (for the PIPE = 2
-// loop, which computes them while the previous block's MMA2 still reads pa / sa), and the pack.
-template <int BMQ, int BN, int MF>
-__device__ __forceinline__ void dkv_wgmma_p_ds_inplace(float (&st)[BMQ / 8][4], float (&dpt)[BMQ / 8][4], const int* m,
-                                                       int j0, const int (&key_row)[2], int lane, int t, float sl2) {
-  auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
-  bool cov = covers(lane);
-  if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
-  const bool full = __all_sync(0xffffffffu, cov);
+// P^T and dS^T of one query block from st / dpt (row metadata m = one stage of s_meta), packed into
+// the RS A fragments pa / sa: the same float operations as the PIPE = 0 loop (pv, then
+// pv * (dP - delta), each rounded once by the pack), but st / dpt are only read, never written:
+// ptxas serializes the wgmmas of a loop that leaves a group pending across its back edge if
+// ordinary code writes any wgmma accumulator in it (C7515), as the in-place P^T / dS^T would.
+template <int BMQ, int BN, int MF, typename T>
+__device__ __forceinline__ void dkv_wgmma_elementwise(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
+                                                      const int* m, int j0, const int (&key_row)[2], int lane, int t,
+                                                      float sl2, uint32_t (&pa)[BMQ / 16][4],
+                                                      uint32_t (&sa)[BMQ / 16][4]) {
+  if (dkv_block_full<BMQ, BN>(m, j0, lane))
+    dkv_wgmma_elementwise_as<BMQ, T, false>(st, dpt, m, key_row, t, sl2, pa, sa);
+  else
+    dkv_wgmma_elementwise_as<BMQ, T, true>(st, dpt, m, key_row, t, sl2, pa, sa);
+}
+
+template <int BMQ, bool MASKED>
+__device__ __forceinline__ void dkv_p_ds_inplace_as(float (&st)[BMQ / 8][4], float (&dpt)[BMQ / 8][4], const int* m,
+                                                    const int (&key_row)[2], int t, float sl2) {
 #pragma unroll
   for (int n = 0; n < BMQ / 8; ++n) {
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int qc = 8 * n + 2 * t + (x & 1);
-      const int j = key_row[x >> 1];
-      bool ok = full;
-      if (!ok) {
-        const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
-        ok = r.allows(j, INT_MAX);
-      }
-      const bool valid = m[4 * BMQ + qc] != 0;
-      const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
-      const float dl = __int_as_float(m[6 * BMQ + qc]);
-      const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
+      float pv, ds;
+      dkv_p_ds<BMQ, MASKED>(st[n][x], dpt[n][x], m, 8 * n + 2 * t + (x & 1), key_row[x >> 1], sl2, pv, ds);
       st[n][x] = pv;
-      dpt[n][x] = pv * (dpt[n][x] - dl);
+      dpt[n][x] = ds;
     }
   }
+}
+
+// The same P^T / dS^T as dkv_wgmma_elementwise, written in place into st / dpt (for the PIPE = 2
+// loop, which computes them while the previous block's MMA2 still reads pa / sa, and the PIPE = 0
+// loop), and the pack.
+template <int BMQ, int BN, int MF>
+__device__ __forceinline__ void dkv_wgmma_p_ds_inplace(float (&st)[BMQ / 8][4], float (&dpt)[BMQ / 8][4], const int* m,
+                                                       int j0, const int (&key_row)[2], int lane, int t, float sl2) {
+  if (dkv_block_full<BMQ, BN>(m, j0, lane))
+    dkv_p_ds_inplace_as<BMQ, false>(st, dpt, m, key_row, t, sl2);
+  else
+    dkv_p_ds_inplace_as<BMQ, true>(st, dpt, m, key_row, t, sl2);
 }
 template <int BMQ, typename T>
 __device__ __forceinline__ void dkv_wgmma_pack(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
@@ -320,31 +340,9 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
       wg::fence_operands(st);
       wg::fence_operands(dpt);
 
-      // the block is "full" when every valid query row's window range covers all 64 keys
-      auto covers = [&](int r) { return !m[4 * BMQ + r] || (m[r] <= j0 && j0 + BN <= m[BMQ + r]); };
-      bool cov = covers(lane);
-      if (BMQ > 32) cov = cov && covers((lane + 32) % BMQ);
-      const bool full = __all_sync(0xffffffffu, cov);
-      // P^T (stored in st) and dS^T (stored in dpt)
-#pragma unroll
-      for (int n = 0; n < BMQ / 8; ++n) {
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int qc = 8 * n + 2 * t + (x & 1);
-          const int j = key_row[x >> 1];
-          bool ok = full;
-          if (!ok) {
-            const RowRanges r{m[qc], m[BMQ + qc], m[2 * BMQ + qc], m[3 * BMQ + qc], m[4 * BMQ + qc]};
-            ok = r.allows(j, INT_MAX);
-          }
-          const bool valid = m[4 * BMQ + qc] != 0;
-          const float l2 = valid ? __int_as_float(m[5 * BMQ + qc]) * kLog2e : INFINITY;
-          const float dl = __int_as_float(m[6 * BMQ + qc]);
-          const float pv = ok ? fast_exp2(st[n][x] * sl2 - l2) : 0.f;
-          st[n][x] = pv;
-          dpt[n][x] = pv * (dpt[n][x] - dl);
-        }
-      }
+      // P^T (stored in st) and dS^T (stored in dpt); the mask only on blocks that are not "full"
+      // (every valid query row's window range covers all 64 keys)
+      dkv_wgmma_p_ds_inplace<BMQ, BN, MF>(st, dpt, m, j0, key_row, lane, t, sl2);
       // dV += P^T dO, dK += dS^T Q (k-dim = the BMQ queries): A fragments from the accumulators
       // (accumulator n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq + 15), B = the dO / Q stage
       // read MN-major.

@@ -140,6 +140,40 @@ __device__ __forceinline__ void dq_wgmma_issue_mma2(float (&dq)[D / 8][4], uint3
   wg::wgmma_commit();
 }
 
+// dS = P (dP - delta) of one 16-key slice (accumulator n-tile n) of a key block into ds (MASKED:
+// keys the row may not see give P = 0; otherwise the block is full). The same float operations as
+// the PIPE = 0 loop. Callers branch on `full` and instantiate both (see fwd_scale_mask_max: a
+// per-score `full ||` is if-converted into the whole mask test on every block).
+template <int BN, bool MASKED>
+__device__ __forceinline__ void dq_wgmma_ds_ntile(const float (&s)[BN / 8][4], const float (&dpv)[BN / 8][4],
+                                                  const BlockRowMask (&bm)[2], int n, float sl2,
+                                                  const float (&lse2)[2], const float (&dlt)[2], float (&ds)[4]) {
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int r = x >> 1;
+    const bool ok = !MASKED || bm[r].allows(8 * n + (x & 1));  // key j0 + 2 t + 8 n + (x & 1)
+    const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
+    ds[x] = pv * (dpv[n][x] - dlt[r]);
+  }
+}
+
+// dS of one key block packed into the RS A fragments a (MASKED as dq_wgmma_ds_ntile); s / dpv only read.
+template <int BN, typename T, bool MASKED>
+__device__ __forceinline__ void dq_wgmma_ds_pack_as(const float (&s)[BN / 8][4], const float (&dpv)[BN / 8][4],
+                                                    const BlockRowMask (&bm)[2], float sl2, const float (&lse2)[2],
+                                                    const float (&dlt)[2], uint32_t (&a)[BN / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    float ds[2][4];  // accumulator n-tiles 2 kk, 2 kk + 1
+    dq_wgmma_ds_ntile<BN, MASKED>(s, dpv, bm, 2 * kk, sl2, lse2, dlt, ds[0]);
+    dq_wgmma_ds_ntile<BN, MASKED>(s, dpv, bm, 2 * kk + 1, sl2, lse2, dlt, ds[1]);
+    a[kk][0] = Pack<T>::two(ds[0][0], ds[0][1]);
+    a[kk][1] = Pack<T>::two(ds[0][2], ds[0][3]);
+    a[kk][2] = Pack<T>::two(ds[1][0], ds[1][1]);
+    a[kk][3] = Pack<T>::two(ds[1][2], ds[1][3]);
+  }
+}
+
 // dS = P (dP - delta) of one key block packed into the RS A fragments a: the same float operations
 // as the PIPE = 0 loop (P, then P (dP - delta), rounded once by the pack); s / dpv only read.
 template <int BN, typename T>
@@ -147,25 +181,12 @@ __device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], co
                                                  const RowRanges (&rr)[2], bool full, int j0, int jend, int t,
                                                  float sl2, const float (&lse2)[2], const float (&dlt)[2],
                                                  uint32_t (&a)[BN / 16][4]) {
-  const BlockRowMask bm[2] = {BlockRowMask(rr[0], j0, jend, BN, t), BlockRowMask(rr[1], j0, jend, BN, t)};
-#pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) {
-    float ds[2][4];  // accumulator n-tiles 2 kk, 2 kk + 1
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = 2 * kk + h;
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int r = x >> 1;
-        const bool ok = full || bm[r].allows(8 * n + (x & 1));  // key j0 + 2 t + 8 n + (x & 1)
-        const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
-        ds[h][x] = pv * (dpv[n][x] - dlt[r]);
-      }
-    }
-    a[kk][0] = Pack<T>::two(ds[0][0], ds[0][1]);
-    a[kk][1] = Pack<T>::two(ds[0][2], ds[0][3]);
-    a[kk][2] = Pack<T>::two(ds[1][0], ds[1][1]);
-    a[kk][3] = Pack<T>::two(ds[1][2], ds[1][3]);
+  if (full) {
+    const BlockRowMask none[2] = {BlockRowMask(), BlockRowMask()};  // unread
+    dq_wgmma_ds_pack_as<BN, T, false>(s, dpv, none, sl2, lse2, dlt, a);
+  } else {
+    const BlockRowMask bm[2] = {BlockRowMask(rr[0], j0, jend, BN, t), BlockRowMask(rr[1], j0, jend, BN, t)};
+    dq_wgmma_ds_pack_as<BN, T, true>(s, dpv, bm, sl2, lse2, dlt, a);
   }
 }
 
@@ -279,15 +300,24 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_d
 
       // P and dS (in s) exactly as cod_attn_dq_kernel
       const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
-      const BlockRowMask bm[2] = {BlockRowMask(rr[0], j0, jend, BN, t), BlockRowMask(rr[1], j0, jend, BN, t)};
+      // dS into s, n-tile by n-tile (dq_wgmma_ds_ntile reads s[n] before this writes it back)
+      if (full) {
+        const BlockRowMask none[2] = {BlockRowMask(), BlockRowMask()};  // unread
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
+        for (int n = 0; n < BN / 8; ++n) {
+          float ds[4];
+          dq_wgmma_ds_ntile<BN, false>(s, dpv, none, n, sl2, lse2, dlt, ds);
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int r = x >> 1;
-          const bool ok = full || bm[r].allows(8 * n + (x & 1));  // key j0 + 2 t + 8 n + (x & 1)
-          const float pv = ok ? fast_exp2(s[n][x] * sl2 - lse2[r]) : 0.f;
-          s[n][x] = pv * (dpv[n][x] - dlt[r]);  // dS
+          for (int x = 0; x < 4; ++x) s[n][x] = ds[x];
+        }
+      } else {
+        const BlockRowMask bm[2] = {BlockRowMask(rr[0], j0, jend, BN, t), BlockRowMask(rr[1], j0, jend, BN, t)};
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+          float ds[4];
+          dq_wgmma_ds_ntile<BN, true>(s, dpv, bm, n, sl2, lse2, dlt, ds);
+#pragma unroll
+          for (int x = 0; x < 4; ++x) s[n][x] = ds[x];
         }
       }
       // dQ += dS K (k-dim = the 64 keys): A fragments from the accumulators (n-tiles 2 kk, 2 kk + 1

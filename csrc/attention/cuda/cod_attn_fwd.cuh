@@ -122,6 +122,31 @@ __device__ __forceinline__ void fwd_rescale_acc(float (&acc)[D / 8][4], const fl
   }
 }
 
+// s *= sl2 (scores to the log2 domain), keys the row may not see -> -inf (MASKED only), row maxima
+// into mx. The caller branches on `full` (uniform over the CTA) and instantiates both: a single loop
+// with `full ||` per score was if-converted by ptxas into the whole mask test (2 IADD3, 3 ISETP,
+// PLOP3, FSEL per score) on EVERY block, the forward's busiest pipe (ALU 59%, run 28), while 91-98%
+// of the blocks are full on the bench layouts. Same float operations either way (bitwise the same).
+template <int BN, bool MASKED>
+__device__ __forceinline__ void fwd_scale_mask_max(float (&s)[BN / 8][4], float (&mx)[2], const RowRanges (&rf)[2],
+                                                   int j0, int jend, int t, float sl2) {
+  BlockRowMask bm[2] = {BlockRowMask(), BlockRowMask()};
+  if constexpr (MASKED) {
+    bm[0] = BlockRowMask(rf[0], j0, jend, BN, t);
+    bm[1] = BlockRowMask(rf[1], j0, jend, BN, t);
+  }
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      float v = s[n][x] * sl2;
+      if (MASKED && !bm[x >> 1].allows(8 * n + (x & 1))) v = -INFINITY;  // key j0 + 2 t + 8 n + (x & 1)
+      s[n][x] = v;
+      mx[x >> 1] = fmaxf(mx[x >> 1], v);
+    }
+  }
+}
+
 // Online softmax of one 16-row fragment over key block [j0, j0 + BN) (clipped to jend): scores s
 // (m16 x BN accumulator fragments) -> masked, scaled to the log2 domain, running max m / sum l
 // (per-thread partial) updated, acc rescaled, s replaced by the unnormalized probabilities.
@@ -130,17 +155,10 @@ __device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], floa
                                                      float (&l)[2], const RowRanges (&rf)[2], bool full, int j0,
                                                      int jend, int t, float sl2) {
   float mx[2] = {-INFINITY, -INFINITY};
-  const BlockRowMask bm[2] = {BlockRowMask(rf[0], j0, jend, BN, t), BlockRowMask(rf[1], j0, jend, BN, t)};
-#pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      float v = s[n][x] * sl2;
-      if (!full && !bm[x >> 1].allows(8 * n + (x & 1))) v = -INFINITY;  // key j0 + 2 t + 8 n + (x & 1)
-      s[n][x] = v;
-      mx[x >> 1] = fmaxf(mx[x >> 1], v);
-    }
-  }
+  if (full)
+    fwd_scale_mask_max<BN, false>(s, mx, rf, j0, jend, t, sl2);
+  else
+    fwd_scale_mask_max<BN, true>(s, mx, rf, j0, jend, t, sl2);
   float base[2], alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -173,17 +191,10 @@ __device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4]
                                                            const RowRanges (&rf)[2], bool full, int j0, int jend,
                                                            int t, float sl2, float (&alpha)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
-  const BlockRowMask bm[2] = {BlockRowMask(rf[0], j0, jend, BN, t), BlockRowMask(rf[1], j0, jend, BN, t)};
-#pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      float v = s[n][x] * sl2;
-      if (!full && !bm[x >> 1].allows(8 * n + (x & 1))) v = -INFINITY;  // key j0 + 2 t + 8 n + (x & 1)
-      s[n][x] = v;
-      mx[x >> 1] = fmaxf(mx[x >> 1], v);
-    }
-  }
+  if (full)
+    fwd_scale_mask_max<BN, false>(s, mx, rf, j0, jend, t, sl2);
+  else
+    fwd_scale_mask_max<BN, true>(s, mx, rf, j0, jend, t, sl2);
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -157,6 +157,7 @@ struct RowRanges {
 // [j0 - 6, j0 + BN], so nothing overflows whatever the range values are.
 struct BlockRowMask {
   int woff, wlen, soff, slen;  // range start - (j0 + 2 t), range length (0: nothing allowed)
+  __host__ __device__ __forceinline__ BlockRowMask() : woff(0), wlen(0), soff(0), slen(0) {}  // allows nothing
   __host__ __device__ __forceinline__ BlockRowMask(const RowRanges& r, int j0, int jend, int bn, int t) {
     const int top = min(jend, j0 + bn);
     const int wa = min(max(r.lo, j0), top), wb = min(r.hi, top);
