@@ -38,8 +38,8 @@ int fwd_warps_from_env() {
 // run (cod_attn_wgmma_available: compute capability 9.0 and a build with 90), the mma.sync kernels
 // elsewhere. On an H200 the wgmma kernels give the same outputs and gradients bit for bit at
 // D = 128 (at D = 64 the mma.sync forward's 128-row tiles partition the keys otherwise: rounding
-// differences) and are faster: forward 1.14-1.20x at D = 128 and 1.5-1.7x at 64, backward
-// 1.33-1.37x (64-query blocks) at 128 and 1.1-1.2x at 64 (bench/RESULTS.md). "mma" forces the mma.sync kernels, "wgmma" forces the Hopper ones (an error
+// differences) and are faster: forward 1.9-2.1x at D = 128 and 2.7-3.1x at 64, backward
+// 1.7-2.1x (64-query blocks) at 128 and 1.6-2.1x at 64 (bench/RESULTS.md, run 29). "mma" forces the mma.sync kernels, "wgmma" forces the Hopper ones (an error
 // where they cannot run), and PEAGLE_ATTN_BWD=atomic the FlashAttention-2-style backward.
 enum class KernelChoice { kAuto, kMma, kWgmma, kAtomic };
 KernelChoice kernel_choice_from_env(const char* var, bool allow_atomic) {
