@@ -312,31 +312,15 @@ inline dim3 dkv_grid(const CodAttnParams& p, int bn) {
   return dim3(static_cast<unsigned>((p.N + bn - 1) / bn) * static_cast<unsigned>(p.Hkv));
 }
 
-template <int D, typename T, int BMQ, bool DQ_ATOMIC>
-__global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParams p) {
-  using Cfg = DkvConfig<D, BMQ, DQ_ATOMIC>;
-  constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields;
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* sK = reinterpret_cast<T*>(smem);
-  T* sV = sK + BN * D;
-  T* sQ = sV + BN * D;        // [2][BMQ][D]
-  T* sdO = sQ + 2 * BMQ * D;  // [2][BMQ][D]
-  // dS^T [BN keys][BMQ queries] (DQ_ATOMIC only; kTileBytes is a multiple of 128 bytes)
-  unsigned char* sdS = smem + Cfg::kTileBytes;
-  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes + Cfg::kDsBytes);  // [2][MF][BMQ]
-  int* s_span_lo = s_meta + 2 * MF * BMQ;                         // [2K]
-  int* s_span_hi = s_span_lo + 2 * kMaxChain;                     // [2K]
-  int* s_blk_off = s_span_hi + 2 * kMaxChain;                     // [2K + 1]
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  // 1-D grid, key-block major (dkv_grid)
-  const int hk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
-  const int j0 = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv)) * BN;
-  const int j1 = min(j0 + BN, p.N);
+// The query runs that touch keys [j0, j1), for both dK/dV passes (this one and
+// cod_attn_dkv_wgmma_kernel): per depth e, the rows whose window range and (use_sink) sink range
+// reach the keys, as two spans (one when they overlap) in s_span_lo / s_span_hi [2K]; s_blk_off
+// [2K + 1] = the prefix counts of BMQ-row blocks over the spans. Called by every thread of the CTA
+// (two barriers); returns the total block count.
+template <int BMQ>
+__device__ __forceinline__ int dkv_query_spans(const CodAttnParams& p, int j0, int j1, int tid, int* s_span_lo,
+                                               int* s_span_hi, int* s_blk_off) {
   const int64_t T_ = p.T;
-
-  // Query runs per depth that touch keys [j0, j1).
   if (tid < p.K) {
     const int e = tid;
     const int64_t b = p.depth_offsets[e], en = p.depth_offsets[e + 1];
@@ -373,7 +357,49 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
     s_blk_off[nspans] = acc;
   }
   __syncthreads();
-  const int total_blocks = s_blk_off[nspans];
+  return s_blk_off[nspans];
+}
+
+// Iteration `it` of a dK/dV pass over the spans of dkv_query_spans (total_blocks blocks per q head,
+// the group's heads one after the other from h0): q head h, query rows [i0, min(i0 + BMQ, iend)) of
+// one run.
+template <int BMQ>
+__device__ __forceinline__ void dkv_locate(int it, int total_blocks, int h0, const int* s_span_lo,
+                                           const int* s_span_hi, const int* s_blk_off, int& h, int& i0, int& iend) {
+  h = h0 + it / total_blocks;
+  const int rem = it % total_blocks;
+  int sp = 0;
+  while (s_blk_off[sp + 1] <= rem) ++sp;
+  i0 = s_span_lo[sp] + (rem - s_blk_off[sp]) * BMQ;
+  iend = s_span_hi[sp];
+}
+
+template <int D, typename T, int BMQ, bool DQ_ATOMIC>
+__global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParams p) {
+  using Cfg = DkvConfig<D, BMQ, DQ_ATOMIC>;
+  constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + BN * D;
+  T* sQ = sV + BN * D;        // [2][BMQ][D]
+  T* sdO = sQ + 2 * BMQ * D;  // [2][BMQ][D]
+  // dS^T [BN keys][BMQ queries] (DQ_ATOMIC only; kTileBytes is a multiple of 128 bytes)
+  unsigned char* sdS = smem + Cfg::kTileBytes;
+  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes + Cfg::kDsBytes);  // [2][MF][BMQ]
+  int* s_span_lo = s_meta + 2 * MF * BMQ;                         // [2K]
+  int* s_span_hi = s_span_lo + 2 * kMaxChain;                     // [2K]
+  int* s_blk_off = s_span_hi + 2 * kMaxChain;                     // [2K + 1]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  // 1-D grid, key-block major (dkv_grid)
+  const int hk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.Hkv));
+  const int j0 = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.Hkv)) * BN;
+  const int j1 = min(j0 + BN, p.N);
+  const int64_t T_ = p.T;
+
+  // Query runs per depth that touch keys [j0, j1).
+  const int total_blocks = dkv_query_spans<BMQ>(p, j0, j1, tid, s_span_lo, s_span_hi, s_blk_off);
   const int n_iters = total_blocks * p.group;
 
   const int64_t qld = int64_t(p.Hq) * D, kld = int64_t(p.Hkv) * D;
@@ -382,12 +408,7 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
 
   // Iteration `it`: q head h, query rows [i0, min(i0 + BMQ, iend)) of one run.
   auto locate = [&](int it, int& h, int& i0, int& iend) {
-    h = hk * p.group + it / total_blocks;
-    const int rem = it % total_blocks;
-    int sp = 0;
-    while (s_blk_off[sp + 1] <= rem) ++sp;
-    i0 = s_span_lo[sp] + (rem - s_blk_off[sp]) * BMQ;
-    iend = s_span_hi[sp];
+    dkv_locate<BMQ>(it, total_blocks, hk * p.group, s_span_lo, s_span_hi, s_blk_off, h, i0, iend);
   };
   // Issues the async copies of iteration `it` (Q, dO, row metadata) into `stage`.
   auto issue = [&](int it, int stage) {

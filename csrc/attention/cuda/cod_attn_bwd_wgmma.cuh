@@ -221,44 +221,8 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
   const int j1 = min(j0 + BN, p.N);
   const int64_t T_ = p.T;
 
-  // Query runs per depth that touch keys [j0, j1) (as in cod_attn_dkv_kernel).
-  if (tid < p.K) {
-    const int e = tid;
-    const int64_t b = p.depth_offsets[e], en = p.depth_offsets[e + 1];
-    const int32_t* lo = p.ranges + kLo * T_;
-    const int32_t* hi = p.ranges + kHi * T_;
-    const int64_t wb = lower_bound_i32(hi, b, en, int64_t(j0) + 1), we = lower_bound_i32(lo, b, en, j1);
-    int64_t sb = 0, se = 0;
-    if (p.use_sink) {
-      sb = lower_bound_i32(p.ranges + kSinkHi * T_, b, en, int64_t(j0) + 1);
-      se = lower_bound_i32(p.ranges + kSinkLo * T_, b, en, j1);
-    }
-    int lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0;
-    const bool hw = wb < we, hs = sb < se;
-    if (hw && hs && sb <= we && wb <= se) {
-      lo0 = static_cast<int>(min(wb, sb));
-      hi0 = static_cast<int>(max(we, se));
-    } else {
-      if (hs) { lo0 = static_cast<int>(sb); hi0 = static_cast<int>(se); }
-      if (hw) { lo1 = static_cast<int>(wb); hi1 = static_cast<int>(we); }
-    }
-    s_span_lo[2 * e] = lo0;
-    s_span_hi[2 * e] = hi0;
-    s_span_lo[2 * e + 1] = lo1;
-    s_span_hi[2 * e + 1] = hi1;
-  }
-  __syncthreads();
-  const int nspans = 2 * p.K;
-  if (tid == 0) {
-    int acc = 0;
-    for (int sp = 0; sp < nspans; ++sp) {
-      s_blk_off[sp] = acc;
-      acc += (s_span_hi[sp] - s_span_lo[sp] + BMQ - 1) / BMQ;
-    }
-    s_blk_off[nspans] = acc;
-  }
-  __syncthreads();
-  const int total_blocks = s_blk_off[nspans];
+  // Query runs per depth that touch keys [j0, j1).
+  const int total_blocks = dkv_query_spans<BMQ>(p, j0, j1, tid, s_span_lo, s_span_hi, s_blk_off);
   const int n_iters = total_blocks * p.group;
 
   const int64_t qld = int64_t(p.Hq) * D, kld = int64_t(p.Hkv) * D;
@@ -266,12 +230,7 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
 
   // Iteration `it`: q head h, query rows [i0, min(i0 + BMQ, iend)) of one run.
   auto locate = [&](int it, int& h, int& i0, int& iend) {
-    h = hk * p.group + it / total_blocks;
-    const int rem = it % total_blocks;
-    int sp = 0;
-    while (s_blk_off[sp + 1] <= rem) ++sp;
-    i0 = s_span_lo[sp] + (rem - s_blk_off[sp]) * BMQ;
-    iend = s_span_hi[sp];
+    dkv_locate<BMQ>(it, total_blocks, hk * p.group, s_span_lo, s_span_hi, s_blk_off, h, i0, iend);
   };
   // Issues the async copies of iteration `it` (Q, dO, row metadata) into `stage`.
   auto issue = [&](int it, int stage) {
