@@ -42,8 +42,7 @@ struct DkvWgmmaConfig {
   static constexpr int kSmemBytes = 1024 + kTileBytes + (STAGES * kMetaFields * BMQ + 6 * kMaxChain + 1) * 4;
 };
 
-// ---- pieces of the pipelined loop (PIPE >= 1): the statements of the PIPE = 0 loop body (kept
-// inline there, so that its code stays as verified), wgmma rules as in cod_attn_fwd_wgmma.cuh.
+// ---- pieces of the loops (every PIPE level calls them; wgmma rules as in cod_attn_fwd_wgmma.cuh).
 
 // S^T = K Q^T and dP^T = V dO^T over the D / 16 k-steps (the first overwrites: scale-d = 0), one group.
 template <int D, typename T, int BMQ, int BN>
@@ -286,15 +285,7 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
 
       // S^T = K Q^T and dP^T = V dO^T: rows = the 64 keys (warp w: 16 w .. 16 w + 15), columns =
       // BMQ queries; the first k-step overwrites (scale-d = 0) the previous block's values.
-      wg::fence_operands(st);
-      wg::fence_operands(dpt);
-      wg::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        wg::wgmma_ss<BMQ, T>(st, wg::desc_kmajor<BN>(sKa, kk), wg::desc_kmajor<BMQ>(qt, kk), kk > 0);
-        wg::wgmma_ss<BMQ, T>(dpt, wg::desc_kmajor<BN>(sVa, kk), wg::desc_kmajor<BMQ>(dot, kk), kk > 0);
-      }
-      wg::wgmma_commit();
+      dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, qt, dot);
       wg::wgmma_wait<0>();
       wg::fence_operands(st);
       wg::fence_operands(dpt);
@@ -306,28 +297,8 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
       // (accumulator n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq + 15), B = the dO / Q stage
       // read MN-major.
       uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
-#pragma unroll
-      for (int kq = 0; kq < BMQ / 16; ++kq) {
-        pa[kq][0] = Pack<T>::two(st[2 * kq][0], st[2 * kq][1]);
-        pa[kq][1] = Pack<T>::two(st[2 * kq][2], st[2 * kq][3]);
-        pa[kq][2] = Pack<T>::two(st[2 * kq + 1][0], st[2 * kq + 1][1]);
-        pa[kq][3] = Pack<T>::two(st[2 * kq + 1][2], st[2 * kq + 1][3]);
-        sa[kq][0] = Pack<T>::two(dpt[2 * kq][0], dpt[2 * kq][1]);
-        sa[kq][1] = Pack<T>::two(dpt[2 * kq][2], dpt[2 * kq][3]);
-        sa[kq][2] = Pack<T>::two(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
-        sa[kq][3] = Pack<T>::two(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
-      }
-      wg::fence_operands(pa);
-      wg::fence_operands(sa);
-      wg::fence_operands(dv);
-      wg::fence_operands(dk);
-      wg::wgmma_fence();
-#pragma unroll
-      for (int kq = 0; kq < BMQ / 16; ++kq) {
-        wg::wgmma_rs<D, T>(dv, pa[kq], wg::desc_mnmajor<BMQ>(dot, kq), 1);
-        wg::wgmma_rs<D, T>(dk, sa[kq], wg::desc_mnmajor<BMQ>(qt, kq), 1);
-      }
-      wg::wgmma_commit();
+      dkv_wgmma_pack<BMQ, T>(st, dpt, pa, sa);
+      dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, qt, dot);
       // The next iteration overwrites st / dpt (and this stage's tiles after the barrier below):
       // wait for this batch, which reads pa / sa and the stage.
       wg::wgmma_wait<0>();

@@ -111,8 +111,8 @@ __device__ __forceinline__ void dq_chain_keys_sw128(const CodAttnParams& p, cons
   }
 }
 
-// ---- pieces of the pipelined loop (PIPE >= 1): the statements of the PIPE = 0 loop body (kept
-// inline there, so that its code stays as verified); wgmma rules as in cod_attn_fwd_wgmma.cuh.
+// ---- pieces of the loops (every PIPE level calls the MMA issues; wgmma rules as in
+// cod_attn_fwd_wgmma.cuh).
 
 // S = Q K^T and dP = dO V^T over the D / 16 k-steps (the first overwrites: scale-d = 0), one group.
 template <int D, typename T, int BM, int BN>
@@ -285,15 +285,7 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_d
 
       // S = Q K^T and dP = dO V^T: rows = the 64 queries (warp w: 16 w .. 16 w + 15), columns = the
       // 64 keys; the first k-step overwrites (scale-d = 0) the previous block's values.
-      wg::fence_operands(s);
-      wg::fence_operands(dpv);
-      wg::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
-        wg::wgmma_ss<BN, T>(dpv, wg::desc_kmajor<BM>(sdOa, kk), wg::desc_kmajor<BN>(vt, kk), kk > 0);
-      }
-      wg::wgmma_commit();
+      dq_wgmma_issue_mma1<D, T, BM, BN>(s, dpv, sQa, sdOa, kt, vt);
       wg::wgmma_wait<0>();
       wg::fence_operands(s);
       wg::fence_operands(dpv);
@@ -331,12 +323,7 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_d
         a[kk][2] = Pack<T>::two(s[2 * kk + 1][0], s[2 * kk + 1][1]);
         a[kk][3] = Pack<T>::two(s[2 * kk + 1][2], s[2 * kk + 1][3]);
       }
-      wg::fence_operands(a);
-      wg::fence_operands(dq);
-      wg::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) wg::wgmma_rs<D, T>(dq, a[kk], wg::desc_mnmajor<BN>(kt, kk), 1);
-      wg::wgmma_commit();
+      dq_wgmma_issue_mma2<D, T, BN>(dq, a, kt);
       // The next iteration overwrites s / dpv and, after the barrier below, prefetches into this
       // stage: wait for this batch, which reads a and the stage's K tile.
       wg::wgmma_wait<0>();

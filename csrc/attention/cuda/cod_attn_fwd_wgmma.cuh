@@ -55,9 +55,9 @@ __device__ __forceinline__ float dot_sw128_global(const unsigned char* tile, int
   return s;
 }
 
-// ---- pieces of the pipelined key-block loops (PIPE = 1, 2). The same wgmma instructions as the
-// PIPE = 0 loop, on the same operands, so every value is bitwise the same; only the points where
-// the warps wait for them move. Hardware rules used below (PTX ISA, wgmma):
+// ---- pieces of the key-block loops (every PIPE level issues its MMAs through them): the same
+// wgmma instructions on the same operands at every level, so every value is bitwise the same; only
+// the points where the warps wait for them move. Hardware rules used below (PTX ISA, wgmma):
 //  * wgmma.commit_group closes a group of this warp's wgmma.mma_async; groups complete in commit
 //    order, and wgmma.wait_group N returns once at most N of them are pending, so after committing
 //    groups G1 then G2, wait<1> means G1 is complete (G2 may run on).
@@ -285,7 +285,7 @@ __device__ __forceinline__ void fwd_wgmma_blocks_pipe2(const TileKeys& tk, uint3
 // PIPE (CodAttnParams::wgmma_pipe): 0 = every wgmma group waited for before the next step (the
 // first verified form); 1 = O += P V left in flight over the next block's S = Q K^T issue and the
 // barrier; 2 = S(b + 1) issued before O += P(b) V(b), its softmax overlapping P V (FlashAttention-3
-// intra-warpgroup pipelining). The PIPE = 0 loop is the original code, unchanged.
+// intra-warpgroup pipelining). The PIPE = 0 loop's SASS is unchanged since it was first verified.
 template <int D, typename T, int BN, int PIPE>
 __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
 #if PEAGLE_WGMMA_DEVICE
@@ -367,12 +367,7 @@ __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAtt
       const uint32_t kt = sKa + stage * kStageBytes, vt = sVa + stage * kStageBytes;
 
       // S = Q K^T: rows = the 64 queries, columns = the BN keys
-      wg::fence_operands(s);
-      wg::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wg::wgmma_ss<BN, T>(s, wg::desc_kmajor<BM>(sQa, kk), wg::desc_kmajor<BN>(kt, kk), kk > 0);
-      wg::wgmma_commit();
+      fwd_wgmma_issue_s<D, T, BN, BM>(s, sQa, kt);
       wg::wgmma_wait<0>();
       wg::fence_operands(s);
 
@@ -382,20 +377,10 @@ __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAtt
       // O += P V: A = P from the accumulators (n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq +
       // 15, the m16n8k16 A-fragment packing of the mma.sync kernel), B = the V stage read MN-major
       uint32_t pa[BN / 16][4];
-#pragma unroll
-      for (int kq = 0; kq < BN / 16; ++kq) {
-        pa[kq][0] = Pack<T>::two(s[2 * kq][0], s[2 * kq][1]);
-        pa[kq][1] = Pack<T>::two(s[2 * kq][2], s[2 * kq][3]);
-        pa[kq][2] = Pack<T>::two(s[2 * kq + 1][0], s[2 * kq + 1][1]);
-        pa[kq][3] = Pack<T>::two(s[2 * kq + 1][2], s[2 * kq + 1][3]);
-      }
-      // acc was rescaled (and, before the first block, filled by the chain fold) by ordinary code
-      wg::fence_operands(pa);
-      wg::fence_operands(acc[0]);
-      wg::wgmma_fence();
-#pragma unroll
-      for (int kq = 0; kq < BN / 16; ++kq) wg::wgmma_rs<D, T>(acc[0], pa[kq], wg::desc_mnmajor<BN>(vt, kq), 1);
-      wg::wgmma_commit();
+      fwd_pack_p<T, BN>(s, pa);
+      // acc was rescaled (and, before the first block, filled by the chain fold) by ordinary code:
+      // fwd_wgmma_issue_pv fences it
+      fwd_wgmma_issue_pv<D, T, BN>(acc[0], pa, vt);
       // The next block's softmax rescales acc and overwrites s (and, after the barrier below, the
       // next copies overwrite this stage): wait for this batch, which reads pa and the stage.
       wg::wgmma_wait<0>();
