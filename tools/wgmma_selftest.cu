@@ -62,18 +62,6 @@ __device__ void store_acc(float* C, const float (&d)[N / 8][4]) {
     for (int x = 0; x < 4; ++x) C[(16 * warp + g + 8 * (x >> 1)) * N + 8 * n + 2 * t + (x & 1)] = d[n][x];
 }
 
-// P^T fragments in the accumulator layout -> RS A fragments, as cod_attn_dkv_wgmma_kernel packs them
-template <typename T, int BMQ>
-__device__ void pack_a(uint32_t (&pa)[BMQ / 16][4], const float (&st)[BMQ / 8][4]) {
-#pragma unroll
-  for (int kq = 0; kq < BMQ / 16; ++kq) {
-    pa[kq][0] = Pack<T>::two(st[2 * kq][0], st[2 * kq][1]);
-    pa[kq][1] = Pack<T>::two(st[2 * kq][2], st[2 * kq][3]);
-    pa[kq][2] = Pack<T>::two(st[2 * kq + 1][0], st[2 * kq + 1][1]);
-    pa[kq][3] = Pack<T>::two(st[2 * kq + 1][2], st[2 * kq + 1][3]);
-  }
-}
-
 // (a) C[64][N] = sum over k-steps [k_first, k_last) of A[:, 16 kk..] B[:, 16 kk..]^T
 template <typename T, int N, int KD>
 __global__ void __launch_bounds__(128) ss_kernel(const T* A, const T* B, float* C, int k_first, int k_last) {
@@ -117,7 +105,7 @@ __global__ void __launch_bounds__(128) rs_kernel(const float* P, const T* B, flo
 #pragma unroll
     for (int x = 0; x < 4; ++x) st[n][x] = P[(16 * warp + g + 8 * (x >> 1)) * BMQ + 8 * n + 2 * t + (x & 1)];
   uint32_t pa[BMQ / 16][4];
-  pack_a<T, BMQ>(pa, st);
+  wg::pack_acc_as_a<T, BMQ>(st, pa);
   cp_async_wait<0>();
   wg::fence_proxy_async_smem();
   __syncthreads();
@@ -165,7 +153,7 @@ __global__ void __launch_bounds__(128) chain_kernel(const T* K, const T* Q, cons
   wg::wgmma_wait<0>();
   wg::fence_operands(st);
   uint32_t pa[BMQ / 16][4];
-  pack_a<T, BMQ>(pa, st);
+  wg::pack_acc_as_a<T, BMQ>(st, pa);
   float d[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.f;
@@ -207,7 +195,7 @@ __global__ void __launch_bounds__(128) dq_chain_kernel(const T* Q, const T* K, f
   wg::wgmma_wait<0>();
   wg::fence_operands(s);
   uint32_t a[4][4];
-  pack_a<T, 64>(a, s);
+  wg::pack_acc_as_a<T, 64>(s, a);
   float d[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.f;

@@ -173,6 +173,9 @@ __device__ __forceinline__ void dkv_wgmma_p_ds_inplace(float (&st)[BMQ / 8][4], 
   else
     dkv_p_ds_inplace_as<BMQ, true>(st, dpt, m, key_row, t, sl2);
 }
+// P^T and dS^T as the A fragments of dV += P^T dO and dK += dS^T Q: wg::pack_acc_as_a of both,
+// interleaved per k-step as the PIPE = 0 loop first did it (two pack_acc_as_a calls give the same
+// values but another instruction order).
 template <int BMQ, typename T>
 __device__ __forceinline__ void dkv_wgmma_pack(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
                                                uint32_t (&pa)[BMQ / 16][4], uint32_t (&sa)[BMQ / 16][4]) {

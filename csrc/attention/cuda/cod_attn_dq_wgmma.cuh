@@ -316,13 +316,7 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_d
       // = A columns 16 kk .. 16 kk + 15), B = this stage's K tile read MN-major (rows = keys = k,
       // columns = head dim = n; LBO = BN * 128 = the next 64-column panel).
       uint32_t a[BN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        a[kk][0] = Pack<T>::two(s[2 * kk][0], s[2 * kk][1]);
-        a[kk][1] = Pack<T>::two(s[2 * kk][2], s[2 * kk][3]);
-        a[kk][2] = Pack<T>::two(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[kk][3] = Pack<T>::two(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }
+      wg::pack_acc_as_a<T, BN>(s, a);
       dq_wgmma_issue_mma2<D, T, BN>(dq, a, kt);
       // The next iteration overwrites s / dpv and, after the barrier below, prefetches into this
       // stage: wait for this batch, which reads a and the stage's K tile.

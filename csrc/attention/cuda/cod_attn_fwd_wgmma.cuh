@@ -90,18 +90,6 @@ __device__ __forceinline__ void fwd_wgmma_issue_pv(float (&acc)[D / 8][4], uint3
   wg::wgmma_commit();
 }
 
-// P (unnormalized probabilities in s) packed into the RS A fragments, as in the PIPE = 0 loop.
-template <typename T, int BN>
-__device__ __forceinline__ void fwd_pack_p(const float (&s)[BN / 8][4], uint32_t (&pa)[BN / 16][4]) {
-#pragma unroll
-  for (int kq = 0; kq < BN / 16; ++kq) {
-    pa[kq][0] = Pack<T>::two(s[2 * kq][0], s[2 * kq][1]);
-    pa[kq][1] = Pack<T>::two(s[2 * kq][2], s[2 * kq][3]);
-    pa[kq][2] = Pack<T>::two(s[2 * kq + 1][0], s[2 * kq + 1][1]);
-    pa[kq][3] = Pack<T>::two(s[2 * kq + 1][2], s[2 * kq + 1][3]);
-  }
-}
-
 // Both loops below keep two properties that ptxas needs to leave the wgmma asynchronous (else it
 // serializes them, warnings C7514 / C7515 with -Xptxas -v): no wgmma group is pending across the
 // loop's back edge, and every wgmma issue / wait in the loop is unconditional (the last block is
@@ -156,7 +144,7 @@ __device__ __forceinline__ void fwd_wgmma_blocks_pipe1(const TileKeys& tk, uint3
   wg::wgmma_wait<0>();
   wg::fence_operands(s);
   softmax(0);
-  fwd_pack_p<T, BN>(s, pa);
+  wg::pack_acc_as_a<T, BN>(s, pa);
   // ---- blocks 0 .. nb - 2; at the top of block b: pa = P(b), acc rescaled for b, no wgmma pending,
   // K(b + 1) / V(b + 1) copies committed (the last cp.async group)
 #pragma unroll 1
@@ -180,7 +168,7 @@ __device__ __forceinline__ void fwd_wgmma_blocks_pipe1(const TileKeys& tk, uint3
     wg::wgmma_wait<0>();  // S(b + 1) complete
     wg::fence_operands(s);
     softmax(b + 1);  // rescales acc: PV(b) is complete
-    fwd_pack_p<T, BN>(s, pa);  // PV(b), the last reader of pa, is complete
+    wg::pack_acc_as_a<T, BN>(s, pa);  // PV(b), the last reader of pa, is complete
   }
   // ---- the last block: its V was made visible by the last barrier (or the kernel's prologue's)
   fwd_wgmma_issue_pv<D, T, BN>(acc, pa, sVa + ((nb - 1) & 1) * kStageBytes);
@@ -247,7 +235,7 @@ __device__ __forceinline__ void fwd_wgmma_blocks_pipe2(const TileKeys& tk, uint3
   wg::wgmma_wait<0>();
   wg::fence_operands(s);
   softmax(0);
-  fwd_pack_p<T, BN>(s, pa);
+  wg::pack_acc_as_a<T, BN>(s, pa);
   // K(1) visible; every warp's S(0) complete before iteration 0's copies overwrite K stage 0
   cp_async_wait<0>();
   wg::fence_proxy_async_smem();
@@ -269,7 +257,7 @@ __device__ __forceinline__ void fwd_wgmma_blocks_pipe2(const TileKeys& tk, uint3
     wg::wgmma_wait<0>();  // PV(b) complete: acc and pa free
     wg::fence_operands(acc);
     wg::fence_operands(pa);
-    fwd_pack_p<T, BN>(s, pa);
+    wg::pack_acc_as_a<T, BN>(s, pa);
     cp_async_wait<0>();
     wg::fence_proxy_async_smem();
     __syncthreads();
@@ -377,7 +365,7 @@ __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAtt
       // O += P V: A = P from the accumulators (n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq +
       // 15, the m16n8k16 A-fragment packing of the mma.sync kernel), B = the V stage read MN-major
       uint32_t pa[BN / 16][4];
-      fwd_pack_p<T, BN>(s, pa);
+      wg::pack_acc_as_a<T, BN>(s, pa);
       // acc was rescaled (and, before the first block, filled by the chain fold) by ordinary code:
       // fwd_wgmma_issue_pv fences it
       fwd_wgmma_issue_pv<D, T, BN>(acc[0], pa, vt);

@@ -291,4 +291,18 @@ __device__ __forceinline__ void wgmma_rs<128, __half>(float (&d)[16][4], const u
 #endif
 }
 
+// A 64 x N accumulator (rounded to T) as the register A fragments of a following RS wgmma whose
+// k-dim is those N columns: accumulator n-tiles 2 k, 2 k + 1 = A columns 16 k .. 16 k + 15 (the
+// m16n8k16 A-fragment packing). P -> O += P V, P^T / dS^T -> dV / dK, dS -> dQ.
+template <typename T, int N>
+__device__ __forceinline__ void pack_acc_as_a(const float (&acc)[N / 8][4], uint32_t (&a)[N / 16][4]) {
+#pragma unroll
+  for (int k = 0; k < N / 16; ++k) {
+    a[k][0] = Pack<T>::two(acc[2 * k][0], acc[2 * k][1]);
+    a[k][1] = Pack<T>::two(acc[2 * k][2], acc[2 * k][3]);
+    a[k][2] = Pack<T>::two(acc[2 * k + 1][0], acc[2 * k + 1][1]);
+    a[k][3] = Pack<T>::two(acc[2 * k + 1][2], acc[2 * k + 1][3]);
+  }
+}
+
 }  // namespace peagle::attention::cuda::wg
