@@ -43,11 +43,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peagle_ext.data import TrainingExample  # noqa: E402
-from peagle_ext.distributed import DistContext  # noqa: E402
-from peagle_ext.model import PEagleDraftModel, PEagleOptions  # noqa: E402
+from peagle_ext.data import TrainingExample
+from peagle_ext.train.distributed import DistContext
+from peagle_ext.model import PEagleDraftModel, PEagleOptions
 
 GIB = 2**30
 

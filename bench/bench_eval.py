@@ -36,9 +36,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_tests"))
 
-from peagle_ext.decode import PEagleDrafter, Verifier, greedy_generate, speculative_generate  # noqa: E402
+from peagle_ext.serving import PEagleDrafter, Verifier, greedy_generate, speculative_generate
 
 
 def _out_dir() -> Path:
@@ -151,7 +150,7 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_setup():
-    from tiny_verifier import make_tiny_verifier
+    from peagle_ext.testing import make_tiny_verifier
     from transformers import AutoModelForCausalLM
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     d = make_tiny_verifier(Path(tempfile.mkdtemp()) / "v")

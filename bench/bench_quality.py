@@ -9,7 +9,7 @@ the same optimizer (AdamW, warmup + cosine, grad clip 1.0) and the same number o
   per-depth metrics). Its forward draws COD indices by calling the module-global
   `generate_cod_sample_indices`; for each call we replace that name in
   `speculators.models.peagle.core` with a function returning OUR layout's (anchor, depth)
-  (bench/_e2e_common.py: speculators_layout), so both see identical token sets. Our layout has
+  (peagle_ext.integrations.speculators.speculators_layout), so both see identical token sets. Our layout has
   the two DESIGN.md fixes (no chain crosses a document, no anchor -1); on such a layout the two
   attention rules are the same, so any difference measured here comes from the model/loss code.
   Its loss is mean KL over the loss-masked sampled tokens (+1e-5 in the denominator); ours the
@@ -44,8 +44,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import _e2e_common as E  # noqa: E402
+import peagle_ext.integrations.speculators as S
+import peagle_ext.testing as TT
+from peagle_ext.reference.draft_model import plain_model_class
 
 
 def parse_args(argv=None):
@@ -135,7 +136,7 @@ def build_models(a, device, verifier, tok, vcfg, aux_ids, counts):
     ours.to(device)
     attn = a.spec_attn or ("sdpa" if device.type == "cpu" else "flex")
     impl = {"flex": "simple_flex_attention"}.get(attn, attn)
-    spec, core = E.make_speculators_twin(ours, attn_impl=impl, device=device)
+    spec, core = S.make_speculators_twin(ours, attn_impl=impl, device=device)
     if spec.d2t is not None:  # draft vocab: speculators holds the same mapping buffers
         with torch.no_grad():
             spec.d2t.copy_(ours.d2t)
@@ -144,7 +145,7 @@ def build_models(a, device, verifier, tok, vcfg, aux_ids, counts):
         # its forward as a plain function; FlexAttention pieces compiled (see bench_train_step.py)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         import speculators.models.attention as spec_attn
-        type(spec).forward = E.uncompiled(type(spec).forward)
+        type(spec).forward = S.uncompiled(type(spec).forward)
         # dynamic shapes: T changes every step (as in bench_train_step.py's spec_eager case)
         spec_attn.flex_attention = torch.compile(flex_attention, dynamic=True)
         spec._create_mask_fn = torch.compile(create_block_mask, dynamic=True)
@@ -187,9 +188,9 @@ def evaluate(model, rows, layouts, k, amp, device, *, spec_core=None, loss_cfg=N
                 lo, mo = model(ex, lay)
                 c, t = [float(x) for x in mo["correct"]], [float(x) for x in mo["total"]]
             else:
-                lo, mo = E.speculators_forward(model, spec_core, E.speculators_batch(ex, device), num_depths=k,
+                lo, mo = S.speculators_forward(model, spec_core, S.speculators_batch(ex, device), num_depths=k,
                                                loss_config=loss_cfg, layout=lay)
-                c, t = E.speculators_per_depth(mo, k)
+                c, t = S.speculators_per_depth(mo, k)
             loss_sum += float(lo) * w
             w_sum += w
             cs = [x + y for x, y in zip(cs, c)]
@@ -226,7 +227,7 @@ def compare_gradients(ours, spec, core, loss_cfg, ex, k, amp, device):
     m = ours.forward_backward(ex, lay, autocast_dtype=amp)
     ctx = torch.autocast(device.type, dtype=amp) if amp else torch.autocast(device.type, enabled=False)
     with ctx:
-        ls, _ = E.speculators_forward(spec, core, E.speculators_batch(ex, device), num_depths=k,
+        ls, _ = S.speculators_forward(spec, core, S.speculators_batch(ex, device), num_depths=k,
                                       loss_config=loss_cfg, layout=lay)
     ls.backward()
     sp = dict(spec.named_parameters())
@@ -271,14 +272,14 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     os.makedirs(a.out, exist_ok=True)
     t_start = time.time()
-    E.import_speculators()  # stub modules in place before anything imports speculators
+    S.import_speculators()  # stub modules in place before anything imports speculators
     verifier, tok, vcfg, aux_ids, counts, train, val = load_data(a, device)
     ours, spec, core, impl = build_models(a, device, verifier, tok, vcfg, aux_ids, counts)
     del verifier
     trainable = same_trainable_sets(ours, spec)
     k = a.num_depths
     amp = torch.bfloat16 if device.type == "cuda" else None
-    loss_cfg = E.speculators_loss_config("fused" if device.type == "cuda" else "eager")
+    loss_cfg = S.speculators_loss_config("fused" if device.type == "cuda" else "eager")
     opt_o, sch_o, par_o = make_opt(ours, a)
     opt_s, sch_s, par_s = make_opt(spec, a)
     # the optimizers must see the parameters in the same order (same names) for equal updates
@@ -339,14 +340,14 @@ def main(argv=None):
         opt_s.zero_grad(set_to_none=True)
         ctx = torch.autocast(device.type, dtype=amp) if amp else torch.autocast(device.type, enabled=False)
         with ctx:
-            ls, ms = E.speculators_forward(spec, core, E.speculators_batch(ex, device), num_depths=k,
+            ls, ms = S.speculators_forward(spec, core, S.speculators_batch(ex, device), num_depths=k,
                                            loss_config=loss_cfg, layout=lay)
         ls.backward()
         gn_s = float(torch.nn.utils.clip_grad_norm_(par_s, 1.0))
         opt_s.step()
         sch_s.step()
         time_s += time.perf_counter() - t0
-        c, t = E.speculators_per_depth(ms, k)
+        c, t = S.speculators_per_depth(ms, k)
         rec["spec"] = {"loss": float(ls), "grad_norm": gn_s, "correct": [int(x) for x in c], "total": [int(x) for x in t]}
         if ref is not None:
             opt_r.zero_grad(set_to_none=True)

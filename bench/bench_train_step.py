@@ -187,8 +187,9 @@ def child_main(a):
             res.d["autotune_lock"] = "installed (triton.testing.do_bench)"
         except Exception as e:  # it then runs unlocked (said in the result)
             res.d["autotune_lock"] = f"not installed: {e!r}"
-    sys.path.insert(0, HERE)
-    import _e2e_common as E
+    import peagle_ext.integrations.speculators as S
+    import peagle_ext.testing as TT
+    from peagle_ext.reference.draft_model import plain_model_class
 
     dev = torch.device(a.device)
     tiny = a.tiny
@@ -205,36 +206,36 @@ def child_main(a):
                            num_key_value_heads=2, head_dim=16, vocab_size=1024, rms_norm_eps=1e-6)
         mask_id, real_vocab, doc_len = 1000, 1000, (64, 256)
     else:
-        vcfg = E.qwen3_8b_config()
+        vcfg = TT.qwen3_8b_config()
         mask_id, real_vocab, doc_len = 151_669, 151_643, (512, 2048)  # mask: an unused embedding row
     k = a.num_depths
     impl = c["impl"]
     from peagle_ext.model import PEagleOptions
     opts = PEagleOptions(down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=c["max_anchors"],
                          train_embeddings="all")
-    cls = E.plain_model_class() if impl == "plain" else None
-    ours = E.make_peagle(vcfg, num_layers=c["layers"], num_depths=k, mask_token_id=mask_id, options=opts,
+    cls = plain_model_class() if impl == "plain" else None
+    ours = TT.make_peagle(vcfg, num_layers=c["layers"], num_depths=k, mask_token_id=mask_id, options=opts,
                          device=dev, cls=cls)
-    ex = E.synthetic_example(c["n"], hidden=vcfg.hidden_size, vocab=real_vocab, device=dev, dtype=state_dtype,
+    ex = TT.synthetic_example(c["n"], hidden=vcfg.hidden_size, vocab=real_vocab, device=dev, dtype=state_dtype,
                              doc_len=doc_len, seed=1234)
     res.d["loss_tokens"] = int(ex.loss_mask.sum())
     res.d["docs"] = int(ex.document_ids.max()) + 1
     # the work floor of this step, from one of OUR layouts of this row (T differs by < 1% from
     # step to step; speculators' own sampler gives a slightly larger T, see "T")
     from peagle_ext.cod import cod_sample
-    fl = E.step_flops_floor(cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, max_anchors=c["max_anchors"],
+    fl = step_flops_floor(cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, max_anchors=c["max_anchors"],
                                        seed=7), vcfg, c["layers"])
     res.d["floor_tflop"] = round(fl["total"] / 1e12, 3)
     res.d["floor_attention_tflop"] = round(fl["attention"] / 1e12, 3)
 
     if impl.startswith("spec"):
-        spec, core = E.make_speculators_twin(ours, attn_impl="sdpa" if dev.type == "cpu" else "simple_flex_attention",
+        spec, core = S.make_speculators_twin(ours, attn_impl="sdpa" if dev.type == "cpu" else "simple_flex_attention",
                                              device=dev)
         del ours
         model = spec
-        loss_cfg = E.speculators_loss_config("fused" if dev.type == "cuda" else "eager")
-        batch = E.speculators_batch(ex, dev)
-        fwd_raw = E.uncompiled(type(spec).forward)
+        loss_cfg = S.speculators_loss_config("fused" if dev.type == "cuda" else "eager")
+        batch = S.speculators_batch(ex, dev)
+        fwd_raw = S.uncompiled(type(spec).forward)
         seen_t = []
         # Python stacks every 15 s: if its first step does not finish, the log says where it is
         import faulthandler
@@ -541,7 +542,7 @@ def print_table(meta, res):
     print(f"\n== train step: {meta['gpu'] or meta['device']}, torch {meta['torch']}, {meta['elapsed_s']}s of "
           f"{meta['budget_s']}s budget ==")
     print(meta["drafter"])
-    print("floor TF/s = the step's unavoidable matmul FLOPs (bench/_e2e_common.py: step_flops_floor) / step "
+    print("floor TF/s = the step's unavoidable matmul FLOPs (step_flops_floor) / step "
           "time; H200 dense bf16 peak is ~989 TF/s")
     print("| case | N | T | step ms (median) | min ms | tokens/s | floor TF/s | peak GB | at rest GB | first step s | status |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -701,6 +702,46 @@ def main(argv=None):
             print(c)
         return 0
     return parent_main(a)
+
+
+def step_flops_floor(layout, cfg, num_layers: int) -> dict:
+    """Matmul FLOPs a P-EAGLE training step cannot avoid for this layout (bf16 tensor-core work;
+    elementwise ops, norms, softmax, the optimizer are not counted):
+      fc            fwd + weight grad on the N unique stream rows        4 * N * 3H * H
+      layer-0 q/k/v on the N unique rows (fwd, input grad, weight grad)  6 * N * 2H * (Hq + 2 Hkv) D
+      o_proj + MLP  on all T tokens, every layer                         6 * T * (Hq D H + 3 H I)
+      layers >= 1   q/k/v on all T tokens                                6 * T * H * (Hq + 2 Hkv) D
+      attention     4 D Hq per (query, allowed key) pair forward, x3.5 with the backward
+                    (flash-style backward recomputes QK^T), pairs counted from the COD rule
+      heads         draft lm_head fwd + input grad (frozen weight)       4 * T * H * V
+                    verifier logits at the N unique positions            2 * N * H * V
+    Returns {"total": flops, "attention": ..., "pairs": ...} (floats)."""
+    import torch as _t
+    from peagle_ext.reference import document_starts
+    h = cfg.hidden_size
+    i_sz = cfg.intermediate_size
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or h // hq
+    v = cfg.vocab_size
+    n = layout.seq_len
+    t = layout.num_tokens
+    doc = layout.document_ids.long()
+    a = layout.anchor.long()
+    dep = layout.depth.long()
+    valid = doc[a] >= 0
+    starts = document_starts(doc)
+    # keys of query i: depth-0 positions start(a_i)..a_i of its document, plus its chain's deeper
+    # tokens with depth <= d_i (d_i of them); padding rows attend nothing
+    pairs = float(_t.where(valid, (a - starts[a] + 1) + dep, _t.zeros_like(a)).sum())
+    f_fc = 4.0 * n * 3 * h * h
+    f_l0 = 6.0 * n * 2 * h * (hq + 2 * hkv) * d
+    f_post = 6.0 * t * (hq * d * h + 3 * h * i_sz) * num_layers
+    f_deep = 6.0 * t * h * (hq + 2 * hkv) * d * max(0, num_layers - 1)
+    f_attn = 3.5 * 4.0 * d * hq * pairs * num_layers
+    f_heads = 4.0 * t * h * v + 2.0 * n * h * v
+    return {"total": f_fc + f_l0 + f_post + f_deep + f_attn + f_heads, "attention": f_attn, "pairs": pairs,
+            "heads": f_heads}
 
 
 if __name__ == "__main__":

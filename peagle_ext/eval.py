@@ -1,41 +1,32 @@
-"""`peagle eval`: speculative-decoding evaluation of a P-EAGLE drafter (DESIGN section 7).
-
-    peagle eval --verifier smollm2 --draft runs/x/final --bench mtbench --num-prompts 20 \
-        --max-new-tokens 128 --num-spec-tokens 5 --json eval.json --k-sweep 1..8
+"""Speculative-decoding evaluation of a P-EAGLE drafter (docs/design.md, "Evaluation"); the
+`peagle eval` command line is peagle_ext/cli/eval.py.
 
 For every prompt: the verifier's own greedy decoding (the baseline, timed) and greedy
-speculative decoding with the drafter (peagle_ext.decode, timed the same way), compared token
+speculative decoding with the drafter (peagle_ext.serving, timed the same way), compared token
 for token (`lossless`). Reports acceptance length (tokens per verifier round = accepted drafts +
-1), per-position acceptance, tokens/s of both and, with --k-sweep, the same per K plus a PNG of
+1), per-position acceptance, tokens/s of both and, with a K sweep, the same per K plus a PNG of
 acceptance length (and speed-up) vs K.
 
 Prompts: peagle_ext.data.load_eval_prompts (MT-Bench first turns, HumanEval problems as a user
 message "Complete the following Python function" + the code, or a JSONL), every one rendered
 with the verifier tokenizer's chat template (add_generation_prompt=True); a tokenizer without a
 template gets the user text as is.
-
-This module registers itself with peagle_ext.cli (which imports it when building the parser).
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-from .decode import (GreedyResult, PEagleDrafter, SpecResult, Verifier, acceptance_stats, first_mismatch,
-                     greedy_generate, speculative_generate)
+from .data import load_eval_prompts
+from .model import PEagleDraftModel
+from .serving import (GreedyResult, PEagleDrafter, SpecResult, Verifier, acceptance_stats, first_mismatch,
+                      greedy_generate, speculative_generate)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------------------
 def resolve_draft_dir(path) -> Path:
     """A section-5 checkpoint dir, or a training output dir (its final/)."""
     p = Path(path).expanduser()
@@ -52,7 +43,6 @@ def resolve_draft_dir(path) -> Path:
 
 def load_drafter(path, verifier: Verifier, *, dtype: torch.dtype | None = None) -> PEagleDrafter:
     """Load the drafter at `path` and check it fits `verifier` (hidden size, layers, vocab)."""
-    from .model import PEagleDraftModel
     d = resolve_draft_dir(path)
     model = PEagleDraftModel.from_pretrained(d)
     cfg = model.config
@@ -70,7 +60,6 @@ def load_drafter(path, verifier: Verifier, *, dtype: torch.dtype | None = None) 
 
 def render_prompts(tokenizer, bench: str, num_prompts: int | None) -> list[tuple[str, list[int]]]:
     """[(prompt id, token ids)] of the bench's first `num_prompts` prompts (module docstring)."""
-    from .data import load_eval_prompts
     msgs_list = load_eval_prompts(bench, limit=num_prompts)
     label = bench.lower() if bench.lower() in ("mtbench", "humaneval") else Path(bench).stem
     out = []
@@ -179,7 +168,7 @@ def evaluate(verifier: Verifier, drafter, prompts: list[tuple[str, list[int]]], 
         main.append(s)
         say(f"[{i + 1}/{len(prompts)}] {pid}: {len(s.tokens)} tokens, {s.rounds} rounds, acceptance "
             f"{s.acceptance_length:.2f}, {'lossless' if s.tokens == b.tokens else 'MISMATCH'}, "
-            f"{_fmt(_rate(len(s.tokens), s.wall_s))} vs {_fmt(_rate(len(b.tokens), b.wall_s))} tok/s")
+            f"{fmt(_rate(len(s.tokens), s.wall_s))} vs {fmt(_rate(len(b.tokens), b.wall_s))} tok/s")
     report = summarize_k(num_spec_tokens, ids, main, base)
     if ks:
         sweep = []
@@ -190,14 +179,14 @@ def evaluate(verifier: Verifier, drafter, prompts: list[tuple[str, list[int]]], 
                 spec = [speculative_generate(verifier, drafter, t, k, max_new_tokens, eos_token_id=eos_token_id)
                         for _, t in prompts]
                 r = summarize_k(k, ids, spec, base)
-            say(f"K={k}: acceptance length {r['acceptance_length']:.3f}, {_fmt(r['tokens_per_s'])} tok/s "
-                f"(x{_fmt(r['speedup'], 2)}), lossless {r['num_lossless']}/{len(prompts)}")
+            say(f"K={k}: acceptance length {r['acceptance_length']:.3f}, {fmt(r['tokens_per_s'])} tok/s "
+                f"(x{fmt(r['speedup'], 2)}), lossless {r['num_lossless']}/{len(prompts)}")
             sweep.append({key: v for key, v in r.items() if key != "prompts"})
         report["k_sweep"] = sweep
     return report
 
 
-def _fmt(x, nd=1):
+def fmt(x, nd=1):
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
@@ -231,113 +220,3 @@ def plot_k_sweep(sweep: list[dict], path, title: str = "") -> Path:
     fig.savefig(p, dpi=110)
     plt.close(fig)
     return p
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-def add_arguments(p):
-    p.add_argument("--verifier", default="smollm2", help="local HF causal-LM directory or 'smollm2' (default)")
-    p.add_argument("--draft", required=True, help="P-EAGLE checkpoint directory (or a training output dir: its final/)")
-    p.add_argument("--bench", default="mtbench", help="mtbench | humaneval | PATH.jsonl (default mtbench)")
-    p.add_argument("--num-prompts", type=int, default=10, help="first N prompts of the bench (default 10)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    p.add_argument("--num-spec-tokens", type=int, default=None, help="K (default: the drafter's num_depths)")
-    p.add_argument("--k-sweep", default=None, help="also run these K, e.g. 1..8 or 1,2,4; writes a PNG")
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--plot", default=None, help="K-sweep PNG (default: next to --json, else ./eval_k_sweep.png)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
-                   help="verifier and drafter dtype; auto = bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--ignore-eos", action="store_true", default=False, help="always generate max-new-tokens tokens")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=True)
-    p.add_argument("--quiet", action="store_true", default=False, help="no per-prompt lines")
-
-
-def _check_pos_int(name, v):
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-
-
-def run(args) -> int:
-    from .data import load_verifier
-    _check_pos_int("--num-prompts", args.num_prompts)
-    _check_pos_int("--max-new-tokens", args.max_new_tokens)
-    _check_pos_int("--num-spec-tokens", args.num_spec_tokens)
-    ks = parse_k_sweep(args.k_sweep) if args.k_sweep else None
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device available")
-    dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    draft_dir = resolve_draft_dir(args.draft)  # fail fast, before loading the verifier
-    model, tok = load_verifier(args.verifier, device=device, dtype=dtype, require_chat_template=False)
-    drafter = load_drafter(draft_dir, Verifier(model), dtype=dtype)
-    verifier = Verifier(model, aux_layer_ids=drafter.aux_layer_ids)
-    k = args.num_spec_tokens or drafter.num_depths
-    if k > drafter.num_depths:
-        raise ValueError(f"--num-spec-tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
-                         f"({draft_dir} was trained to draft at most that many tokens in parallel)")
-    if ks and max(ks) > drafter.num_depths:
-        raise ValueError(f"--k-sweep goes up to K={max(ks)}, the drafter's num_depths is {drafter.num_depths}")
-    prompts = render_prompts(tok, args.bench, args.num_prompts)
-    eos = None if args.ignore_eos else eos_ids(model, tok)
-    log = None if args.quiet else (lambda s: print(s, flush=True))
-    t0 = time.perf_counter()
-    report = evaluate(verifier, drafter, prompts, num_spec_tokens=k, max_new_tokens=args.max_new_tokens,
-                      k_sweep=ks, eos_token_id=eos, warmup=args.warmup, log=log)
-    meta = {"verifier": str(args.verifier), "draft": str(draft_dir), "bench": args.bench,
-            "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": str(device),
-            "dtype": str(dtype).replace("torch.", ""), "drafter_num_depths": drafter.num_depths,
-            "stop_at_eos": eos is not None, "wall_s": time.perf_counter() - t0}
-    report = {**meta, **report}
-    if ks:
-        plot = args.plot or (str(Path(args.json).with_suffix("")) + "_k_sweep.png" if args.json else "eval_k_sweep.png")
-        report["plot"] = str(plot_k_sweep(report["k_sweep"], plot,
-                                          f"{Path(str(args.verifier)).name} + P-EAGLE on {report['bench']} "
-                                          f"({len(prompts)} prompts)"))
-    _print_summary(report)
-    if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"report: {p}")
-    if report.get("plot"):
-        print(f"plot: {report['plot']}")
-    return 0
-
-
-def _print_summary(r: dict):
-    k = r["num_spec_tokens"]
-    print()
-    print(f"P-EAGLE speculative decoding, K={k}, {r['num_prompts']} {r['bench']} prompts, "
-          f"max {r['max_new_tokens']} new tokens ({r['device']}, {r['dtype']})")
-    print(f"  acceptance length {_fmt(r['acceptance_length'], 3)} tokens/round over {r['rounds']} rounds")
-    print("  per-position acceptance P(k | <k accepted): "
-          + " ".join(_fmt(a, 2) for a in r["per_position_acceptance"]))
-    print("  per-position acceptance (unconditional):   "
-          + " ".join(_fmt(a, 2) for a in r["per_position_acceptance_unconditional"]))
-    print(f"  tokens/s {_fmt(r['tokens_per_s'])} vs plain greedy {_fmt(r['baseline_tokens_per_s'])} "
-          f"(speed-up x{_fmt(r['speedup'], 2)})")
-    print(f"  lossless (== verifier greedy): {r['num_lossless']}/{r['num_prompts']} prompts")
-    if r.get("k_sweep"):
-        print("  K  accept_len  tok/s   speed-up  lossless")
-        for s in r["k_sweep"]:
-            print(f"  {s['num_spec_tokens']:<2} {_fmt(s['acceptance_length'], 3):>10}  {_fmt(s['tokens_per_s']):>6}  "
-                  f"{_fmt(s['speedup'], 2):>8}  {s['num_lossless']}/{r['num_prompts']}")
-
-
-def _register():
-    # `python -m peagle_ext.cli` runs cli.py as __main__, a second module object next to the
-    # peagle_ext.cli imported here: register with both so `eval` exists in either entry point.
-    from . import cli
-    targets = [cli]
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if main is not None and main is not cli and spec is not None and spec.name == "peagle_ext.cli":
-        targets.append(main)
-    for t in targets:
-        t.register("eval", "speculative-decoding evaluation of a drafter (acceptance, tokens/s, losslessness)",
-                   add_arguments, run)
-
-
-_register()

@@ -1,0 +1,39 @@
+"""The `peagle` command (also `python -m peagle_ext.cli`): one module per subcommand, each with
+HELP, add_arguments(parser) and run(args) -> exit code."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import eval as eval_cmd
+from . import export as export_cmd
+from . import train as train_cmd
+
+SUBCOMMANDS = {"train": train_cmd, "export": export_cmd, "eval": eval_cmd}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="peagle", description="Train, export and evaluate P-EAGLE parallel drafters.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, mod in SUBCOMMANDS.items():
+        # flags not given stay absent (SUPPRESS), so "--x none" differs from "not given"
+        sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP, argument_default=argparse.SUPPRESS)
+        mod.add_arguments(sp)
+        sp.set_defaults(_run=mod.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not getattr(args, "_run", None):
+        p.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("\n[peagle] interrupted; the newest complete checkpoint is kept (continue with --resume)", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        print(f"peagle {args.command}: error: {e}", file=sys.stderr)
+        return 2

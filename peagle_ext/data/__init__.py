@@ -1,0 +1,53 @@
+"""Verifier and training data for P-EAGLE (docs/design.md, "Data"). All offline: nothing is downloaded.
+
+    model, tok = load_verifier("smollm2")                       # or a local HF directory
+    convs = load_conversations("sharegpt", limit=2000)          # or "my.jsonl"
+    tokenized, stats = tokenize_conversations(tok, convs, max_len=seq_len)
+    rows = pack_conversations(tokenized, seq_len, pad_token_id=pad_id)
+    ids = default_aux_layer_ids(model.config.num_hidden_layers)
+    for row in rows:
+        aux, last = verifier_hidden_states(model, row, ids)     # per-document forwards
+        ex = eagle_shift(row, aux, last)                        # -> TrainingExample
+    # or precompute once: HiddenStateCache(dir, meta=...).generate(model, rows, ids)
+
+Modules: `records` (PackedSequence, TrainingExample), `conversations` (sources), `chat`
+(chat-template tokenization with loss masks), `packing`, `verifier` (locate / convert / load),
+`hidden_states`, `shift` (the EAGLE shift), `cache` (the on-disk hidden-state cache).
+
+Conventions (those of vLLM / speculators, so a drafter trained here serves in vLLM):
+- aux layer id k = residual stream entering decoder layer k (HF hidden_states[k]); the default
+  ids are [2, L // 2, L - 3]. `last` = output of the last decoder layer BEFORE the final norm.
+- loss mask: assistant content + its end-of-turn tokens, never the role header.
+- EAGLE shift: see shift.eagle_shift.
+"""
+from .cache import HiddenStateCache, packed_fingerprint
+from .chat import TokenizeStats, assistant_char_spans, tokenize_conversation, tokenize_conversations
+from .conversations import (
+    iter_sharegpt_records,
+    load_conversations,
+    load_eval_prompts,
+    normalize_messages,
+    sharegpt_path,
+)
+from .hidden_states import verifier_hidden_states
+from .packing import pack_conversations
+from .records import DataError, PackedSequence, TrainingExample
+from .shift import eagle_shift
+from .verifier import (
+    cache_root,
+    check_aux_layer_ids,
+    convert_gguf_to_hf,
+    decoder_parts,
+    default_aux_layer_ids,
+    load_verifier,
+    resolve_verifier_path,
+    smollm2_gguf_path,
+)
+
+__all__ = [
+    "DataError", "PackedSequence", "TrainingExample", "HiddenStateCache", "packed_fingerprint", "TokenizeStats",
+    "assistant_char_spans", "tokenize_conversation", "tokenize_conversations", "iter_sharegpt_records",
+    "load_conversations", "load_eval_prompts", "normalize_messages", "sharegpt_path", "verifier_hidden_states",
+    "pack_conversations", "eagle_shift", "cache_root", "check_aux_layer_ids", "convert_gguf_to_hf",
+    "decoder_parts", "default_aux_layer_ids", "load_verifier", "resolve_verifier_path", "smollm2_gguf_path",
+]

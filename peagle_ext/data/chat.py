@@ -1,0 +1,150 @@
+"""Chat-template tokenization with assistant-only loss masks."""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .records import DataError
+
+log = logging.getLogger("peagle_ext.data")
+
+
+def _common_prefix_len(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Strings: compare in big blocks first (long conversations make this loop the hot spot).
+    step = 256
+    while i + step <= n and a[i:i + step] == b[i:i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
+    """Render `messages` with the tokenizer's chat template and find each assistant turn's
+    character span [start, end) in the rendered text, by incremental prefix rendering:
+
+      start = end of render(messages[:j], add_generation_prompt=True)   (the "<assistant>\\n" header
+              is context, like at inference where the server writes it)
+      end   = end of render(messages[:j+1])                             (content + end-of-turn
+              tokens such as "<|im_end|>\\n", which the model must learn to emit)
+
+    When the template is not prefix-stable (e.g. it rewrites history or its generation prompt
+    differs from the history header), the longest common prefix with the full render is used,
+    which keeps every span inside the turn (speculators' boundary rule).
+    """
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if j == 0:
+            start = 0
+        else:
+            start = _common_prefix_len(_render(tokenizer, messages[:j], add_generation_prompt=True), full)
+        end = _common_prefix_len(_render(tokenizer, messages[:j + 1], add_generation_prompt=False), full)
+        if end > start:
+            spans.append((start, end))
+    return full, spans
+
+
+def _check_tokenizer(tokenizer):
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                        "set tokenizer.chat_template (conversations are rendered with it)")
+
+
+def tokenize_conversation(tokenizer, messages, *, max_len: int,
+                          _use_offsets: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Render a conversation with the tokenizer's chat template and tokenize it.
+
+    Returns (input_ids int64 [n], loss_mask bool [n]), n <= max_len. loss_mask is True exactly on
+    the tokens of assistant turns: the content plus the end-of-turn tokens the template appends
+    (e.g. "<|im_end|>" and its newline), NOT the role header (see assistant_char_spans). A token
+    straddling a span edge (BPE merges across it) counts as assistant. Longer conversations are
+    truncated to their first max_len tokens (tokenize_conversations counts them).
+
+    The ids equal tokenizer.apply_chat_template(messages, tokenize=True) (the rendered text
+    tokenized without extra special tokens). Fast tokenizers map spans via offsets; others by
+    tokenizing each prefix (same result for prefix-stable tokenizations).
+    """
+    _check_tokenizer(tokenizer)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
+    if not isinstance(messages, list) or not messages:
+        raise DataError("messages must be a non-empty list of {role, content} dicts")
+    text, spans = assistant_char_spans(tokenizer, messages)
+    use_offsets = getattr(tokenizer, "is_fast", False) if _use_offsets is None else _use_offsets
+    if use_offsets:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        offsets = enc["offset_mapping"]
+        mask = [False] * len(ids)
+        starts = [s for s, _ in spans]
+        for t, (a, b) in enumerate(offsets):
+            b = max(b, a + 1)  # zero-width tokens belong to the position they sit at
+            k = bisect.bisect_right(starts, b - 1) - 1  # last span starting before the token ends
+            if k >= 0 and spans[k][1] > a:
+                mask[t] = True
+    else:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        mask = [False] * len(ids)
+        for s, e in spans:
+            # A prefix tokenizes like the full text up to the span edge; where they part ways a
+            # token straddles the edge, and it counts as assistant (as in the offsets path).
+            lo = _common_prefix_len(tokenizer(text[:s], add_special_tokens=False)["input_ids"], ids) if s else 0
+            upto = tokenizer(text[:e], add_special_tokens=False)["input_ids"]
+            hi = _common_prefix_len(upto, ids)
+            if hi < len(upto):
+                hi += 1
+            for t in range(lo, min(hi, len(ids))):
+                mask[t] = True
+    ids = ids[:max_len]
+    mask = mask[:max_len]
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+
+@dataclass
+class TokenizeStats:
+    conversations: int = 0
+    truncated: int = 0            # longer than max_len: cut to max_len
+    dropped_no_loss: int = 0      # no assistant token left (e.g. truncated before the answer)
+    tokens: int = 0
+    loss_tokens: int = 0
+    lengths: list[int] = field(default_factory=list, repr=False)
+
+
+def tokenize_conversations(tokenizer, conversations, *, max_len: int
+                           ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], TokenizeStats]:
+    """tokenize_conversation over a list, dropping results without any loss token, with counts
+    (the caller logs `stats.truncated` etc.)."""
+    _check_tokenizer(tokenizer)
+    out = []
+    st = TokenizeStats()
+    for msgs in conversations:
+        st.conversations += 1
+        # Truncation check needs the untruncated length: ask for one more token than allowed.
+        ids, mask = tokenize_conversation(tokenizer, msgs, max_len=max_len + 1)
+        if len(ids) > max_len:
+            st.truncated += 1
+            ids, mask = ids[:max_len], mask[:max_len]
+        if not bool(mask.any()):
+            st.dropped_no_loss += 1
+            continue
+        out.append((ids, mask))
+        st.tokens += len(ids)
+        st.loss_tokens += int(mask.sum())
+        st.lengths.append(len(ids))
+    if st.truncated:
+        log.warning("%d of %d conversations were longer than %d tokens and were truncated",
+                    st.truncated, st.conversations, max_len)
+    return out, st

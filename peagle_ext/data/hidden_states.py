@@ -1,0 +1,100 @@
+"""Verifier hidden states of a packed row: the aux layers' inputs and the last layer's output,
+per document (documents never attend each other)."""
+from __future__ import annotations
+
+import torch
+
+from .records import PackedSequence
+from .verifier import check_aux_layer_ids, decoder_parts
+
+
+def _batches_by_length(spans: list[tuple[int, int]], token_budget: int) -> list[list[tuple[int, int]]]:
+    """Group documents of similar length so that padding waste stays small: sort by length,
+    then cut whenever (count * longest) would exceed the token budget."""
+    order = sorted(spans, key=lambda s: s[1] - s[0], reverse=True)
+    batches: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    for s in order:
+        longest = (cur[0][1] - cur[0][0]) if cur else (s[1] - s[0])
+        if cur and (len(cur) + 1) * longest > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@torch.no_grad()
+def verifier_hidden_states(verifier, packed: PackedSequence, aux_layer_ids, *,
+                           token_budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verifier hidden states of one packed row: (aux [N, n_aux*H], last [N, H]).
+
+    Which tensors (vLLM / speculators EAGLE-3 convention, so a drafter trained on them is served
+    correctly by vLLM):
+      aux layer id k  = the residual stream ENTERING decoder layer k, i.e. the output of layer k-1
+                        (k = 0: the token embeddings). This is HF's `output_hidden_states` entry
+                        `hidden_states[k]` and vLLM's `aux_hidden_states` for layer k (vLLM appends
+                        `hidden_states + residual` just before running layer k).
+      last            = the output of the LAST decoder layer BEFORE the final norm (the input of
+                        `verifier.model.norm`), so that
+                        verifier.lm_head(verifier.model.norm(last)) == the verifier's logits.
+                        (HF's hidden_states[-1] is AFTER the norm in transformers 5, so it is not used.)
+    aux is the concatenation of the aux layers in `aux_layer_ids` order along the feature dim.
+
+    Documents never attend each other: each document of the row is run as its own sequence
+    (position ids restart at 0, like at inference), several documents per forward batched with
+    right padding + attention_mask. Right padding never changes the valid positions' outputs of a
+    causal model; numerically batched vs alone agree to float rounding. Padding positions of the
+    row are zero. Outputs are in the verifier's dtype on the verifier's device.
+
+    token_budget: max tokens (documents * longest) per forward; default max(len(row), 4096).
+    """
+    if not isinstance(packed, PackedSequence):
+        raise TypeError(f"packed must be a PackedSequence, got {type(packed).__name__}")
+    base, layers, norm = decoder_parts(verifier)
+    L = len(layers)
+    ids = check_aux_layer_ids(aux_layer_ids, L)
+    param = next(verifier.parameters())
+    device, dtype = param.device, param.dtype
+    H = int(verifier.config.hidden_size)
+    N = len(packed)
+    aux = torch.zeros(N, len(ids) * H, dtype=dtype, device=device)
+    last = torch.zeros(N, H, dtype=dtype, device=device)
+    spans = packed.document_spans()
+    if not spans:
+        return aux, last
+    budget = token_budget or max(N, 4096)
+
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture_input(key):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            captured[key] = x
+        return hook
+
+    # Hooks on the INPUTS: layer k's input is aux id k; the final norm's input is id L and `last`.
+    wanted = sorted(set(i for i in ids if i < L))
+    handles = [layers[k].register_forward_pre_hook(capture_input(k), with_kwargs=True) for k in wanted]
+    handles.append(norm.register_forward_pre_hook(capture_input(L), with_kwargs=True))
+    input_ids = packed.input_ids.to(device)
+    try:
+        for batch in _batches_by_length(spans, budget):
+            longest = max(e - s for s, e in batch)
+            x = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
+            am = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
+            for b, (s, e) in enumerate(batch):
+                x[b, : e - s] = input_ids[s:e]
+                am[b, : e - s] = 1
+            captured.clear()
+            base(input_ids=x, attention_mask=am, use_cache=False)
+            for b, (s, e) in enumerate(batch):
+                n = e - s
+                for j, k in enumerate(ids):
+                    aux[s:e, j * H:(j + 1) * H] = captured[k][b, :n]
+                last[s:e] = captured[L][b, :n]
+    finally:
+        for h in handles:
+            h.remove()
+    return aux, last

@@ -1,0 +1,82 @@
+"""The records of the data pipeline: a packed row before the EAGLE shift, a training example after it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class DataError(ValueError):
+    """A data set, verifier directory or cache is unusable; the message says which and why."""
+
+
+@dataclass
+class PackedSequence:
+    """One packed training row of length N (before the EAGLE shift).
+
+    input_ids    int64 [N]  token ids; padding positions hold `pad_token_id`
+    document_ids int32 [N]  0, 1, 2, ... per conversation in the row, -1 = padding
+    loss_mask    bool  [N]  True on assistant tokens (see tokenize_conversation)
+    pad_token_id int        the id written at padding positions (eagle_shift reuses it)
+    """
+    input_ids: torch.Tensor
+    document_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    pad_token_id: int = 0
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def document_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of every document in row order (padding excluded)."""
+        return _document_spans(self.document_ids)
+
+
+@dataclass
+class TrainingExample:
+    """One row after the EAGLE shift (DESIGN section 1), what the draft model trains on.
+
+    input_ids    int64 [N]         token p+1 at index p
+    document_ids int32 [N]         -1 = padding (incl. each document's last position, see eagle_shift)
+    loss_mask    bool  [N]         whether the target at index p is trained on
+    hidden       [N, n_aux*H]      verifier aux hidden states of position p
+    last_hidden  [N, H]            verifier last hidden state (PRE final norm) of position p+1
+    """
+    input_ids: torch.Tensor
+    document_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden: torch.Tensor
+    last_hidden: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "TrainingExample":
+        """Move every tensor to `device`; cast only the two hidden-state tensors to `dtype`."""
+        return TrainingExample(
+            input_ids=self.input_ids.to(device),
+            document_ids=self.document_ids.to(device),
+            loss_mask=self.loss_mask.to(device),
+            hidden=self.hidden.to(device=device, dtype=dtype),
+            last_hidden=self.last_hidden.to(device=device, dtype=dtype),
+        )
+
+
+def _document_spans(document_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal runs of equal, non-negative document ids, as [start, end) pairs."""
+    doc = document_ids.tolist()
+    spans: list[tuple[int, int]] = []
+    start = None
+    for i, d in enumerate(doc):
+        if start is not None and d != doc[start]:
+            spans.append((start, i))
+            start = None
+        if start is None and d >= 0:
+            start = i
+    if start is not None:
+        spans.append((start, len(doc)))
+    return spans

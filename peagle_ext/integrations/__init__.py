@@ -1,0 +1,1 @@
+"""peagle_ext beside other projects' trainers: `speculators` (vllm-project/speculators)."""

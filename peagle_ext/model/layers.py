@@ -1,0 +1,126 @@
+"""Building blocks of the drafter: RMSNorm, RoPE, and llama / qwen3 decoder layers (layer 0 is
+EAGLE-3's first layer on [embeds ; hidden])."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # fp32 statistics like the HF llama/qwen3 norms, output in the input's dtype
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_inv_freq(tl: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(tl, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", getattr(tl, "rope_theta", 10000.0)))
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        return inv.float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    cfg = copy.deepcopy(tl)
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv.float(), float(scale)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, D]; cos/sin [T, 1, D]; HF's rotate_half convention
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, tl: PretrainedConfig, in_dim: int):
+        super().__init__()
+        h = tl.hidden_size
+        self.num_heads = tl.num_attention_heads
+        self.num_kv_heads = getattr(tl, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(tl, "head_dim", None) or h // self.num_heads
+        bias = bool(getattr(tl, "attention_bias", False))
+        self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        if tl.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, tl.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, tl.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def q(self, x):
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        return self.q_norm(q) if self.q_norm is not None else q
+
+    def kv(self, x):
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return k, v
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, tl: PretrainedConfig):
+        super().__init__()
+        bias = bool(getattr(tl, "mlp_bias", False))
+        self.gate_proj = nn.Linear(tl.hidden_size, tl.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(tl.hidden_size, tl.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(tl.intermediate_size, tl.hidden_size, bias=bias)
+        self.act = ACT2FN[tl.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """A llama/qwen3 decoder layer; layer 0 is EAGLE-3's first layer on [embeds ; hidden]."""
+
+    def __init__(self, tl: PretrainedConfig, layer_idx: int, norm_before_residual: bool):
+        super().__init__()
+        self.first = layer_idx == 0
+        h = tl.hidden_size
+        self.input_layernorm = RMSNorm(h, tl.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, tl.rms_norm_eps)
+        self.self_attn = DraftAttention(tl, 2 * h if self.first else h)
+        self.mlp = DraftMLP(tl)
+        self.norm_before_residual = norm_before_residual
+        if self.first:
+            self.hidden_norm = RMSNorm(h, tl.rms_norm_eps)
+
+    def pre_attention(self, x, hid=None):
+        """(attention input, residual). Layer 0 takes x = embeds and hid = fc(hidden)."""
+        if not self.first:
+            return self.input_layernorm(x), x
+        hn = self.hidden_norm(hid)
+        residual = hn if self.norm_before_residual else hid
+        return torch.cat([self.input_layernorm(x), hn], dim=-1), residual
+
+    def post_attention(self, attn_out, residual):
+        h = residual + self.self_attn.o_proj(attn_out.flatten(-2))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, layer_pass, *args, **kwargs):
+        """One pass of this layer, `layer_pass(self, *args, **kwargs)` (built by the model, which
+        owns the attention layout and RoPE tables). Going through the module call lets module hooks
+        see the whole layer: FSDP2's per-layer all-gather/reshard (peagle_ext.distributed), and
+        activation checkpointing wrappers."""
+        return layer_pass(self, *args, **kwargs)

@@ -1,0 +1,24 @@
+"""Serving a P-EAGLE drafter: greedy speculative decoding with a transformers verifier (the
+evaluation path of `peagle eval`) and the vLLM plugin.
+
+- `verifier`: Verifier, a causal LM run step by step with a KV cache and aux hidden-state capture.
+- `drafter`: Drafter (the interface) and PEagleDrafter (a PEagleDraftModel with a draft KV cache).
+- `decode`: greedy_generate, speculative_generate and the acceptance statistics.
+- `vllm_plugin`: routes vLLM's parallel-drafting input step through peagle_ext's op.
+"""
+from .decode import (
+    BLOCK_SIZE,
+    GreedyResult,
+    SpecResult,
+    acceptance_stats,
+    first_mismatch,
+    greedy_generate,
+    speculative_generate,
+)
+from .drafter import Drafter, PEagleDrafter
+from .verifier import Verifier
+
+__all__ = [
+    "BLOCK_SIZE", "GreedyResult", "SpecResult", "acceptance_stats", "first_mismatch", "greedy_generate",
+    "speculative_generate", "Drafter", "PEagleDrafter", "Verifier",
+]

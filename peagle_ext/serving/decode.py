@@ -1,0 +1,251 @@
+"""Greedy speculative decoding with a P-EAGLE drafter and a transformers verifier.
+
+One request, greedy, exact: the output is token for token the verifier's own greedy decoding
+(up to floating-point differences between scoring K+1 tokens in one forward and one at a time,
+which only matter at near-ties of the verifier's top-2 logits; fp32 tests are exact).
+
+    prefill:   verifier(prompt) -> greedy token b (the first "bonus"), aux hidden states of every
+               prompt token (layers eagle_aux_hidden_state_layer_ids, layer-input convention as in
+               training: peagle_ext.data.verifier_hidden_states).
+    per round: batch = prepare_parallel_draft_inputs(the verifier's last inputs, their positions,
+                   b, num_rejected, fc(aux), fc(mask_hidden), ...)    # exactly vLLM's step
+               drafts d_1..d_K = ONE draft forward over the batch's rows
+               verifier([b, d_1..d_K]) with its KV cache -> greedy g_0..g_K
+               a = longest prefix with d_{i+1} == g_i; emit d_1..d_a, g_a; crop the verifier
+               cache to the accepted tokens; b = g_a.
+
+Draft rows (DESIGN section 1, vLLM parallel drafting): a depth-0 row at position p carries token
+p+1 and the verifier's hidden state of p; the bonus row sits at the last accepted position m;
+MASK rows at m+1..m+K-1 carry the MASK token and mask_hidden; the bonus row's logits give draft 1,
+MASK row k's give draft k+1.
+
+Draft KV cache: like vLLM's paged cache for one request, one slot per position (identity block
+table, so slot_mapping from the op = position). Every non-rejected row of a round, MASK rows
+included, writes its K/V at its slot, then each row attends the slots at positions <= its own.
+The MASK rows of a round sit at positions past the last accepted token; the next round rewrites
+those positions (depth-0 rows for the newly accepted tokens, then the new MASK rows) before any
+row can see them, so stale MASK entries are never read and the cache needs no explicit rollback.
+What each row sees is exactly the P-EAGLE symmetric rule with the round's anchor = last accepted
+position (depth-0: earlier depth-0 rows; MASK row d: the context up to the anchor and MASK rows
+1..d of its round), with full attention (no window: vLLM serves without one).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ops.parallel_draft import prepare_parallel_draft_inputs
+from .drafter import Drafter
+from .verifier import Verifier
+
+BLOCK_SIZE = 16  # draft KV cache "pages"; any value works, the block table is the identity
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[int]
+    prompt_tokens: int
+    wall_s: float
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]
+    prompt_tokens: int
+    wall_s: float
+    num_spec_tokens: int
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round (0..K)
+    # with profile=True: time outside the verifier (acceptance bookkeeping, fc of the new hidden
+    # states, the batch op, the draft forward) and in verifier forwards (prefill included)
+    draft_s: float | None = None
+    verify_s: float | None = None
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per round: accepted drafts + the verifier's bonus token."""
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else float("nan")
+
+
+def _as_prompt(prompt_ids, device) -> torch.Tensor:
+    t = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)
+    if t.numel() == 0:
+        raise ValueError("prompt_ids is empty: a prompt needs at least one token")
+    return t
+
+
+def _check_budget(verifier: Verifier, n: int, max_new_tokens: int, extra: int = 0):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    need = n + max_new_tokens + extra
+    if verifier.max_positions is not None and need > verifier.max_positions:
+        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens})"
+                         + (f" + {extra} draft positions" if extra else "")
+                         + f" = {need} exceeds the verifier's max_position_embeddings {verifier.max_positions}")
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos: frozenset) -> tuple[list[int], bool]:
+    """Cut at the first EOS (kept) and at max_new_tokens; (tokens, done)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: min(i + 1, max_new_tokens)], True
+    if len(tokens) >= max_new_tokens:
+        return tokens[:max_new_tokens], True
+    return tokens, False
+
+
+def _eos_set(eos_token_id) -> frozenset:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(x) for x in eos_token_id)
+
+
+@torch.inference_mode()
+def greedy_generate(verifier: Verifier, prompt_ids, max_new_tokens: int, *, eos_token_id=None) -> GreedyResult:
+    """Plain greedy decoding with the KV cache, one token per forward (the baseline)."""
+    prompt = _as_prompt(prompt_ids, verifier.device)
+    n = prompt.shape[0]
+    _check_budget(verifier, n, max_new_tokens)
+    eos = _eos_set(eos_token_id)
+    _sync(verifier.device)
+    t0 = time.perf_counter()
+    cache = verifier.new_cache()
+    logits, _ = verifier.forward(prompt, cache, 0, last_only=True)
+    tok = int(logits[-1].argmax())
+    out = [tok]
+    while len(out) < max_new_tokens and tok not in eos:
+        logits, _ = verifier.forward(torch.tensor([tok], device=verifier.device), cache, n + len(out) - 1,
+                                     last_only=True)
+        tok = int(logits[-1].argmax())
+        out.append(tok)
+    _sync(verifier.device)
+    return GreedyResult(out, n, time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_spec_tokens: int,
+                         max_new_tokens: int, *, eos_token_id=None, profile: bool = False) -> SpecResult:
+    """Greedy speculative decoding (module docstring); the tokens equal greedy_generate's.
+    profile=True also times the draft step and the verifier forwards (synchronising the device
+    around them, which costs a little on CUDA)."""
+    k = num_spec_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_spec_tokens must be an int >= 1, got {k!r}")
+    if k > drafter.num_depths:
+        raise ValueError(f"num_spec_tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
+                         "(it was trained to draft at most that many tokens in parallel)")
+    if verifier.aux_layer_ids is None or list(verifier.aux_layer_ids) != list(drafter.aux_layer_ids):
+        raise ValueError(f"the verifier must capture the drafter's aux layers {drafter.aux_layer_ids}, "
+                         f"got {verifier.aux_layer_ids}")
+    dev = verifier.device
+    prompt = _as_prompt(prompt_ids, dev)
+    n = prompt.shape[0]
+    _check_budget(verifier, n, max_new_tokens, extra=k)
+    eos = _eos_set(eos_token_id)
+    # draft positions reach (last accepted) + K - 1 < n + max_new_tokens + K
+    capacity = -(-(n + max_new_tokens + k) // BLOCK_SIZE) * BLOCK_SIZE
+    block_table = torch.arange(capacity // BLOCK_SIZE, dtype=torch.int32, device=dev)[None]
+    qsl = torch.tensor([0, 0], dtype=torch.int32, device=dev)
+    mask_hidden = drafter.mask_hidden.to(dev)
+
+    _sync(dev)
+    t0 = time.perf_counter()
+    drafter.reset(capacity)
+    cache = verifier.new_cache()
+    accepted: list[int] = []
+    clock = [0.0, 0.0]  # draft, verify
+
+    def tick(i, since):
+        if profile:
+            _sync(dev)
+            now = time.perf_counter()
+            clock[i] += now - since
+            return now
+        return since
+
+    with verifier.capturing():
+        t = tick(1, time.perf_counter())
+        logits, aux = verifier.forward(prompt, cache, 0, last_only=True)
+        t = tick(1, t)
+        bonus = logits[-1].argmax().reshape(1)
+        out = [int(bonus)]
+        tgt_ids, tgt_pos = prompt, torch.arange(n, device=dev)
+        tgt_hidden = drafter.combine_hidden(aux)
+        n_rej = 0
+        seq_len = n  # tokens in the verifier cache = position of `bonus`
+        out, done = _finish(out, max_new_tokens, eos)
+        while not done:
+            t_in = tgt_ids.shape[0]
+            qsl[1] = t_in
+            batch = prepare_parallel_draft_inputs(
+                tgt_ids.to(torch.int32), tgt_pos, bonus.to(torch.int32), qsl,
+                torch.tensor([n_rej], dtype=torch.int32, device=dev), tgt_hidden.to(mask_hidden.dtype).contiguous(),
+                mask_hidden, block_table, num_spec_tokens=k, mask_token_id=drafter.mask_token_id,
+                block_size=BLOCK_SIZE, max_model_len=capacity)
+            num_rows = t_in + k - 1 - n_rej
+            drafts = drafter.propose(batch, k, num_rows, seq_len - 1 + k).to(dev)
+            t = tick(0, t)
+            verify_ids = torch.cat([bonus, drafts])
+            logits, aux = verifier.forward(verify_ids, cache, seq_len)
+            t = tick(1, t)
+            greedy = logits.argmax(-1)
+            n_match = torch.cumprod((drafts == greedy[:k]).int(), 0).sum()
+            # one device->host copy per round: accepted count, the verified inputs and the greedy tokens
+            host = torch.cat([n_match.reshape(1).to(greedy.dtype), verify_ids, greedy]).tolist()
+            a = host[0]
+            accepted.append(a)
+            new = host[2:a + 2] + [host[k + 2 + a]]
+            Verifier.crop(cache, seq_len + 1 + a)
+            tgt_ids, tgt_pos = verify_ids, torch.arange(seq_len, seq_len + k + 1, device=dev)
+            tgt_hidden = drafter.combine_hidden(aux)
+            n_rej = k - a
+            seq_len += 1 + a
+            bonus = greedy[a].reshape(1)
+            out, done = _finish(out + new, max_new_tokens, eos)
+    _sync(dev)
+    return SpecResult(out, n, time.perf_counter() - t0, k, accepted,
+                      clock[0] if profile else None, clock[1] if profile else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+def acceptance_stats(accepted_per_round, num_spec_tokens: int) -> dict:
+    """Acceptance over rounds: acceptance_length (mean accepted + 1), per-position rates
+    conditional[k-1] = P(draft k accepted | drafts < k accepted) (None when never reached) and
+    unconditional[k-1] = P(draft k accepted), and the raw counts."""
+    acc = [int(a) for a in accepted_per_round]
+    k = int(num_spec_tokens)
+    if any(a < 0 or a > k for a in acc):
+        raise ValueError(f"accepted counts must be in [0, {k}]")
+    rounds = len(acc)
+    reached = [sum(1 for a in acc if a >= j) for j in range(k)]      # drafts < j+1 all accepted
+    hit = [sum(1 for a in acc if a >= j + 1) for j in range(k)]      # draft j+1 accepted
+    return {
+        "rounds": rounds,
+        "acceptance_length": (sum(acc) + rounds) / rounds if rounds else None,
+        "per_position_acceptance": [h / r if r else None for h, r in zip(hit, reached)],
+        "per_position_acceptance_unconditional": [h / rounds if rounds else None for h in hit],
+        "per_position_reached": reached,
+        "per_position_accepted": hit,
+    }
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

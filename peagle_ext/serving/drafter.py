@@ -1,0 +1,152 @@
+"""Drafters for speculative decoding: the interface the decoding loop needs, and PEagleDrafter,
+which runs a PEagleDraftModel over vLLM-style parallel-drafting batches with a one-slot-per-position
+KV cache (see serving/decode.py for the cache's invariant)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model import PEagleDraftModel
+from ..model.layers import apply_rope
+from ..ops.parallel_draft import DraftBatch
+
+
+class Drafter:
+    """What speculative_generate needs from a drafter.
+
+    combine_hidden(aux [T, n_aux*H]) -> the per-row hidden fed to prepare_parallel_draft_inputs;
+    mask_hidden -> that hidden for MASK rows (same dtype/width); reset(capacity) before each
+    request; propose(batch, num_spec_tokens, num_rows, context_len) -> long[K] verifier token ids,
+    where the batch's first num_rows rows are not rejected and context_len = 1 + the largest
+    position among them.
+    """
+
+    mask_token_id: int
+    num_depths: int
+    aux_layer_ids: list[int]
+
+    def combine_hidden(self, aux: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def mask_hidden(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reset(self, capacity: int):
+        pass
+
+    def propose(self, batch: DraftBatch, num_spec_tokens: int, num_rows: int, context_len: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PEagleDrafter(Drafter):
+    """Inference of a PEagleDraftModel over vLLM-style parallel-drafting batches, with a
+    one-slot-per-position KV cache (module docstring). Uses the model's own modules (embeddings,
+    fc, decoder layers, norm, lm_head, d2t); attention is plain SDPA with the causal-by-position
+    mask over the cache."""
+
+    def __init__(self, model, *, device=None, dtype: torch.dtype | None = None):
+        if not isinstance(model, PEagleDraftModel):
+            raise TypeError(f"model must be a PEagleDraftModel, got {type(model).__name__}")
+        # RoPE frequencies stay fp32 whatever the model dtype (as in training)
+        self._inv_freq = model.rope_inv_freq.detach().float().clone()
+        self._rope_scale = float(model.rope_scale)
+        device = torch.device(device) if device is not None else model.fc.weight.device
+        dtype = dtype or model.fc.weight.dtype
+        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self._inv_freq = self._inv_freq.to(device)
+        self.device, self.dtype = device, dtype
+        cfg = model.config
+        self.mask_token_id = int(cfg.mask_token_id)
+        self.num_depths = int(cfg.num_depths)
+        n = cfg.transformer_layer_config.num_hidden_layers
+        self.aux_layer_ids = list(cfg.eagle_aux_hidden_state_layer_ids or [])
+        if len(self.aux_layer_ids) != cfg.num_aux:
+            raise ValueError("the drafter config has no eagle_aux_hidden_state_layer_ids")
+        self.hidden_size = cfg.hidden_size
+        a = model.layers[0].self_attn
+        self._kv_shape = (a.num_kv_heads, a.head_dim)
+        self._num_layers = n
+        self._k_cache: list[torch.Tensor] = []
+        self._v_cache: list[torch.Tensor] = []
+        with torch.no_grad():
+            self._mask_hidden = self.combine_hidden(self.model.mask_hidden.reshape(1, -1))[0].contiguous()
+        self._draft_ids = model.draft_token_ids.to(device)
+
+    def combine_hidden(self, aux):
+        m = self.model
+        x = aux.to(device=self.device, dtype=self.dtype)
+        if m.input_norm is not None:
+            x = m.input_norm(x)
+        return m.fc(x)
+
+    @property
+    def mask_hidden(self):
+        return self._mask_hidden
+
+    def reset(self, capacity: int):
+        cap = int(capacity)
+        if not self._k_cache or self._k_cache[0].shape[0] < cap:
+            shape = (cap, *self._kv_shape)
+            self._k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
+            self._v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
+        self.capacity = cap
+
+    def _rope(self, pos: torch.Tensor):
+        freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], -1)
+        return ((emb.cos() * self._rope_scale)[:, None, :].to(self.dtype),
+                (emb.sin() * self._rope_scale)[:, None, :].to(self.dtype))
+
+    def forward_rows(self, batch: DraftBatch, num_rows: int, context_len: int,
+                     out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (before the final norm) of the batch's rows `out_rows` (default
+        all num_rows rows), after writing every row's K/V into the cache."""
+        m = self.model
+        ids = batch.input_ids[:num_rows].to(self.device, torch.long)
+        pos = batch.positions[:num_rows].to(self.device)
+        slots = batch.slot_mapping[:num_rows].to(self.device)
+        hid = batch.hidden[:num_rows].to(self.device, self.dtype)
+        cos, sin = self._rope(pos)
+        key_pos = torch.arange(context_len, device=self.device)
+        x = None
+        last = len(m.layers) - 1
+        for li, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            if layer.first:
+                emb = m.embed_tokens(ids)
+                mask_embed = getattr(m, "mask_embed", None)
+                if mask_embed is not None:  # trained with train_embeddings="mask": the MASK row lives apart
+                    is_mask = batch.is_masked[:num_rows].to(self.device)[:, None]
+                    emb = torch.where(is_mask, mask_embed.to(emb.dtype), emb)
+                a_in, res = layer.pre_attention(emb, hid)
+            else:
+                a_in, res = layer.pre_attention(x)
+            k, v = attn.kv(a_in)
+            k = apply_rope(k, cos, sin)
+            self._k_cache[li].index_copy_(0, slots, k.to(self.dtype))
+            self._v_cache[li].index_copy_(0, slots, v.to(self.dtype))
+            q_rows = out_rows if (li == last and out_rows is not None) else None
+            q_in, q_cos, q_sin, q_pos = a_in, cos, sin, pos
+            if q_rows is not None:  # the last layer only needs the rows that are read out
+                q_in, q_cos, q_sin, q_pos, res = a_in[q_rows], cos[q_rows], sin[q_rows], pos[q_rows], res[q_rows]
+            q = apply_rope(attn.q(q_in), q_cos, q_sin)
+            allowed = key_pos[None, :] <= q_pos[:, None]  # causal by position over the cache
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], self._k_cache[li][:context_len].transpose(0, 1)[None],
+                self._v_cache[li][:context_len].transpose(0, 1)[None], attn_mask=allowed,
+                enable_gqa=attn.num_heads != attn.num_kv_heads)
+            x = layer.post_attention(o[0].transpose(0, 1), res)
+        return x
+
+    def draft_logits(self, batch: DraftBatch, num_spec_tokens: int, num_rows: int, context_len: int) -> torch.Tensor:
+        """Draft-vocab logits [K, Vd] of draft tokens 1..K."""
+        rows = batch.token_indices_to_sample[:num_spec_tokens].to(self.device, torch.long)
+        h = self.forward_rows(batch, num_rows, context_len, out_rows=rows)
+        return self.model.lm_head(self.model.norm(h))
+
+    def propose(self, batch, num_spec_tokens, num_rows, context_len):
+        if context_len > self.capacity:
+            raise ValueError(f"draft KV cache holds {self.capacity} positions, the round needs {context_len}")
+        logits = self.draft_logits(batch, num_spec_tokens, num_rows, context_len)
+        return self._draft_ids[logits.argmax(-1)]

@@ -1,0 +1,86 @@
+"""The training data of a run: conversations -> tokenized, split, packed rows and token counts; the
+epoch order; the rows of one micro-batch side by side; the COD seed of each micro-batch."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .. import data as D
+from .run_log import RunLog
+from .settings import TrainError, TrainSettings
+
+
+@dataclass
+class Dataset:
+    train_rows: list  # PackedSequence
+    val_rows: list
+    token_counts: torch.Tensor
+    truncated: int
+    dropped: int
+    num_train_conversations: int
+    num_val_conversations: int
+
+
+def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> Dataset:
+    convs = D.load_conversations(s.data, limit=s.num_conversations)
+    if not convs:
+        raise TrainError(f"--data {s.data}: empty dataset (no conversations)")
+    order = list(range(len(convs)))
+    random.Random(s.seed).shuffle(order)
+    n_val = int(round(len(convs) * s.val_fraction)) if len(convs) > 1 else 0
+    val_idx = set(order[:n_val])
+    tok_train, tok_val = [], []
+    truncated = dropped = 0
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i, msgs in enumerate(convs):
+        ids, mask = D.tokenize_conversation(tokenizer, msgs, max_len=s.seq_len + 1)
+        if ids.shape[0] > s.seq_len:
+            truncated += 1
+            ids, mask = ids[: s.seq_len], mask[: s.seq_len]
+        if ids.shape[0] < 2 or not bool(mask[1:].any()):
+            dropped += 1
+            continue
+        if int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+            raise TrainError(f"conversation {i}: token id {int(ids.max())} is outside the verifier vocab "
+                             f"({vocab_size}): tokenizer and verifier do not match")
+        (tok_val if i in val_idx else tok_train).append((ids, mask))
+        if i not in val_idx:
+            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    if truncated:
+        log.event("truncated", f"{truncated} conversation(s) longer than --seq-len {s.seq_len} were truncated "
+                  f"to {s.seq_len} tokens", count=truncated)
+    if dropped:
+        log.event("dropped", f"{dropped} conversation(s) without assistant tokens were skipped", count=dropped)
+    if not tok_train:
+        raise TrainError(f"--data {s.data}: empty dataset after tokenization (no conversation with assistant tokens)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    train_rows = D.pack_conversations(tok_train, s.seq_len, pad_token_id=pad)
+    val_rows = D.pack_conversations(tok_val, s.seq_len, pad_token_id=pad) if tok_val else []
+    return Dataset(train_rows, val_rows, counts, truncated, dropped, len(tok_train), len(tok_val))
+
+
+def concat_examples(examples):
+    """Packed rows side by side as one sequence; document ids offset so rows never mix."""
+    if len(examples) == 1:
+        return examples[0]
+    docs, off = [], 0
+    for ex in examples:
+        d = ex.document_ids.to(torch.int32)
+        docs.append(torch.where(d >= 0, d + off, d))
+        if bool((d >= 0).any()):
+            off += int(d.max()) + 1
+    return D.TrainingExample(
+        input_ids=torch.cat([e.input_ids for e in examples]), document_ids=torch.cat(docs),
+        loss_mask=torch.cat([e.loss_mask for e in examples]), hidden=torch.cat([e.hidden for e in examples]),
+        last_hidden=torch.cat([e.last_hidden for e in examples]))
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def cod_seed(seed: int, step: int, micro: int) -> int:
+    return (seed * 0x9E3779B1 + step * 7919 + micro * 104729 + 12345) % (2**62)

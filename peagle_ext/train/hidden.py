@@ -1,0 +1,121 @@
+"""Verifier hidden states of the training rows: kept in memory, recomputed on use, or read from an
+on-disk cache; on CPU optionally computed on a background thread while training starts."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import data as D
+from .run_log import progress_bar
+
+
+class HiddenStates:
+    """Verifier hidden states per packed row -> TrainingExample: kept in memory when they fit
+    (--hidden-cache-gb), else recomputed on use; or, with a `disk` HiddenStateCache, generated
+    once into it (resumable, reusable by later runs on the same data) and read back from it.
+    All three give the same bits (the verifier forward is deterministic)."""
+
+    ROWS_PER_SHARD = 16
+
+    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool, store_dtype, device, disk=None):
+        self.verifier = verifier
+        self.aux = list(aux_layer_ids)
+        self.rows = rows
+        self.cache = cache
+        self.store_dtype = store_dtype
+        self.device = device
+        self.disk = disk
+        self._mem: dict[int, object] = {}
+        self._shard: tuple[int, list] | None = None
+
+    def compute(self, i: int):
+        if self.disk is not None:
+            k, j = divmod(i, self.ROWS_PER_SHARD)
+            if self._shard is None or self._shard[0] != k:
+                self._shard = (k, self.disk.read_shard(k))
+            return self._shard[1][j]
+        aux, last = D.verifier_hidden_states(self.verifier, self.rows[i], self.aux)
+        ex = D.eagle_shift(self.rows[i], aux, last)
+        return ex.to("cpu", self.store_dtype) if self.cache else ex
+
+    def get(self, i: int):
+        if self.cache:
+            if self._producer is not None:
+                return self._wait_for(i)
+            if i not in self._mem:
+                self._mem[i] = self.compute(i)
+            return self._mem[i]
+        return self.compute(i)
+
+    # -- background extraction: the verifier runs on a second thread while training starts --
+    _producer = None
+
+    def start_background(self, order: list[int], then: "HiddenStates | None" = None, then_after: int = 0):
+        """Compute every row's states on a background thread, in `order` (the order training
+        will ask for them), with `then`'s rows (validation) inserted after the first `then_after`
+        of them (when the first validation needs them). torch ops release the GIL and, with one
+        intra-op thread each, two Python threads use two cores without OpenMP barriers. get()
+        waits for a row that is not done yet. Same bits as computing in the foreground."""
+        import threading
+        cond = threading.Condition()
+        cut = max(0, min(then_after, len(order)))
+        jobs = [(self, i) for i in order[:cut]] + ([(then, i) for i in range(len(then.rows))] if then else []) \
+            + [(self, i) for i in order[cut:]]
+        for hs in (self, then) if then else (self,):
+            hs._cond, hs._error, hs._producer = cond, [None], True
+
+        def run():
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    for hs, i in jobs:
+                        if i in hs._mem:
+                            continue
+                        ex = hs.compute(i)
+                        with cond:
+                            hs._mem[i] = ex
+                            cond.notify_all()
+            except BaseException as e:  # surfaced by the next get()
+                with cond:
+                    for hs in (self, then) if then else (self,):
+                        hs._error[0] = e
+                    cond.notify_all()
+            finally:
+                with cond:
+                    for hs in (self, then) if then else (self,):
+                        hs._done = True
+                    cond.notify_all()
+
+        for hs in (self, then) if then else (self,):
+            hs._done = False
+        t = threading.Thread(target=run, name="peagle-hidden-states", daemon=True)
+        t.start()
+        self._thread = t
+        return t
+
+    def _wait_for(self, i: int):
+        with self._cond:
+            while i not in self._mem:
+                if self._error[0] is not None:
+                    raise self._error[0]
+                if self._done:
+                    raise RuntimeError(f"hidden states of row {i} were never computed")
+                self._cond.wait(timeout=1.0)
+            return self._mem[i]
+
+    def warm(self, desc: str, progress: bool):
+        if self.disk is not None and self.rows:
+            self.disk.generate(self.verifier, self.rows, self.aux, rows_per_shard=self.ROWS_PER_SHARD,
+                               dtype=self.store_dtype, progress=progress)
+        if not self.cache:
+            return
+        it = range(len(self.rows))
+        bar = progress_bar(it, desc=desc, unit="row", disable=not progress)
+        t0 = time.time()
+        ntok = 0
+        for i in bar:
+            self.get(i)
+            ntok += int(self.rows[i].input_ids.shape[0])
+            bar.set_postfix(tok_s=f"{ntok / max(time.time() - t0, 1e-9):.0f}")
+        bar.close()
+        self._shard = None

@@ -1,0 +1,320 @@
+"""`peagle train`: trains a P-EAGLE drafter for a verifier on chat data (docs/design.md, "Training").
+
+Pipeline: verifier + tokenizer (peagle_ext.data) -> conversations -> chat-template tokens with an
+assistant-only loss mask (truncated to seq_len, said in the log) -> validation split -> packing
+-> draft vocab (d2t from token frequencies, or the full vocab) -> verifier hidden states (cached
+in memory when they fit, else recomputed per step: both are deterministic) -> AdamW steps with
+warmup + cosine/linear decay, grad clipping, gradient accumulation, optional sequence partition.
+
+Determinism and resume: every random draw of a step (COD sampling) is seeded from (seed, step,
+micro-batch) and the data order from (seed, epoch), so a run resumed from a checkpoint (model,
+optimizer, scheduler, RNG states, data position) ends bitwise equal on CPU to an uninterrupted one.
+Checkpoints are written to DIR/checkpoint-<step>.tmp and renamed into place (os.replace), with a
+COMPLETE marker written last; resume takes the newest complete one and ignores .tmp leftovers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..model import PEagleDraftModel
+from .build import build_hidden_states, build_model, load_inputs
+from .checkpoint import (
+    CHECKPOINT_PREFIX,
+    COMPLETE_MARKER,
+    list_checkpoints,
+    read_checkpoint_state,
+    read_trainer_state,
+    set_rng_state,
+    test_pause,
+)
+from .dataset import concat_examples, cod_seed, epoch_order
+from .distributed import DistContext
+from .hidden import HiddenStates
+from .metrics import Meter
+from .optim import lr_lambda
+from .plots import make_plots
+from .run_log import NullLog, RunLog, progress_bar
+from .settings import RESUME_FIXED, TrainError, TrainSettings
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    final_dir: Path | None
+    steps: int
+    train: dict
+    val: dict | None
+    plots: list[Path] = field(default_factory=list)
+    skipped_steps: int = 0
+    stopped_early: bool = False
+    wall_s: float = 0.0
+
+
+def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
+    """Run (or resume) training. stop_after: leave after that many steps of THIS process without
+    the final save, as a killed run would (tests use it for resume). Under torchrun (WORLD_SIZE >
+    1) every rank calls this; see peagle_ext.distributed."""
+    s.validate()
+    ctx = DistContext.from_env(s.dist, s.device)
+    try:
+        return _train_main(s, ctx, stop_after)
+    finally:
+        ctx.close()
+
+
+def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
+    t_start = time.time()
+    out = Path(s.output)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--output {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    resume_from = None
+    if s.resume:
+        ck = list_checkpoints(out)
+        if not ck:
+            raise TrainError(f"--resume: no complete checkpoint in {out} (looked for {CHECKPOINT_PREFIX}<step>/ "
+                             f"with a {COMPLETE_MARKER} marker)")
+        resume_from = ck[-1][1]
+        # leftovers of a killed checkpoint write (.tmp) or directory swap (.old): never complete ones
+        if ctx.is_main:
+            stale = list(out.glob(f"{CHECKPOINT_PREFIX}*.tmp")) + list(out.glob(f"{CHECKPOINT_PREFIX}*.old"))
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+        ck_state = read_checkpoint_state(resume_from)
+        old = ck_state["settings"]
+        diff = [k for k in RESUME_FIXED if old.get(k) != getattr(s, k)]
+        if diff:
+            raise TrainError("--resume with settings that differ from the checkpoint's: " +
+                             ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old.get(k)!r})" for k in diff))
+        old_world = int(ck_state.get("world_size", 1))
+        old_micro = int(old.get("grad_accum", 1)) * old_world
+        if old_micro != s.grad_accum * ctx.world:
+            hint = (f"; pass --grad-accum {old_micro // ctx.world} to keep it" if old_micro % ctx.world == 0 else "")
+            raise TrainError(f"--resume: the checkpoint takes {old_micro} micro-batches per step (--grad-accum "
+                             f"{old.get('grad_accum')} x {old_world} rank(s)), this run {s.grad_accum} x {ctx.world}{hint}")
+        if ctx.is_main:
+            for p in out.glob(f"{CHECKPOINT_PREFIX}*.tmp"):
+                shutil.rmtree(p, ignore_errors=True)
+            RunLog.truncate_after(out / "log.jsonl", ck_state["step"])
+    else:
+        existing = list_checkpoints(out)
+        if existing:
+            raise TrainError(f"{out} already holds checkpoints (newest: {existing[-1][1].name}); continue them with "
+                             "--resume, or pick another --output (a fresh run would prune them)")
+        if ctx.is_main and (out / "log.jsonl").exists():
+            (out / "log.jsonl").unlink()  # a log without checkpoints belongs to no resumable run
+    ctx.barrier()  # every rank has decided before rank 0 writes anything
+    if ctx.is_main:
+        log = RunLog(out / "log.jsonl", echo=True)
+    else:
+        log = NullLog()
+        s = dataclasses.replace(s, progress=False)
+    threads = torch.get_num_threads()
+    if s.threads and not s.device.startswith("cuda"):
+        torch.set_num_threads(s.threads)
+    try:
+        return _train(s, out, log, resume_from, stop_after, t_start, ctx)
+    finally:
+        torch.set_num_threads(threads)
+        log.close()
+
+
+def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx) -> TrainResult:
+    device = ctx.device
+    amp = s.autocast_dtype()
+    torch.manual_seed(s.seed)
+    random.seed(s.seed)
+    np.random.seed(s.seed % (2**32))
+    log.write({"event": "start", "settings": dataclasses.asdict(s), "resume_from": str(resume_from) if resume_from else None,
+               "autocast": str(amp) if amp else None, "time": time.time(), "world_size": ctx.world})
+    if ctx.world > 1:
+        log.event("dist", f"{ctx.world} ranks ({s.dist.upper()}, {'NCCL' if device.type == 'cuda' else 'gloo'}): a step "
+                  f"takes {ctx.world} x {s.grad_accum} micro-batches of {s.batch_size} row(s)")
+
+    inp = load_inputs(s, device, amp, log)
+    ds = inp.dataset
+    model = build_model(s, inp, device, log)
+    if resume_from is not None:  # the weights before any DDP/FSDP wrapping
+        ck = read_trainer_state(resume_from)
+        ckcfg = json.loads((resume_from / "config.json").read_text())
+        hidden = int(inp.verifier_config.hidden_size)
+        if int(ckcfg.get("target_hidden_size") or 0) != hidden:
+            raise TrainError(f"verifier/draft hidden size mismatch: checkpoint {resume_from} was trained for hidden "
+                             f"{ckcfg.get('target_hidden_size')}, this verifier has {hidden}")
+        from safetensors.torch import load_file
+        model.load_checkpoint_state_dict(load_file(str(resume_from / "model.safetensors")))
+    model.to(device)
+    ctx.wrap(model, amp)  # DDP / FSDP2 under torchrun; nothing in one process
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay,
+                            fused=device.type == "cuda" and not ctx.is_fsdp)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
+    step, epoch, cursor = 0, 0, 0
+    history_skipped = 0
+    if resume_from is not None:
+        ctx.load_optimizer_state(model, opt, ck, resume_from)
+        sched.load_state_dict(ck["scheduler"])
+        set_rng_state(ck["rng"])
+        step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
+        history_skipped = ck.get("skipped_steps", 0)
+        log.event("resume", f"resumed from {resume_from} at step {step}", step=step)
+
+    nparams = sum(p.numel() for p in params)
+    log.event("model", f"drafter: {s.num_layers} {model.config.layer_type} layer(s), K={s.num_depths}, draft vocab "
+              f"{model.config.draft_vocab_size}, {nparams / 1e6:.2f}M trainable params, {s.attention} attention, "
+              f"autocast {amp or 'off'}")
+
+    n_rows = len(ds.train_rows)
+    order = epoch_order(s.seed, epoch, n_rows)
+    train_h, val_h = build_hidden_states(s, inp, device, amp, ctx, log, order=order, step=step, cursor=cursor)
+    del inp  # the verifier goes when the hidden states no longer need it
+
+    # a step: world x grad_accum micro-batches ("units"); unit g is COD-seeded by g, so the
+    # numbers do not depend on which rank computes it (train/distributed.py)
+    n_units = s.grad_accum * ctx.world
+    rows_per_step = s.batch_size * n_units
+    row_tokens = [int((r.document_ids >= 0).sum()) for r in ds.train_rows]
+    meter = Meter(s.num_depths)
+    window_meter = Meter(s.num_depths)
+    skipped = history_skipped
+    val_summary = None
+    stopped = False
+    bar = progress_bar(range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps,
+                disable=not s.progress)
+    t_tok, n_tok_window = time.time(), 0
+    autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else _null
+    steps_here = 0
+    model.train()
+    for _ in bar:
+        # rows of this step
+        picked = []
+        for _r in range(rows_per_step):
+            if cursor >= n_rows:
+                epoch, cursor = epoch + 1, 0
+                order = epoch_order(s.seed, epoch, n_rows)
+            picked.append(order[cursor])
+            cursor += 1
+        micro = [picked[i * s.batch_size:(i + 1) * s.batch_size] for i in range(n_units)]
+        mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
+        examples = [concat_examples([train_h.get(i) for i in micro[g]]).to(device) for g in mine]
+        layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
+        weights = [float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())
+                   for ex, lay in zip(examples, layouts)]
+        wtot = ctx.sum_scalar(sum(weights))  # the GLOBAL loss-token count: every rank divides by it
+        step_meter = Meter(s.num_depths)
+        opt.zero_grad(set_to_none=True)
+        unit_metrics = {}
+        for j, (g, ex, lay) in enumerate(zip(mine, examples, layouts)):
+            m = ctx.forward_backward(model, ex, lay, segments=s.seq_partition,
+                                     loss_scale=1.0 / wtot if wtot > 0 else 0.0, autocast_dtype=amp,
+                                     last=j == len(mine) - 1)
+            unit_metrics[g] = {**m, "num_tokens": int((ex.document_ids >= 0).sum())}
+        per_unit = ctx.ordered_metrics(n_units, unit_metrics, s.num_depths)  # all units, in unit order
+        for m in per_unit:
+            step_meter.add(m)
+        gnorm = ctx.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
+        loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
+        ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
+        if ok and step_meter.weight > 0:
+            opt.step()
+        elif ok:  # no loss-masked token in this step: nothing to learn, leave AdamW's moments alone
+            opt.zero_grad(set_to_none=True)
+        else:
+            skipped += 1
+            opt.zero_grad(set_to_none=True)
+            log.event("nan", f"step {step + 1}: non-finite loss ({loss_val}) or gradient norm ({float(gnorm)}); "
+                      "step skipped, weights unchanged", step=step + 1)
+        lr_now = sched.get_last_lr()[0]
+        sched.step()
+        step += 1
+        steps_here += 1
+        ntoks = sum(m["num_tokens"] for m in per_unit)
+        n_tok_window += ntoks
+        if ok:
+            meter.add({"loss_sum": step_meter.loss_sum, "weight": step_meter.weight,
+                       "correct": step_meter.correct, "total": step_meter.total})
+            window_meter.add({"loss_sum": step_meter.loss_sum, "weight": step_meter.weight,
+                              "correct": step_meter.correct, "total": step_meter.total})
+        if step % s.log_every == 0 or step == s.max_steps:
+            now = time.time()
+            tps = n_tok_window / max(now - t_tok, 1e-9)
+            summ = window_meter.summary()
+            rec = {"step": step, "split": "train", "epoch": epoch, "lr": lr_now, "grad_norm": float(gnorm),
+                   "tokens": n_tok_window, "tokens_per_s": tps, "elapsed_s": now - t_start,
+                   "skipped": not ok, **summ,
+                   **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {})}
+            log.write(rec)
+            bar.set_postfix(loss=f"{summ['loss']:.3f}", acc0=f"{summ['acc'][0]:.3f}",
+                            acc=f"{summ['full_acc']:.3f}", tok_s=f"{tps:.0f}")
+            window_meter.reset()
+            t_tok, n_tok_window = now, 0
+        if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
+            val_summary = evaluate(model, val_h, s, autocast, device, ctx)
+            log.write({"step": step, "split": "val", **val_summary})
+        if step % s.checkpoint_every == 0 or step == s.max_steps:
+            ctx.save_checkpoint(out, step, model, opt, sched,
+                                {"step": step, "epoch": epoch, "cursor": cursor, "settings": dataclasses.asdict(s),
+                                 "skipped_steps": skipped}, s.keep_checkpoints)
+        test_pause("step", step)
+        if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
+            stopped = True
+            break
+    bar.close()
+    train_summary = meter.summary()
+    result = TrainResult(out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start)
+    if stopped:
+        return result
+    final = out / "final"
+    written_here = ctx.save_final(model, final)  # tmp + rename, by rank 0
+    result.final_dir = final
+    if not written_here:
+        return result
+    result.plots = make_plots(out / "log.jsonl", out, s.num_depths)
+    result.wall_s = time.time() - t_start
+    log.write({"event": "done", "step": step, "final": str(final), "wall_s": result.wall_s,
+               "train": train_summary, "val": val_summary, "skipped_steps": skipped})
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@torch.no_grad()
+def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autocast, device, ctx=None) -> dict:
+    """Loss and per-depth accuracy over the validation rows (COD layouts with fixed seeds). Under
+    torchrun the rows are split over the ranks and the per-row metrics summed in row order."""
+    was = model.training
+    model.eval()
+    m = Meter(s.num_depths)
+    distributed = ctx is not None and ctx.world > 1
+    fwd = ctx.eval_module() if distributed else model
+    per_row = {}
+    for i in (ctx.eval_rows(len(hs.rows)) if distributed else range(len(hs.rows))):
+        j = i if i >= 0 else next(iter(per_row), 0)  # -1: a padding forward (FSDP), result dropped
+        ex = hs.get(j).to(device)
+        lay = model.sample_layout(ex, seed=cod_seed(s.seed + 1, 10**9, j))
+        with autocast():
+            _, met = fwd(ex, lay)
+        if i >= 0:
+            per_row[i] = met
+    for met in (ctx.ordered_metrics(len(hs.rows), per_row, s.num_depths) if distributed
+                else [per_row[i] for i in range(len(hs.rows))]):
+        m.add(met)
+    if was:
+        model.train()
+    return m.summary()

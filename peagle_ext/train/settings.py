@@ -1,0 +1,184 @@
+"""`peagle train`'s settings: defaults < --config file < command-line flags, and their validation."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..model import PEagleOptions
+
+
+class TrainError(ValueError):
+    """Bad input or an unusable run state; the message says which and what to do."""
+
+
+@dataclass
+class TrainSettings:
+    # what to train on
+    verifier: str = "smollm2"
+    data: str = "sharegpt"
+    output: str = "runs/peagle"
+    num_conversations: int | None = 400
+    val_fraction: float = 0.05
+    seq_len: int = 512
+    # the drafter
+    num_layers: int = 1
+    num_depths: int = 4
+    layer_type: str | None = None
+    draft_vocab_size: int | None = 8192
+    mask_token_id: int | None = None
+    aux_layer_ids: list[int] | None = None
+    norm_before_residual: bool = False
+    train_lm_head: bool = False
+    train_embeddings: str = "auto"  # all | mask | none | auto (all on GPU, mask on CPU)
+    # COD sampling / attention
+    down_sample_ratio: float = 0.7
+    down_sample_ratio_min: float = 0.2
+    max_anchors: int | None = None
+    attention: str = "symmetric"
+    window: int | None = None
+    sink: int = 0
+    seq_partition: int = 1
+    loss: str = "kl"
+    # optimisation
+    max_steps: int = 1200
+    batch_size: int = 1  # packed rows per micro-batch
+    grad_accum: int = 1
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    # bookkeeping
+    device: str = "cpu"
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    # CPU intra-op threads. 1 by default: on a 2-core machine that anything else also uses,
+    # OpenMP's barriers make 2 threads several times SLOWER (measured: SmolLM2 forward 350 tok/s
+    # with 1 thread vs 50 with 2 under light load); 0 = torch's default
+    threads: int = 1
+    seed: int = 0
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    val_every: int = 200
+    log_every: int = 10
+    hidden_cache_gb: float = 6.0
+    hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
+    background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
+    resume: bool = False
+    progress: bool = True
+    # under torchrun (WORLD_SIZE > 1): ddp | fsdp (peagle_ext.distributed); ignored by one process
+    dist: str = "ddp"
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def validate(self) -> "TrainSettings":
+        def need(cond, msg):
+            if not cond:
+                raise TrainError(msg)
+        need(self.seq_len >= 8, f"--seq-len must be >= 8, got {self.seq_len}")
+        need(self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")
+        need(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
+        need(1 <= self.num_depths <= 64, f"--num-depths must be in [1, 64], got {self.num_depths}")
+        need(self.batch_size >= 1 and self.grad_accum >= 1, "--batch-size and --grad-accum must be >= 1")
+        need(self.seq_partition >= 1, f"--seq-partition must be >= 1, got {self.seq_partition}")
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.warmup_steps >= 0, "--warmup-steps must be >= 0")
+        need(self.schedule in ("cosine", "linear", "constant"), f"--schedule must be cosine|linear|constant, got {self.schedule!r}")
+        need(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), f"--device must be cpu or cuda, got {self.device!r}")
+        need(self.dtype in ("auto", "float32", "bfloat16"), f"--dtype must be auto|float32|bfloat16, got {self.dtype!r}")
+        need(self.checkpoint_every >= 1 and self.val_every >= 1 and self.log_every >= 1,
+             "--checkpoint-every, --val-every and --log-every must be >= 1")
+        need(self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1")
+        need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
+        need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
+        need(self.dist in ("ddp", "fsdp"), f"--dist must be ddp or fsdp, got {self.dist!r}")
+        need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
+        need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise TrainError("--device cuda was asked for but torch sees no CUDA GPU (use --device cpu)")
+        try:
+            self.options().validate(self.num_depths)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        return self
+
+    def options(self) -> PEagleOptions:
+        return PEagleOptions(down_sample_ratio=self.down_sample_ratio, down_sample_ratio_min=self.down_sample_ratio_min,
+                             max_anchors=self.max_anchors, attention=self.attention, window=self.window,
+                             sink=self.sink, loss_kind=self.loss, train_lm_head=self.train_lm_head,
+                             train_embeddings=self.resolved_train_embeddings())
+
+    def resolved_train_embeddings(self) -> str:
+        """auto: the whole embedding on GPU (P-EAGLE), only the MASK row on CPU, where the dense
+        [V, H] embedding gradient + AdamW update would cost more than the drafter's own step."""
+        if self.train_embeddings == "auto":
+            return "all" if self.device.startswith("cuda") else "mask"
+        return self.train_embeddings
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """bf16 autocast (fp32 master weights) on GPU, and on CPUs with native bf16 matmuls."""
+        if self.dtype == "float32":
+            return None
+        if self.dtype == "bfloat16":
+            return torch.bfloat16
+        if self.device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if _cpu_has_bf16() else None
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except Exception:
+        return False
+
+
+# these settings shape the model or the data stream: a resume must use the checkpoint's values
+# (grad_accum is checked as the global micro-batch count per step, grad_accum x world size)
+RESUME_FIXED = ("verifier", "data", "num_conversations", "val_fraction", "seq_len", "num_layers", "num_depths",
+                 "layer_type", "draft_vocab_size", "mask_token_id", "aux_layer_ids", "batch_size",
+                 "seed", "attention", "train_lm_head", "train_embeddings", "norm_before_residual")
+
+
+def load_config_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise TrainError(f"--config file {path} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+            d = yaml.safe_load(text) or {}
+        else:
+            d = json.loads(text)
+    except Exception as e:
+        raise TrainError(f"--config file {path} is not valid {'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}")
+    if not isinstance(d, dict):
+        raise TrainError(f"--config file {path} must hold a mapping of option: value")
+    out = {}
+    names = set(TrainSettings.field_names())
+    for k, v in d.items():
+        key = str(k).replace("-", "_")
+        if key not in names:
+            raise TrainError(f"--config file {path}: unknown option {k!r} (known: {', '.join(sorted(names))})")
+        out[key] = v
+    return out
+
+
+def settings_from(cli: dict, config_file: str | None = None) -> TrainSettings:
+    merged = {}
+    if config_file:
+        merged.update(load_config_file(config_file))
+    merged.update(cli)
+    s = TrainSettings(**merged)
+    return s.validate()

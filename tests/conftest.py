@@ -1,0 +1,32 @@
+import os
+import zlib
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test, seeded from the test's name unless PEAGLE_TEST_SEED is set."""
+    seed = int(os.environ.get("PEAGLE_TEST_SEED", "0")) or zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").encode())
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP barrier stalls on a busy 2-core CI.
+    Test files that build tiny models opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama verifier directory and a small chat JSONL: (verifier_dir, data_path)."""
+    from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+    d = tmp_path_factory.mktemp("tiny")
+    v = make_tiny_verifier(d / "verifier")
+    data = make_chat_jsonl(d / "chat.jsonl", n=14, turns=1, words=(4, 12))
+    return v, data

@@ -1,0 +1,189 @@
+"""Helpers shared by the tests (fixtures are in conftest.py)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, Qwen3Config
+
+import peagle_ext
+from peagle_ext.cod import CodLayout
+from peagle_ext.model import PEagleDraftModel
+from peagle_ext.vllm import DraftBatch
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available() and peagle_ext.has_cuda_kernels()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and the CUDA build of peagle_ext")
+
+# the tiny drafters of the model tests: hidden size and verifier vocab
+H, V = 64, 300
+
+
+def devices():
+    return ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+
+
+def run_cli(args, timeout=120):
+    """`python -m peagle_ext.cli ARGS` in a subprocess from the repo root (one OpenMP thread)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "peagle_ext.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(ROOT))
+
+
+def mask_from_metadata(lay, meta, cross):
+    """Dense [T, N+T] count of how often each (query, key) pair is visited: range keys in the
+    first N columns, layout tokens after them (symmetric depth-0 range rows map to tokens 0..N-1)."""
+    t, n = lay.num_tokens, lay.seq_len
+    rg = meta.ranges.cpu().long()
+    ch = meta.chains[0].cpu().long()
+    cnt = torch.zeros(t, n + t, dtype=torch.long)
+    pos = torch.arange(n)
+    for i in range(t):
+        if not rg[4, i]:
+            continue
+        inr = ((pos >= rg[0, i]) & (pos < rg[1, i])) | ((pos >= rg[2, i]) & (pos < rg[3, i]))
+        if not meta.use_sink:
+            inr = (pos >= rg[0, i]) & (pos < rg[1, i])
+        cnt[i, :n] += inr.long()
+        for c in ch[i].tolist():
+            if c >= 0:
+                cnt[i, n + c] += 1
+    if not cross:  # fold the symmetric depth-0 range keys onto their layout rows
+        cnt[:, n:2 * n] += cnt[:, :n]
+        cnt = cnt[:, n:]
+    return cnt
+
+
+def seed_positions(doc: torch.Tensor, lm: torch.Tensor) -> list[int]:
+    """Positions p >= 1 with loss_mask 1 whose predecessor is in the same real document."""
+    d, m = doc.tolist(), lm.tolist()
+    return [p for p in range(1, len(d)) if m[p] and d[p] >= 0 and d[p - 1] == d[p]]
+
+
+def expected_size(num_seeds: int, d: int, r: float, r_min: float) -> int:
+    return int(math.floor(max(0, num_seeds - d) * max(math.pow(r, d), r_min)))
+
+
+def check_layout_rules(layout: CodLayout, doc, lm, *, num_depths=8, down_sample_ratio=0.7,
+                       down_sample_ratio_min=0.2, max_anchors=None, depth0="all", seed=None):
+    """The rules of DESIGN.md section 2, checked from the layout alone (no reference draw)."""
+    doc_l, lm_l = doc.tolist(), lm.bool().tolist()
+    n = len(doc_l)
+    anchor, depth = layout.anchor.cpu().tolist(), layout.depth.cpu().tolist()
+    off = layout.depth_offsets
+    assert layout.anchor.dtype == torch.int32 and layout.depth.dtype == torch.int32
+    assert len(off) == num_depths + 1 and off[0] == 0 and off[-1] == len(anchor) == len(depth)
+    assert all(off[d] <= off[d + 1] for d in range(num_depths))
+    per_depth = []
+    for d in range(num_depths):
+        assert all(x == d for x in depth[off[d]:off[d + 1]]), "depth-major order"
+        a = anchor[off[d]:off[d + 1]]
+        assert all(a[i] < a[i + 1] for i in range(len(a) - 1)), f"depth {d} anchors not strictly sorted"
+        per_depth.append(a)
+    assert all(0 <= a and a + d < n for a, d in zip(anchor, depth)), "anchor < 0 or position >= N"
+
+    seeds = seed_positions(doc, lm)
+    num_seeds = len(seeds) if max_anchors is None else min(len(seeds), max_anchors)
+    if depth0 == "all":
+        assert per_depth[0] == list(range(n))
+        chosen_seeds = None
+    else:
+        assert len(per_depth[0]) == num_seeds
+        chosen_seeds = {a + 1 for a in per_depth[0]}
+        assert chosen_seeds <= set(seeds)
+    seed_set = set(seeds)
+    stopped = False
+    prev = None
+    for d in range(1, num_depths):
+        a = per_depth[d]
+        for x in a:
+            assert x + 1 in seed_set, "a chain starts at a seed"
+            assert doc_l[x] >= 0 and all(doc_l[x + i] == doc_l[x] for i in range(d + 1)), "chain crossed a document"
+            assert lm_l[x + d], "a depth >= 1 token is at a loss-masked position"
+        if chosen_seeds is not None:
+            assert all(x + 1 in chosen_seeds for x in a)
+        if d == 1:
+            pool = num_seeds
+        else:
+            assert set(a) <= set(prev), f"(a, {d}) without (a, {d - 1})"
+            pool = sum(1 for x in prev if x + d < n and lm_l[x + d] and doc_l[x + d] == doc_l[x + d - 1])
+        size = expected_size(num_seeds, d, down_sample_ratio, down_sample_ratio_min)
+        stopped = stopped or size <= 0
+        assert len(a) == (0 if stopped else min(size, pool)), f"depth {d}: count"
+        prev = a
+    if max_anchors is not None and num_depths > 1:
+        assert len(per_depth[1]) <= max_anchors
+
+
+def reference_fused_linear_kl(xd, w_d, xt, w_t, weight, depth, k, *, d2t=None, kind="kl"):
+    """Eager float64: (loss, correct, total, grad_xd, grad_wd).
+
+    For fp16/bf16/fp32 inputs both logit matrices are rounded to the input dtype (as a GEMM in
+    that dtype returns them; the gradient passes straight through the rounding), so that the
+    argmaxes, which decide CE targets and the metrics, are taken over the same values.
+    """
+    dtype = xd.dtype
+    xd = xd.detach().double().requires_grad_()
+    w_d = w_d.detach().double().requires_grad_()
+    ld = xd @ w_d.T
+    ld = ld + (ld.detach().to(dtype).double() - ld.detach())
+    with torch.no_grad():
+        lt = (xt.double() @ w_t.double().T).to(dtype).double()
+        if d2t is not None:
+            lt = lt[:, torch.arange(w_d.shape[0], device=lt.device) + d2t.to(lt.device).long()]
+    logq = F.log_softmax(ld, dim=-1)
+    if kind == "kl":
+        per = F.kl_div(logq, F.softmax(lt, dim=-1), reduction="none").sum(-1)
+    else:
+        per = F.cross_entropy(ld, lt.argmax(-1), reduction="none")
+    w = weight.double()
+    loss = (w * per).sum() / w.sum() if float(w.sum()) > 0 else (per * 0).sum()
+    loss.backward()
+    counted = w > 0
+    agree = (ld.argmax(-1) == lt.argmax(-1)) & counted
+    dep = depth.long()
+    total = torch.zeros(k, dtype=torch.int64, device=dep.device).index_add_(0, dep, counted.long())
+    correct = torch.zeros(k, dtype=torch.int64, device=dep.device).index_add_(0, dep, agree.long())
+    return loss.detach(), correct, total, xd.grad, w_d.grad
+
+
+DRAFT_BATCH_FIELDS = [f.name for f in dataclasses.fields(DraftBatch)]
+
+
+def assert_same_batch(a: DraftBatch, b: DraftBatch, what=""):
+    for f in DRAFT_BATCH_FIELDS:
+        x, y = getattr(a, f).cpu(), getattr(b, f).cpu()
+        assert x.dtype == y.dtype, f"{what}{f}: dtype {x.dtype} != {y.dtype}"
+        assert x.shape == y.shape, f"{what}{f}: shape {tuple(x.shape)} != {tuple(y.shape)}"
+        if not torch.equal(x, y):
+            bad = (x != y).nonzero()[:5].tolist()
+            raise AssertionError(f"{what}{f} differs at {bad}")
+
+
+def verifier_config(model_type="llama", layers=6, head_dim=32):
+    cls = LlamaConfig if model_type == "llama" else Qwen3Config
+    return cls(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, intermediate_size=128,
+               num_hidden_layers=layers, vocab_size=V, rms_norm_eps=1e-6)
+
+
+def make_model(g, *, layer_type="llama", num_layers=2, k=4, mask=V, options=None, draft_vocab=None, d2t=None,
+               head_dim=32):
+    """head_dim: 32 on the CPU (fast); the CUDA kernels take 64 or 128."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+    m = PEagleDraftModel.from_verifier(verifier_config(layer_type, head_dim=head_dim), num_layers=num_layers, num_depths=k,
+                                       mask_token_id=mask, layer_type=layer_type, options=options,
+                                       draft_vocab_size=draft_vocab, d2t=d2t, verifier_name_or_path="tiny/verifier")
+    m.attach_verifier(norm_weight=torch.rand(H, generator=g) + 0.5,
+                      lm_head_weight=torch.randn(V, H, generator=g) * 3.0,
+                      embed_weight=torch.randn(V, H, generator=g))
+    return m

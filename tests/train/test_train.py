@@ -1,0 +1,272 @@
+"""The trainer and the `peagle` CLI on a tiny random verifier: end-to-end smoke, bitwise resume,
+atomic checkpoints, NaN-step skipping, export, config files and bad-input messages."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import requires_cuda
+from tests.helpers import run_cli
+from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+import peagle_ext.train as T
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def settings(tiny, out, **kw):
+    from peagle_ext.train import TrainSettings
+    v, data = tiny
+    base = dict(verifier=str(v), data=str(data), output=str(out), seq_len=64, num_depths=3, num_layers=1,
+                max_steps=4, draft_vocab_size=None, dtype="float32", device="cpu", checkpoint_every=2,
+                val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3, progress=False, num_conversations=None,
+                log_every=1)
+    base.update(kw)
+    return TrainSettings(**base)
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def test_cli_train_end_to_end_smoke(tiny, tmp_path):
+    v, data = tiny
+    out = tmp_path / "run"
+    r = run_cli(["train", "--verifier", str(v), "--data", str(data), "--output", str(out), "--max-steps", "3",
+                  "--seq-len", "64", "--num-depths", "3", "--num-layers", "1", "--device", "cpu",
+                  "--draft-vocab-size", "64", "--dtype", "float32", "--checkpoint-every", "2", "--log-every", "1",
+                  "--no-progress"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "per-depth accuracy" in r.stdout and "d0=" in r.stdout and "d2=" in r.stdout
+    assert f"checkpoint: {out / 'final'}" in r.stdout and "accuracy.png" in r.stdout
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "peagle" and cfg["draft_vocab_size"] == 64
+    w = _weights(out / "final")
+    assert w["lm_head.weight"].shape[0] == 64 and int(w["t2d"].sum()) == 64
+    assert (out / "loss.png").stat().st_size > 1000 and (out / "accuracy.png").stat().st_size > 1000
+    recs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    steps = [x for x in recs if x.get("split") == "train"]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    assert all(len(x["acc"]) == 3 and x["tokens_per_s"] > 0 and "accept_len" in x for x in steps)
+    assert any(x.get("split") == "val" for x in recs)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    # export for vLLM: bf16 copy with the same keys and config
+    r = run_cli(["export", str(out), str(tmp_path / "exported")])
+    assert r.returncode == 0, r.stderr
+    e = _weights(tmp_path / "exported")
+    assert set(e) == set(w) and e["fc.weight"].dtype == torch.bfloat16 and e["d2t"].dtype == torch.int64
+    assert json.loads((tmp_path / "exported" / "config.json").read_text()) == cfg
+
+
+def test_resume_is_bitwise_equal_and_ignores_tmp(tiny, tmp_path):
+    from peagle_ext.train import train
+    full = train(settings(tiny, tmp_path / "full", max_steps=5, grad_accum=2, seq_partition=2))
+    out = tmp_path / "killed"
+    r = train(settings(tiny, out, max_steps=5, grad_accum=2, seq_partition=2), stop_after=3)
+    assert r.stopped_early and r.final_dir is None
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # step 3 not saved: "killed"
+    # a half-written checkpoint of a later step must be ignored
+    junk = out / "checkpoint-4.tmp"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"garbage")
+    nomarker = out / "checkpoint-9"
+    nomarker.mkdir()
+    res = train(settings(tiny, out, max_steps=5, grad_accum=2, seq_partition=2, resume=True))
+    assert res.steps == 5 and not junk.exists()
+    a, b = _weights(full.final_dir), _weights(res.final_dir)
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log if x.get("split") == "train"] == [1, 2, 3, 4, 5]
+    full_log = [json.loads(x) for x in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in log if x.get("split") == "train"] == \
+        [x["loss"] for x in full_log if x.get("split") == "train"]
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    from peagle_ext.train import COMPLETE_MARKER, list_checkpoints, save_checkpoint
+    from tests.helpers import make_model
+    m = make_model(torch.Generator().manual_seed(0), num_layers=1, k=2)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, m, opt, sch, {"step": step}, keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    assert not list(tmp_path.glob("*.tmp")) and (tmp_path / "checkpoint-3" / COMPLETE_MARKER).is_file()
+    (tmp_path / "checkpoint-7.tmp").mkdir()
+    (tmp_path / "checkpoint-8").mkdir()  # no marker: incomplete
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    with torch.no_grad():
+        m.fc.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="refusing to write checkpoint 4"):
+        save_checkpoint(tmp_path, 4, m, opt, sch, {"step": 4}, keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+
+
+def test_nan_step_is_skipped(tiny, tmp_path, monkeypatch):
+    import dataclasses
+    import peagle_ext.train as T
+    from peagle_ext.train.dataset import concat_examples as orig
+    calls = {"n": 0}
+
+    def poisoned(examples):
+        ex = orig(examples)
+        calls["n"] += 1
+        if calls["n"] == 2:  # the 2nd training step's micro-batch gets a NaN hidden state
+            hidden = ex.hidden.clone()
+            hidden[3] = float("nan")
+            ex = dataclasses.replace(ex, hidden=hidden)
+        return ex
+    monkeypatch.setattr("peagle_ext.train.loop.concat_examples", poisoned)
+    out = tmp_path / "nan"
+    r = T.train(settings(tiny, out, max_steps=3, checkpoint_every=1, keep_checkpoints=3, val_every=100))
+    assert r.skipped_steps == 1
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert any(x.get("event") == "nan" and x["step"] == 2 for x in log)
+    assert [x["skipped"] for x in log if x.get("split") == "train"] == [False, True, False]
+    w1, w2, w3 = (_weights(out / f"checkpoint-{i}") for i in (1, 2, 3))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)  # the skipped step changed nothing
+    assert not all(torch.equal(w2[k], w3[k]) for k in w2)
+    assert all(torch.isfinite(t).all() for w in (w1, w2, w3) for t in w.values() if t.is_floating_point())
+
+
+def test_bad_inputs_have_clear_messages(tiny, tmp_path):
+    from peagle_ext.train import TrainError, settings_from, train
+    v, data = tiny
+    with pytest.raises(ValueError, match="not found"):
+        train(settings(tiny, tmp_path / "a", verifier=str(tmp_path / "nope")))
+    empty_dir = tmp_path / "empty_verifier"
+    empty_dir.mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        train(settings(tiny, tmp_path / "b", verifier=str(empty_dir)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="(?i)empty"):
+        train(settings(tiny, tmp_path / "c", data=str(empty)))
+    with pytest.raises(ValueError, match="(?i)does not exist|not found|no such"):
+        train(settings(tiny, tmp_path / "d", data=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(TrainError, match="--resume: no complete checkpoint"):
+        train(settings(tiny, tmp_path / "e", resume=True))
+    done = tmp_path / "done"
+    train(settings(tiny, done, max_steps=1, val_fraction=0.0))
+    with pytest.raises(TrainError, match="already holds checkpoints"):
+        train(settings(tiny, done, max_steps=1, val_fraction=0.0))
+    assert (done / "checkpoint-1").is_dir()
+    with pytest.raises(TrainError, match="--seq-len must be >= 8"):
+        settings(tiny, tmp_path / "f", seq_len=4).validate()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_stepz: 3\n")
+    with pytest.raises(TrainError, match="unknown option 'max_stepz'"):
+        settings_from({}, str(cfg))
+    # a tokenizer without a chat template
+    import shutil
+    nochat = tmp_path / "nochat"
+    shutil.copytree(v, nochat)
+    tc = json.loads((nochat / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (nochat / "tokenizer_config.json").write_text(json.dumps(tc))
+    for f in nochat.glob("chat_template.*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="(?i)chat template"):
+        train(settings(tiny, tmp_path / "g", verifier=str(nochat)))
+    # CLI: exit code 2 and a one-line message, no traceback
+    r = run_cli(["train", "--verifier", str(tmp_path / "nope"), "--data", str(data), "--output",
+                  str(tmp_path / "h"), "--max-steps", "1"])
+    assert r.returncode == 2 and "peagle train: error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_truncation_is_logged_and_resume_rejects_other_verifier(tiny, tmp_path):
+    from peagle_ext.train import TrainError, train
+    out = tmp_path / "t"
+    longer = make_chat_jsonl(tmp_path / "long.jsonl", n=8, turns=3, words=(8, 16))
+    train(settings(tiny, out, data=str(longer), seq_len=64, max_steps=2))
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    ev = [x for x in log if x.get("event") == "truncated"]
+    assert ev and ev[0]["count"] > 0 and "--seq-len 64" in ev[0]["message"]
+    other = make_tiny_verifier(tmp_path / "wide", hidden=96, heads=2, layers=6)
+    with pytest.raises(TrainError, match="differ from the checkpoint"):
+        train(settings(tiny, out, data=str(longer), seq_len=64, max_steps=3, resume=True, verifier=str(other)))
+
+
+def test_hidden_size_mismatch_on_resume(tiny, tmp_path):
+    """Same settings but the verifier directory now holds a model of another width."""
+    import shutil
+    from peagle_ext.train import TrainError, train
+    v, data = tiny
+    vdir = tmp_path / "v"
+    shutil.copytree(v, vdir)
+    out = tmp_path / "r"
+    train(settings(tiny, out, verifier=str(vdir), max_steps=2, val_fraction=0.0))
+    shutil.rmtree(vdir)
+    make_tiny_verifier(vdir, hidden=96, heads=2, layers=6)
+    with pytest.raises(TrainError, match="verifier/draft hidden size mismatch"):
+        train(settings(tiny, out, verifier=str(vdir), max_steps=3, val_fraction=0.0, resume=True))
+
+
+def test_config_file_and_flag_precedence(tmp_path):
+    from peagle_ext.cli import build_parser
+    from peagle_ext.train import TrainSettings, settings_from
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("max-steps: 7\nlr: 0.01\nschedule: linear\ndraft_vocab_size: 128\n")
+    args = build_parser().parse_args(["train", "--config", str(cfg), "--lr", "0.02", "--draft-vocab-size", "none"])
+    cli = {k: getattr(args, k) for k in TrainSettings.field_names() if hasattr(args, k)}
+    s = settings_from(cli, args.config)
+    assert s.max_steps == 7 and s.lr == 0.02 and s.schedule == "linear" and s.draft_vocab_size is None
+    j = tmp_path / "run.json"
+    j.write_text(json.dumps({"num_depths": 5, "attention": "cross"}))
+    s = settings_from({}, str(j))
+    assert s.num_depths == 5 and s.attention == "cross" and s.seq_len == TrainSettings().seq_len
+
+
+def test_lr_schedule_shapes():
+    from peagle_ext.train import TrainSettings, lr_lambda
+    f = lr_lambda(TrainSettings(max_steps=110, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1))
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+    g = lr_lambda(TrainSettings(max_steps=110, warmup_steps=10, schedule="linear", min_lr_ratio=0.0))
+    assert g(60) == pytest.approx(0.5) and g(110) == pytest.approx(0.0)
+
+
+@requires_cuda
+def test_train_on_cuda_smoke(tiny, tmp_path):
+    """The same trainer on the GPU: bf16 autocast, fp32 master weights, finite loss, a final dir."""
+    from peagle_ext.train import train
+    r = train(settings(tiny, tmp_path / "gpu", device="cuda", dtype="auto", max_steps=4, seq_partition=2,
+                       attention="cross"))
+    assert r.final_dir is not None and r.skipped_steps == 0
+    w = _weights(r.final_dir)
+    assert w["fc.weight"].dtype == torch.float32 and all(torch.isfinite(t).all() for t in w.values()
+                                                         if t.is_floating_point())
+
+
+def test_hidden_state_disk_cache_is_reused_and_bitwise_equal(tiny, tmp_path, monkeypatch):
+    import peagle_ext.data as D
+    from peagle_ext.train import train
+    mem = train(settings(tiny, tmp_path / "mem", max_steps=3))
+    cache = tmp_path / "hcache"
+    a = train(settings(tiny, tmp_path / "a", max_steps=3, hidden_cache_dir=str(cache)))
+    assert (cache / "train" / "index.json").is_file() and list((cache / "train").glob("shard-*.safetensors"))
+
+    def no_verifier(*a, **k):
+        raise AssertionError("the cache should have been used")
+    monkeypatch.setattr(D, "verifier_hidden_states", no_verifier)
+    b = train(settings(tiny, tmp_path / "b", max_steps=3, hidden_cache_dir=str(cache)))
+    wm, wa, wb = (_weights(r.final_dir) for r in (mem, a, b))
+    for k in wm:
+        assert torch.equal(wm[k], wa[k]) and torch.equal(wa[k], wb[k]), k
+    with pytest.raises(ValueError, match="different settings"):
+        train(settings(tiny, tmp_path / "c", max_steps=3, seq_len=48, hidden_cache_dir=str(cache)))
+
+
+def test_acceptance_length_formula():
+    assert T.acceptance_length([1.0, 1.0, 1.0]) == 3.0
+    assert abs(T.acceptance_length([0.8, 0.5, 0.5]) - (0.8 + 0.4 + 0.2)) < 1e-12
+    assert T.acceptance_length([0.0, 0.9]) == 0.0
