@@ -1,4 +1,4 @@
-"""COD attention benchmark (issue 3): peagle_ext.attention.cod_attention vs
+"""COD attention benchmark: peagle_ext.attention.cod_attention vs
 torch create_block_mask + compiled flex_attention with speculators' P-EAGLE mask_mod, and vs SDPA
 causal over all T tokens (flash backend, a dense kernel doing more work).
 
@@ -24,6 +24,7 @@ Useful FLOPs = allowed (query, key) pairs x 4 x D x Hq per forward (pairs counte
 the metadata); fwd+bwd counts 3.5x that (2 forward + 5 backward matmuls), the same convention
 as for SDPA causal (T(T+1)/2 pairs). The floor is the time at the H200's dense bf16 peak.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ PEAK_HBM_TBS = 4.8
 def make_layout(n: int, max_anchors, device="cuda", seed=0):
     doc = torch.zeros(n, dtype=torch.int32)
     lm = torch.ones(n, dtype=torch.bool)
-    return cod_sample(doc.to(device), lm.to(device), num_depths=K, down_sample_ratio=R, max_anchors=max_anchors,
-                      seed=seed)
+    return cod_sample(
+        doc.to(device), lm.to(device), num_depths=K, down_sample_ratio=R, max_anchors=max_anchors, seed=seed
+    )
 
 
 def allowed_pairs(meta) -> int:
@@ -61,7 +63,7 @@ def allowed_pairs(meta) -> int:
 
 
 def peagle_mask_mod(anchor, depth, document_ids, window=None, sink=0):
-    """speculators' create_peagle_mask_mod rules (DESIGN.md section 3) plus the sink, written here."""
+    """speculators' create_peagle_mask_mod rules (docs/design.md section 3) plus the sink, written here."""
     n = document_ids.shape[0]
     pos = torch.arange(n, device=document_ids.device)
     new_run = torch.ones(n, dtype=torch.bool, device=document_ids.device)
@@ -136,8 +138,11 @@ BWD_CONFIGS = {
     "mma": {"PEAGLE_ATTN_BWD": "mma"},
     "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
     "wgmma": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "0"},  # unpipelined (unset = 2)
-    "wgmma64": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64",  # 64-query blocks at D = 128
-                "PEAGLE_ATTN_WGMMA_PIPE": "0"},
+    "wgmma64": {
+        "PEAGLE_ATTN_BWD": "wgmma",
+        "PEAGLE_ATTN_WGMMA_BMQ": "64",  # 64-query blocks at D = 128
+        "PEAGLE_ATTN_WGMMA_PIPE": "0",
+    },
     # the pipelined dQ and dK/dV loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same gradients): 1 =
     # each block's second MMA left in flight; 2 = the dK/dV elementwise overlapped with the previous
     # block's dV / dK MMAs too (FlashAttention-3 style; at D = 128 only with 32-query blocks: the
@@ -156,6 +161,7 @@ def bwd_config_runs(name):
     if not name.startswith("wgmma"):
         return True
     import peagle_ext
+
     return torch.cuda.get_device_capability() == (9, 0) and "90" in peagle_ext.build_info().get("cuda_archs", [])
 
 
@@ -231,13 +237,19 @@ _flex_compiled = None
 def bench_flex(lay, window=None, sink=0):
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
     if _flex_compiled is None:
         # (`import torch._dynamo` here would make `torch` a local name of this function, unbound on
         # every later call, and the closures below would fail with a NameError from the 2nd layout on)
         import torch._dynamo as dynamo
+
         # one compiled graph per (T, grad mode): raise dynamo's recompile limits above our config count
-        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                     "accumulated_recompile_limit"):
+        for name in (
+            "cache_size_limit",
+            "recompile_limit",
+            "accumulated_cache_size_limit",
+            "accumulated_recompile_limit",
+        ):
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, max(256, getattr(dynamo.config, name)))
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
@@ -271,7 +283,7 @@ def bench_flex(lay, window=None, sink=0):
     with torch.no_grad():
         ours = cod_attention(q, k, v, lay, window=window, sink=sink).float()
         theirs = fwd()[0].transpose(0, 1).float()
-        valid = (lay.document_ids[lay.anchor.long()] >= 0)
+        valid = lay.document_ids[lay.anchor.long()] >= 0
         res["max_abs_diff_vs_ours"] = float((ours[valid] - theirs[valid]).abs().max())
     return res
 
@@ -279,6 +291,7 @@ def bench_flex(lay, window=None, sink=0):
 def bench_sdpa(t):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     q, k, v, go = inputs(t)
     q4, go4 = q.transpose(0, 1).unsqueeze(0), go.transpose(0, 1).unsqueeze(0)
     # the flash backend takes equal head counts: expand k/v outside the timed region
@@ -329,10 +342,12 @@ def main():
                 with env_config(MMA_ENV, _FWD_ENV_KEYS + _BWD_ENV_KEYS):
                     alt = bench_ours(lay)
                 row["ours_mma"] = {"fwd_ms": alt["fwd_ms"], "fwd_bwd_ms": alt["fwd_bwd_ms"]}
-                print(f"  mma.sync kernels at N={n} cap={cap}: fwd {alt['fwd_ms']:.2f} ms vs {row['ours']['fwd_ms']:.2f} "
-                      f"({alt['fwd_ms'] / row['ours']['fwd_ms']:.2f}x), f+b {alt['fwd_bwd_ms']:.2f} vs "
-                      f"{row['ours']['fwd_bwd_ms']:.2f} ms ({alt['fwd_bwd_ms'] / row['ours']['fwd_bwd_ms']:.2f}x)",
-                      flush=True)
+                print(
+                    f"  mma.sync kernels at N={n} cap={cap}: fwd {alt['fwd_ms']:.2f} ms vs {row['ours']['fwd_ms']:.2f} "
+                    f"({alt['fwd_ms'] / row['ours']['fwd_ms']:.2f}x), f+b {alt['fwd_bwd_ms']:.2f} vs "
+                    f"{row['ours']['fwd_bwd_ms']:.2f} ms ({alt['fwd_bwd_ms'] / row['ours']['fwd_bwd_ms']:.2f}x)",
+                    flush=True,
+                )
             pairs = row["ours"]["pairs"]
             o = row["ours"]
             o["fwd_tflops"] = tflops(pairs, o["fwd_ms"])
@@ -349,7 +364,9 @@ def main():
             elapsed = time.time() - t_start
             if t > flex_max_t:
                 row["flex"] = None
-                notes.append(f"N={n} cap={cap}: flex skipped (T={t} > FLEX_MAX_T={flex_max_t}: O(T^2) block-mask build)")
+                notes.append(
+                    f"N={n} cap={cap}: flex skipped (T={t} > FLEX_MAX_T={flex_max_t}: O(T^2) block-mask build)"
+                )
             elif elapsed > budget_s * 0.6:
                 row["flex"] = None
                 notes.append(f"N={n} cap={cap}: flex skipped (time budget, {elapsed:.0f}s used)")
@@ -380,34 +397,45 @@ def main():
     print_summary(rows)
     for nline in notes:
         print("note:", nline)
-    (out_dir / "bench_attention.json").write_text(json.dumps({"device": dev, "torch": torch.__version__,
-                                                              "rows": rows, "notes": notes}, indent=1))
+    (out_dir / "bench_attention.json").write_text(
+        json.dumps({"device": dev, "torch": torch.__version__, "rows": rows, "notes": notes}, indent=1)
+    )
     print(f"wrote {out_dir / 'bench_attention.json'}")
 
 
 def print_row(r):
     o, f, s = r["ours"], r["flex"], r["sdpa"]
     cap = "none" if r["max_anchors"] is None else r["max_anchors"]
-    line = (f"N={r['N']:>6} cap={cap:>5} T={r['T']:>7} | ours meta {o['meta_ms']:6.2f} fwd {o['fwd_ms']:7.2f} "
-            f"f+b {o['fwd_bwd_ms']:7.2f} ms ({o['fwd_tflops']:5.0f}/{o['fwd_bwd_tflops']:5.0f} TF/s, f+b floor "
-            f"{o['fwd_bwd_floor_ms']:.2f} ms [{o['floor_bound']}] = {o['fwd_bwd_vs_floor']:.1f}x floor, "
-            f"{o['fwd_bwd_mem_mib']:.0f} MiB)")
+    line = (
+        f"N={r['N']:>6} cap={cap:>5} T={r['T']:>7} | ours meta {o['meta_ms']:6.2f} fwd {o['fwd_ms']:7.2f} "
+        f"f+b {o['fwd_bwd_ms']:7.2f} ms ({o['fwd_tflops']:5.0f}/{o['fwd_bwd_tflops']:5.0f} TF/s, f+b floor "
+        f"{o['fwd_bwd_floor_ms']:.2f} ms [{o['floor_bound']}] = {o['fwd_bwd_vs_floor']:.1f}x floor, "
+        f"{o['fwd_bwd_mem_mib']:.0f} MiB)"
+    )
     if f:
         tot_f = f["mask_ms"] + f["fwd_bwd_ms"]
-        line += (f" | flex mask {f['mask_ms']:6.1f} fwd {f['fwd_ms']:6.2f} f+b {f['fwd_bwd_ms']:6.2f} ms, "
-                 f"f+b+mask {tot_f / o['fwd_bwd_ms']:5.1f}x ours, fwd+mask {(f['mask_ms'] + f['fwd_ms']) / o['fwd_ms']:5.1f}x "
-                 f"({f['fwd_bwd_mem_mib']:.0f} MiB, max|diff| {f['max_abs_diff_vs_ours']:.3f})")
+        line += (
+            f" | flex mask {f['mask_ms']:6.1f} fwd {f['fwd_ms']:6.2f} f+b {f['fwd_bwd_ms']:6.2f} ms, "
+            f"f+b+mask {tot_f / o['fwd_bwd_ms']:5.1f}x ours, fwd+mask {(f['mask_ms'] + f['fwd_ms']) / o['fwd_ms']:5.1f}x "
+            f"({f['fwd_bwd_mem_mib']:.0f} MiB, max|diff| {f['max_abs_diff_vs_ours']:.3f})"
+        )
     if s:
-        line += (f" | sdpa-causal fwd {s['fwd_ms']:7.2f} f+b {s['fwd_bwd_ms']:7.2f} ms ({s['fwd_tflops']:4.0f}/"
-                 f"{s['fwd_bwd_tflops']:4.0f} TF/s), ours useful TF/s = {o['fwd_bwd_tflops'] / s['fwd_bwd_tflops']:.2f}x sdpa")
+        line += (
+            f" | sdpa-causal fwd {s['fwd_ms']:7.2f} f+b {s['fwd_bwd_ms']:7.2f} ms ({s['fwd_tflops']:4.0f}/"
+            f"{s['fwd_bwd_tflops']:4.0f} TF/s), ours useful TF/s = {o['fwd_bwd_tflops'] / s['fwd_bwd_tflops']:.2f}x sdpa"
+        )
     print(line, flush=True)
 
 
 def print_summary(rows):
-    print("\n# summary (targets: fwd+bwd incl. metadata >= 3x faster than flex incl. mask at 8K; "
-          "useful TF/s >= 0.5x SDPA-causal; N=128K runs)")
-    print(f"{'N':>7} {'cap':>5} {'T':>7} {'ours f+b ms':>12} {'flex f+b+mask':>14} {'speedup':>8} "
-          f"{'TF/s ours':>10} {'TF/s sdpa':>10} {'ratio':>6} {'mem MiB':>8}")
+    print(
+        "\n# summary (targets: fwd+bwd incl. metadata >= 3x faster than flex incl. mask at 8K; "
+        "useful TF/s >= 0.5x SDPA-causal; N=128K runs)"
+    )
+    print(
+        f"{'N':>7} {'cap':>5} {'T':>7} {'ours f+b ms':>12} {'flex f+b+mask':>14} {'speedup':>8} "
+        f"{'TF/s ours':>10} {'TF/s sdpa':>10} {'ratio':>6} {'mem MiB':>8}"
+    )
     for r in rows:
         o, f, s = r["ours"], r["flex"], r["sdpa"]
         ours_tot = o["fwd_bwd_ms"] + o["meta_ms"]
@@ -415,8 +443,10 @@ def print_summary(rows):
         speedup = f"{(f['mask_ms'] + f['fwd_bwd_ms']) / ours_tot:.1f}x" if f else "-"
         sdpa_tf = f"{s['fwd_bwd_tflops']:.0f}" if s else "-"
         ratio = f"{o['fwd_bwd_tflops'] / s['fwd_bwd_tflops']:.2f}" if s else "-"
-        print(f"{r['N']:>7} {str(r['max_anchors']):>5} {r['T']:>7} {ours_tot:>12.2f} {flex_tot:>14} {speedup:>8} "
-              f"{o['fwd_bwd_tflops']:>10.0f} {sdpa_tf:>10} {ratio:>6} {o['fwd_bwd_mem_mib']:>8.0f}")
+        print(
+            f"{r['N']:>7} {str(r['max_anchors']):>5} {r['T']:>7} {ours_tot:>12.2f} {flex_tot:>14} {speedup:>8} "
+            f"{o['fwd_bwd_tflops']:>10.0f} {sdpa_tf:>10} {ratio:>6} {o['fwd_bwd_mem_mib']:>8.0f}"
+        )
 
 
 def _variant_cases():
@@ -447,10 +477,15 @@ def fwd_configs_main():
     out_dir, cases = _variant_cases()
     dev = torch.cuda.get_device_name()
     names = _variant_names("FWD_NAMES", FWD_CONFIGS, "forward")  # e.g. FWD_NAMES=mma,wgmma
-    print(f"# COD attention forward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
-          f"ratio = {names[0]} ms / variant ms (>1: faster than {names[0]})")
-    print(f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} " + " ".join(f"{nm + ' ms':>10} {'TF/s':>5} {'ratio':>5}"
-                                                                  for nm in names) + f"  max|diff| vs {names[0]}")
+    print(
+        f"# COD attention forward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
+        f"ratio = {names[0]} ms / variant ms (>1: faster than {names[0]})"
+    )
+    print(
+        f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} "
+        + " ".join(f"{nm + ' ms':>10} {'TF/s':>5} {'ratio':>5}" for nm in names)
+        + f"  max|diff| vs {names[0]}"
+    )
     rows = []
     for n, cap, window, sink in cases:
         lay = make_layout(n, cap)
@@ -466,25 +501,43 @@ def fwd_configs_main():
             if ref is None:
                 ref = out.float()
             diff = float((out.float() - ref).abs().max())
-            row["configs"][name] = {"fwd_ms": ms, "fwd_tflops": tflops(pairs, ms), "max_abs_diff_vs_baseline": diff,
-                                    "finite": bool(torch.isfinite(out).all())}
+            row["configs"][name] = {
+                "fwd_ms": ms,
+                "fwd_tflops": tflops(pairs, ms),
+                "max_abs_diff_vs_baseline": diff,
+                "finite": bool(torch.isfinite(out).all()),
+            }
             del out
         base = row["configs"][names[0]]["fwd_ms"]
         for c in row["configs"].values():
             c["speedup_vs_baseline"] = base / c["fwd_ms"]
         cs = row["configs"]
-        print(f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} "
-              + " ".join(f"{cs[nm]['fwd_ms']:>10.3f} {cs[nm]['fwd_tflops']:>5.0f} {cs[nm]['speedup_vs_baseline']:>5.2f}"
-                         for nm in names)
-              + "  " + " ".join(f"{nm}:{cs[nm]['max_abs_diff_vs_baseline']:.4f}" for nm in names[1:])
-              + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE OUTPUT"), flush=True)
+        print(
+            f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} "
+            + " ".join(
+                f"{cs[nm]['fwd_ms']:>10.3f} {cs[nm]['fwd_tflops']:>5.0f} {cs[nm]['speedup_vs_baseline']:>5.2f}"
+                for nm in names
+            )
+            + "  "
+            + " ".join(f"{nm}:{cs[nm]['max_abs_diff_vs_baseline']:.4f}" for nm in names[1:])
+            + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE OUTPUT"),
+            flush=True,
+        )
         rows.append(row)
-        del q, k, v, ref
+        q = k = v = ref = None
         torch.cuda.empty_cache()
     (out_dir / "bench_attention_fwd_configs.json").write_text(
-        json.dumps({"device": dev, "torch": torch.__version__, "baseline": names[0],
-                    "configs": {nm: FWD_CONFIGS[nm] for nm in names},
-                    "rows": rows}, indent=1))
+        json.dumps(
+            {
+                "device": dev,
+                "torch": torch.__version__,
+                "baseline": names[0],
+                "configs": {nm: FWD_CONFIGS[nm] for nm in names},
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out_dir / 'bench_attention_fwd_configs.json'}")
 
 
@@ -497,12 +550,16 @@ def bwd_configs_main():
     out_dir, cases = _variant_cases()
     dev = torch.cuda.get_device_name()
     names = _variant_names("BWD_NAMES", BWD_CONFIGS, "backward")  # e.g. BWD_NAMES=mma,wgmma
-    print(f"# COD attention backward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; forward as the env "
-          f"says (auto if unset); bwd = f+b - fwd; ratio = {names[0]} ms / variant ms (>1: faster); floor = bwd "
-          f"FLOPs at {PEAK_BF16_TFLOPS:.0f} TF/s")
-    print(f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} {'fwd ms':>7} "
-          + " ".join(f"{nm + ' f+b':>12} {'bwd':>7} {'TF/s':>5} {'xflr':>5} {'ratio':>5} {'MiB':>6}" for nm in names)
-          + f"  grads rel-L2 vs {names[0]}")
+    print(
+        f"# COD attention backward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; forward as the env "
+        f"says (auto if unset); bwd = f+b - fwd; ratio = {names[0]} ms / variant ms (>1: faster); floor = bwd "
+        f"FLOPs at {PEAK_BF16_TFLOPS:.0f} TF/s"
+    )
+    print(
+        f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} {'fwd ms':>7} "
+        + " ".join(f"{nm + ' f+b':>12} {'bwd':>7} {'TF/s':>5} {'xflr':>5} {'ratio':>5} {'MiB':>6}" for nm in names)
+        + f"  grads rel-L2 vs {names[0]}"
+    )
     rows = []
     for n, cap, window, sink in cases:
         lay = make_layout(n, cap)
@@ -521,25 +578,40 @@ def bwd_configs_main():
             return torch.autograd.grad(out, [qg, kg, vg], go)
 
         fwd_ms = cuda_time(fwd)
-        row = {"N": n, "max_anchors": cap, "window": window, "sink": sink, "T": t, "pairs": pairs, "fwd_ms": fwd_ms,
-               "bwd_floor_ms": bwd_flop_ms, "configs": {}}
+        row = {
+            "N": n,
+            "max_anchors": cap,
+            "window": window,
+            "sink": sink,
+            "T": t,
+            "pairs": pairs,
+            "fwd_ms": fwd_ms,
+            "bwd_floor_ms": bwd_flop_ms,
+            "configs": {},
+        }
         ref = None
         for name in names:
             with bwd_config(name):
                 grads = fwd_bwd()
                 ms = cuda_time(fwd_bwd)
                 mem = peak_mem(fwd_bwd)
-            c = {"fwd_bwd_ms": ms, "bwd_ms": ms - fwd_ms, "fwd_bwd_mem_mib": mem,
-                 "finite": all(bool(torch.isfinite(x).all()) for x in grads)}
+            c = {
+                "fwd_bwd_ms": ms,
+                "bwd_ms": ms - fwd_ms,
+                "fwd_bwd_mem_mib": mem,
+                "finite": all(bool(torch.isfinite(x).all()) for x in grads),
+            }
             c["bwd_tflops"] = pairs * 4 * D * HQ * 2.5 / (max(c["bwd_ms"], 1e-6) * 1e-3) / 1e12
             c["bwd_vs_floor"] = c["bwd_ms"] / bwd_flop_ms
             if ref is None:
                 ref = [x.float() for x in grads]
             c["rel_l2_vs_baseline"] = {
                 gname: float((x.float() - r).norm() / r.norm().clamp_min(1e-30))
-                for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)}
+                for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)
+            }
             c["max_abs_diff_vs_baseline"] = {
-                gname: float((x.float() - r).abs().max()) for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)}
+                gname: float((x.float() - r).abs().max()) for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)
+            }
             row["configs"][name] = c
             del grads
         base = row["configs"][names[0]]
@@ -547,19 +619,36 @@ def bwd_configs_main():
             c["fwd_bwd_speedup_vs_baseline"] = base["fwd_bwd_ms"] / c["fwd_bwd_ms"]
             c["bwd_speedup_vs_baseline"] = base["bwd_ms"] / max(c["bwd_ms"], 1e-6)
         cs = row["configs"]
-        print(f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} {fwd_ms:>7.2f} "
-              + " ".join(f"{cs[nm]['fwd_bwd_ms']:>12.2f} {cs[nm]['bwd_ms']:>7.2f} {cs[nm]['bwd_tflops']:>5.0f} "
-                         f"{cs[nm]['bwd_vs_floor']:>5.1f} {cs[nm]['bwd_speedup_vs_baseline']:>5.2f} "
-                         f"{cs[nm]['fwd_bwd_mem_mib']:>6.0f}" for nm in names)
-              + "  " + " ".join(f"{nm}:" + ",".join(f"{g}={e:.1e}" for g, e in cs[nm]["rel_l2_vs_baseline"].items())
-                                for nm in names[1:])
-              + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE GRADIENTS"), flush=True)
+        print(
+            f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} {fwd_ms:>7.2f} "
+            + " ".join(
+                f"{cs[nm]['fwd_bwd_ms']:>12.2f} {cs[nm]['bwd_ms']:>7.2f} {cs[nm]['bwd_tflops']:>5.0f} "
+                f"{cs[nm]['bwd_vs_floor']:>5.1f} {cs[nm]['bwd_speedup_vs_baseline']:>5.2f} "
+                f"{cs[nm]['fwd_bwd_mem_mib']:>6.0f}"
+                for nm in names
+            )
+            + "  "
+            + " ".join(
+                f"{nm}:" + ",".join(f"{g}={e:.1e}" for g, e in cs[nm]["rel_l2_vs_baseline"].items()) for nm in names[1:]
+            )
+            + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE GRADIENTS"),
+            flush=True,
+        )
         rows.append(row)
-        del q, k, v, go, qg, kg, vg, ref
+        q = k = v = go = qg = kg = vg = ref = None
         torch.cuda.empty_cache()
     (out_dir / "bench_attention_bwd_configs.json").write_text(
-        json.dumps({"device": dev, "torch": torch.__version__, "baseline": names[0],
-                    "configs": {nm: BWD_CONFIGS[nm] for nm in names}, "rows": rows}, indent=1))
+        json.dumps(
+            {
+                "device": dev,
+                "torch": torch.__version__,
+                "baseline": names[0],
+                "configs": {nm: BWD_CONFIGS[nm] for nm in names},
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out_dir / 'bench_attention_bwd_configs.json'}")
 
 
@@ -567,6 +656,7 @@ def bwd_configs_main():
 def _has_cuda():
     try:
         import peagle_ext
+
         return torch.cuda.is_available() and peagle_ext.has_cuda_kernels()
     except Exception:  # noqa: BLE001
         return False

@@ -17,6 +17,7 @@ perf_counter. The op's floor is bytes, not FLOPs: it reads document_ids and loss
 position) and writes anchor/depth (8 B per token); at HBM speed that is well under a
 microsecond, so what remains is kernel launches (2 per depth) and the one host sync.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ NUM_DEPTHS, RATIO, RATIO_MIN = 8, 0.7, 0.2
 HBM_BYTES_PER_S = 4.8e12  # H200
 
 
-def speculators_cod_baseline(loss_mask: torch.Tensor, num_depths: int = NUM_DEPTHS, ratio: float = RATIO,
-                             ratio_min: float = RATIO_MIN, max_anchors: int | None = None):
+def speculators_cod_baseline(
+    loss_mask: torch.Tensor,
+    num_depths: int = NUM_DEPTHS,
+    ratio: float = RATIO,
+    ratio_min: float = RATIO_MIN,
+    max_anchors: int | None = None,
+):
     """speculators' COD loop (randperm per depth, isin for the next pool), restated."""
     n = loss_mask.shape[0]
     dev = loss_mask.device
@@ -51,7 +57,7 @@ def speculators_cod_baseline(loss_mask: torch.Tensor, num_depths: int = NUM_DEPT
     counts = [n]
     pool = seeds
     for d in range(1, num_depths):
-        size = int(max(0, seeds.numel() - d) * max(ratio ** d, ratio_min))
+        size = int(max(0, seeds.numel() - d) * max(ratio**d, ratio_min))
         if size <= 0:
             break
         if pool.numel() >= size:
@@ -78,8 +84,8 @@ def packed_sequence(n: int, device: str, seed: int = 0):
     while pos < end:
         length = min(int(torch.randint(200, 4001, (1,), generator=g)), end - pos)
         prompt = int(length * float(torch.rand((), generator=g)) * 0.5)
-        doc[pos:pos + length] = k
-        lm[pos + prompt:pos + length] = True
+        doc[pos : pos + length] = k
+        lm[pos + prompt : pos + length] = True
         pos += length
         k += 1
     return doc.to(device), lm.to(device)
@@ -87,8 +93,9 @@ def packed_sequence(n: int, device: str, seed: int = 0):
 
 def _impls(doc, lm):
     return {
-        "peagle": lambda: cod_sample(doc, lm, num_depths=NUM_DEPTHS, down_sample_ratio=RATIO,
-                                     down_sample_ratio_min=RATIO_MIN, seed=1234),
+        "peagle": lambda: cod_sample(
+            doc, lm, num_depths=NUM_DEPTHS, down_sample_ratio=RATIO, down_sample_ratio_min=RATIO_MIN, seed=1234
+        ),
         "peagle_op": lambda: torch.ops.peagle.cod_sample(doc, lm, NUM_DEPTHS, RATIO, RATIO_MIN, -1, True, 1234),
         "speculators": lambda: speculators_cod_baseline(lm),
     }
@@ -115,6 +122,7 @@ def test_bench_cod(benchmark, n, device, impl):
             out = inner()
             torch.cuda.synchronize()
             return out
+
     benchmark.group = f"cod N={n} {device}"
     benchmark.pedantic(fn, rounds=20 if device == "cuda" else 5, warmup_rounds=3)
 
@@ -150,10 +158,14 @@ def main():
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
-    print(f"COD sampling, K={NUM_DEPTHS}, r={RATIO}, r_min={RATIO_MIN}; median ms "
-          f"(peagle = Python wrapper, op = torch.ops.peagle.cod_sample)")
-    print(f"{'N':>7} {'device':>6} {'peagle':>9} {'op':>9} {'specul.':>9} {'speedup':>8} {'op spd':>7} "
-          f"{'T':>7} {'floor us':>8}")
+    print(
+        f"COD sampling, K={NUM_DEPTHS}, r={RATIO}, r_min={RATIO_MIN}; median ms "
+        f"(peagle = Python wrapper, op = torch.ops.peagle.cod_sample)"
+    )
+    print(
+        f"{'N':>7} {'device':>6} {'peagle':>9} {'op':>9} {'specul.':>9} {'speedup':>8} {'op spd':>7} "
+        f"{'T':>7} {'floor us':>8}"
+    )
     for device in args.devices.split(","):
         reps = args.reps if device == "cuda" else max(5, args.reps // 5)
         for n in sizes:
@@ -163,25 +175,44 @@ def main():
             layout = impls["peagle"]()
             tokens = layout.num_tokens
             floor_us = (5 * n + 8 * tokens) / HBM_BYTES_PER_S * 1e6
-            row = dict(n=n, device=device, peagle_ms=ms["peagle"], peagle_op_ms=ms["peagle_op"],
-                       speculators_ms=ms["speculators"], speedup=ms["speculators"] / ms["peagle"],
-                       speedup_op=ms["speculators"] / ms["peagle_op"], tokens=tokens,
-                       bytes_floor_us=floor_us if device == "cuda" else None,
-                       num_depths=NUM_DEPTHS, ratio=RATIO, ratio_min=RATIO_MIN, reps=reps)
+            row = dict(
+                n=n,
+                device=device,
+                peagle_ms=ms["peagle"],
+                peagle_op_ms=ms["peagle_op"],
+                speculators_ms=ms["speculators"],
+                speedup=ms["speculators"] / ms["peagle"],
+                speedup_op=ms["speculators"] / ms["peagle_op"],
+                tokens=tokens,
+                bytes_floor_us=floor_us if device == "cuda" else None,
+                num_depths=NUM_DEPTHS,
+                ratio=RATIO,
+                ratio_min=RATIO_MIN,
+                reps=reps,
+            )
             rows.append(row)
-            print(f"{n:>7} {device:>6} {ms['peagle']:>9.3f} {ms['peagle_op']:>9.3f} {ms['speculators']:>9.3f} "
-                  f"{row['speedup']:>7.1f}x {row['speedup_op']:>6.1f}x {tokens:>7} "
-                  f"{floor_us if device == 'cuda' else float('nan'):>8.3f}")
+            print(
+                f"{n:>7} {device:>6} {ms['peagle']:>9.3f} {ms['peagle_op']:>9.3f} {ms['speculators']:>9.3f} "
+                f"{row['speedup']:>7.1f}x {row['speedup_op']:>6.1f}x {tokens:>7} "
+                f"{floor_us if device == 'cuda' else float('nan'):>8.3f}"
+            )
     target = [r for r in rows if r["device"] == "cuda" and r["n"] == 32768]
     if target:
         ok = target[0]["speedup"] >= 10
-        print(f"target (GPU, N=32K, >= 10x vs speculators): {target[0]['speedup']:.1f}x "
-              f"(op alone {target[0]['speedup_op']:.1f}x) -> {'MET' if ok else 'NOT MET'}")
+        print(
+            f"target (GPU, N=32K, >= 10x vs speculators): {target[0]['speedup']:.1f}x "
+            f"(op alone {target[0]['speedup_op']:.1f}x) -> {'MET' if ok else 'NOT MET'}"
+        )
     out_dir = Path(os.environ.get("OUT") or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)
     info = peagle_ext.build_info()
-    payload = dict(benchmark="cod_sample", torch=torch.__version__, build=info,
-                   gpu=torch.cuda.get_device_name() if "cuda" in args.devices else None, rows=rows)
+    payload = dict(
+        benchmark="cod_sample",
+        torch=torch.__version__,
+        build=info,
+        gpu=torch.cuda.get_device_name() if "cuda" in args.devices else None,
+        rows=rows,
+    )
     (out_dir / "bench_cod.json").write_text(json.dumps(payload, indent=2))
     print(f"wrote {out_dir / 'bench_cod.json'}")
 

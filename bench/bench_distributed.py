@@ -29,6 +29,7 @@ on both sides (FSDP2's bf16 parameter policy computes differently from 1-GPU aut
 an equality check; its speed is what the timing rows measure). GPU kernels are the same on both
 sides; only the reduction order of the 2 units' gradients can differ.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,35 +44,68 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
 from peagle_ext.data import TrainingExample
-from peagle_ext.train.distributed import DistContext
 from peagle_ext.model import PEagleDraftModel, PEagleOptions
+from peagle_ext.train.distributed import DistContext
 
 GIB = 2**30
 
-FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, verifier_layers=36,
-            num_depths=8, sizes=[8192, 32768])
-TINY = dict(hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=256, vocab=512, verifier_layers=8,
-            num_depths=4, sizes=[256, 512])
+FULL = dict(
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=12288,
+    vocab=151936,
+    verifier_layers=36,
+    num_depths=8,
+    sizes=[8192, 32768],
+)
+TINY = dict(
+    hidden=128,
+    heads=2,
+    kv_heads=1,
+    head_dim=64,
+    intermediate=256,
+    vocab=512,
+    verifier_layers=8,
+    num_depths=4,
+    sizes=[256, 512],
+)
 
 
 def build_model(shape: dict, device: torch.device, seed: int = 0) -> PEagleDraftModel:
     from transformers import Qwen3Config
-    vc = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                     num_hidden_layers=shape["verifier_layers"], num_attention_heads=shape["heads"],
-                     num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], rms_norm_eps=1e-6,
-                     max_position_embeddings=65536, tie_word_embeddings=False)
+
+    vc = Qwen3Config(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["verifier_layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        rms_norm_eps=1e-6,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs (same seed, same values on every rank)
-        m = PEagleDraftModel.from_verifier(vc, num_layers=1, num_depths=shape["num_depths"],
-                                           mask_token_id=shape["vocab"], layer_type="qwen3",
-                                           options=PEagleOptions(train_embeddings="all"))
+        m = PEagleDraftModel.from_verifier(
+            vc,
+            num_layers=1,
+            num_depths=shape["num_depths"],
+            mask_token_id=shape["vocab"],
+            layer_type="qwen3",
+            options=PEagleOptions(train_embeddings="all"),
+        )
         g = torch.Generator(device=device).manual_seed(seed + 1)
         h, v = shape["hidden"], shape["vocab"]
-        m.attach_verifier(norm_weight=torch.rand(h, generator=g, device=device) + 0.5,
-                          lm_head_weight=torch.randn(v, h, generator=g, device=device) * 0.02,
-                          embed_weight=torch.randn(v, h, generator=g, device=device) * 0.02)
+        m.attach_verifier(
+            norm_weight=torch.rand(h, generator=g, device=device) + 0.5,
+            lm_head_weight=torch.randn(v, h, generator=g, device=device) * 0.02,
+            embed_weight=torch.randn(v, h, generator=g, device=device) * 0.02,
+        )
     return m.to(device)
 
 
@@ -87,7 +121,7 @@ def make_units(shape: dict, n: int, count: int, device: torch.device, dtype: tor
         end = n - max(1, n // 32)
         while p < end:
             ln = min(int(torch.randint(n // 8, n // 2 + 1, (1,), generator=g)), end - p)
-            doc[p:p + ln] = k
+            doc[p : p + ln] = k
             p, k = p + ln, k + 1
         lm = (torch.rand(n, generator=g) < 0.8) & (doc >= 0)
         ids = torch.randint(0, shape["vocab"], (n,), generator=g)
@@ -111,8 +145,9 @@ class Run:
         self.model = build_model(shape, device, seed)
         ctx.wrap(self.model, amp, fsdp_bf16_params=fsdp_bf16_params)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
-                                     fused=device.type == "cuda" and not ctx.is_fsdp)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda" and not ctx.is_fsdp
+        )
 
     def step(self, units, layouts, seq_partition: int = 1, grads_out: dict | None = None):
         """One optimizer step over the global batch; returns this rank's real tokens. grads_out:
@@ -123,8 +158,15 @@ class Run:
         wtot = ctx.sum_scalar(sum(w))
         self.opt.zero_grad(set_to_none=True)
         for j, u in enumerate(mine):
-            ctx.forward_backward(self.model, units[u], layouts[u], segments=seq_partition, loss_scale=1.0 / wtot,
-                                 autocast_dtype=self.amp, last=j == len(mine) - 1)
+            ctx.forward_backward(
+                self.model,
+                units[u],
+                layouts[u],
+                segments=seq_partition,
+                loss_scale=1.0 / wtot,
+                autocast_dtype=self.amp,
+                last=j == len(mine) - 1,
+            )
         if grads_out is not None:
             for n, p in self.model.named_parameters():
                 if p.grad is not None:
@@ -188,10 +230,17 @@ def time_config(ctx, shape, device, amp, n, steps, warmup, count):
     grad_bytes = sum(p.numel() for p in run.params) * 4
     run.close()
     step_s = statistics.mean(times)
-    return {"n": n, "step_s": step_s, "step_s_min": min(times), "tokens_per_step_per_rank": toks,
-            "tokens_per_s_per_rank": toks / step_s, "peak_gib": peak, "peak_gib_first_step": peak_first,
-            "layout_tokens_global": layout_tokens,
-            "trainable_grad_gib": grad_bytes / GIB}
+    return {
+        "n": n,
+        "step_s": step_s,
+        "step_s_min": min(times),
+        "tokens_per_step_per_rank": toks,
+        "tokens_per_s_per_rank": toks / step_s,
+        "peak_gib": peak,
+        "peak_gib_first_step": peak_first,
+        "layout_tokens_global": layout_tokens,
+        "trainable_grad_gib": grad_bytes / GIB,
+    }
 
 
 def _rel_l2(a: dict, b: dict, base: dict | None = None) -> tuple[float, float]:
@@ -203,7 +252,7 @@ def _rel_l2(a: dict, b: dict, base: dict | None = None) -> tuple[float, float]:
         ref = b[k].double() if base is None else b[k].double() - base[k].double()
         den += float((ref * ref).sum())
         worst = max(worst, float(d.abs().max()))
-    return (num ** 0.5) / max(den ** 0.5, 1e-30), worst
+    return (num**0.5) / max(den**0.5, 1e-30), worst
 
 
 def check_config(mode, ctx1, ctx2, shape, device, n, steps, rank, count):
@@ -237,10 +286,18 @@ def check_config(mode, ctx1, ctx2, shape, device, n, steps, rank, count):
     # reduction shows as O(1) in either number (the gradient check also sees a wrong scale, which
     # AdamW would hide).
     tol_grad, tol_par = (2e-2, 1e-1) if gpu else (1e-5, 1e-4)
-    return {"mode": mode, "n": n, "steps": steps, "precision": "bf16 autocast" if amp else "fp32 params",
-            "grad_rel_l2": grad_rel, "grad_max_abs_diff": grad_abs, "max_abs_diff": par_abs,
-            "rel_to_update": par_rel, "tolerance": {"grad_rel_l2": tol_grad, "rel_to_update": tol_par},
-            "passed": grad_rel <= tol_grad and par_rel <= tol_par}
+    return {
+        "mode": mode,
+        "n": n,
+        "steps": steps,
+        "precision": "bf16 autocast" if amp else "fp32 params",
+        "grad_rel_l2": grad_rel,
+        "grad_max_abs_diff": grad_abs,
+        "max_abs_diff": par_abs,
+        "rel_to_update": par_rel,
+        "tolerance": {"grad_rel_l2": tol_grad, "rel_to_update": tol_par},
+        "passed": grad_rel <= tol_grad and par_rel <= tol_par,
+    }
 
 
 def write_outputs(args, world, device, shape, sizes, steps, runs, correctness):
@@ -254,23 +311,41 @@ def write_outputs(args, world, device, shape, sizes, steps, runs, correctness):
             r["scaling_efficiency"] = b["step_s"] / (r["gpus"] * r["step_s"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"world_size": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "shape": shape, "sizes": sizes, "steps": steps, "warmup": args.warmup,
-            "units_per_step": units_per_step(world), "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
-    (out / "bench_distributed.json").write_text(json.dumps({**meta, "runs": runs, "correctness": correctness},
-                                                           indent=1))
-    lines = ["| mode | GPUs | N | step ms | tokens/s per GPU | peak GiB per GPU | first-step peak GiB | scaling efficiency |",
-             "|---|---|---|---|---|---|---|---|"]
+    meta = {
+        "world_size": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": shape,
+        "sizes": sizes,
+        "steps": steps,
+        "warmup": args.warmup,
+        "units_per_step": units_per_step(world),
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    (out / "bench_distributed.json").write_text(
+        json.dumps({**meta, "runs": runs, "correctness": correctness}, indent=1)
+    )
+    lines = [
+        "| mode | GPUs | N | step ms | tokens/s per GPU | peak GiB per GPU | first-step peak GiB | scaling efficiency |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         eff = f"{r['scaling_efficiency']:.2f}" if "scaling_efficiency" in r else "-"
-        lines.append(f"| {r['mode']} | {r['gpus']} | {r['n']} | {r['step_s'] * 1e3:.1f} | "
-                     f"{r['tokens_per_s_per_rank']:.0f} | {r['peak_gib']:.1f} | {r.get('peak_gib_first_step', 0.0):.1f} | {eff} |")
+        lines.append(
+            f"| {r['mode']} | {r['gpus']} | {r['n']} | {r['step_s'] * 1e3:.1f} | "
+            f"{r['tokens_per_s_per_rank']:.0f} | {r['peak_gib']:.1f} | {r.get('peak_gib_first_step', 0.0):.1f} | {eff} |"
+        )
     if correctness:
-        lines += ["", "| check | N | precision | step-1 grad rel. L2 | param max abs diff | param diff / update | "
-                  "pass |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| check | N | precision | step-1 grad rel. L2 | param max abs diff | param diff / update | pass |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for c in correctness:
-            lines.append(f"| {c['mode']} {world} vs 1 | {c['n']} | {c['precision']} | {c['grad_rel_l2']:.3g} | "
-                         f"{c['max_abs_diff']:.3g} | {c['rel_to_update']:.3g} | {c['passed']} |")
+            lines.append(
+                f"| {c['mode']} {world} vs 1 | {c['n']} | {c['precision']} | {c['grad_rel_l2']:.3g} | "
+                f"{c['max_abs_diff']:.3g} | {c['rel_to_update']:.3g} | {c['passed']} |"
+            )
     table = "\n".join(lines) + "\n"
     (out / "bench_distributed.md").write_text(f"# bench_distributed ({meta['device']})\n\n" + table)
     print(table)
@@ -312,32 +387,50 @@ def main():
         if rank == 0:
             print(msg, flush=True)
 
-    say(f"bench_distributed: {'tiny' if args.tiny else 'Qwen3-8B-shaped'} drafter, {world} ranks on {device.type}, "
-        f"sizes {sizes}, K={shape['num_depths']}, {steps} steps after {args.warmup} warm-up")
+    say(
+        f"bench_distributed: {'tiny' if args.tiny else 'Qwen3-8B-shaped'} drafter, {world} ranks on {device.type}, "
+        f"sizes {sizes}, K={shape['num_depths']}, {steps} steps after {args.warmup} warm-up"
+    )
     for n in sizes:
         if rank == 0:
             r = time_config(single, shape, device, amp, n, steps, args.warmup, units_per_step(world))
             runs.append({"mode": "single", "gpus": 1, **r})
-            say(f"  N={n} 1 rank : {r['step_s'] * 1e3:8.1f} ms/step, {r['tokens_per_s_per_rank']:10.0f} tok/s, "
-                f"peak {r['peak_gib']:.1f} GiB (first step {r['peak_gib_first_step']:.1f})")
+            say(
+                f"  N={n} 1 rank : {r['step_s'] * 1e3:8.1f} ms/step, {r['tokens_per_s_per_rank']:10.0f} tok/s, "
+                f"peak {r['peak_gib']:.1f} GiB (first step {r['peak_gib_first_step']:.1f})"
+            )
         dist.barrier()
         for mode in modes:
-            r = time_config(DistContext.from_env(mode, device.type), shape, device, amp, n, steps, args.warmup,
-                            units_per_step(world))
+            r = time_config(
+                DistContext.from_env(mode, device.type),
+                shape,
+                device,
+                amp,
+                n,
+                steps,
+                args.warmup,
+                units_per_step(world),
+            )
             per_rank = [None] * world
             dist.all_gather_object(per_rank, r)
             if rank == 0:
-                agg = {**r, "step_s": max(x["step_s"] for x in per_rank),
-                       "tokens_per_s_per_rank": statistics.mean(x["tokens_per_s_per_rank"] for x in per_rank),
-                       "peak_gib": max(x["peak_gib"] for x in per_rank),
-                       "peak_gib_first_step": max(x["peak_gib_first_step"] for x in per_rank),
-                       "per_rank": [{k: x[k] for k in ("step_s", "tokens_per_step_per_rank", "peak_gib",
-                                                       "peak_gib_first_step")}
-                                    for x in per_rank]}
+                agg = {
+                    **r,
+                    "step_s": max(x["step_s"] for x in per_rank),
+                    "tokens_per_s_per_rank": statistics.mean(x["tokens_per_s_per_rank"] for x in per_rank),
+                    "peak_gib": max(x["peak_gib"] for x in per_rank),
+                    "peak_gib_first_step": max(x["peak_gib_first_step"] for x in per_rank),
+                    "per_rank": [
+                        {k: x[k] for k in ("step_s", "tokens_per_step_per_rank", "peak_gib", "peak_gib_first_step")}
+                        for x in per_rank
+                    ],
+                }
                 runs.append({"mode": mode, "gpus": world, **agg})
-                say(f"  N={n} {world} ranks {mode:4s}: {agg['step_s'] * 1e3:8.1f} ms/step, "
+                say(
+                    f"  N={n} {world} ranks {mode:4s}: {agg['step_s'] * 1e3:8.1f} ms/step, "
                     f"{agg['tokens_per_s_per_rank']:10.0f} tok/s per rank, peak {agg['peak_gib']:.1f} GiB "
-                    f"(first step {agg['peak_gib_first_step']:.1f})")
+                    f"(first step {agg['peak_gib_first_step']:.1f})"
+                )
             dist.barrier()
 
     correctness = []
@@ -346,13 +439,24 @@ def main():
     if not args.no_check:
         n_check = sizes[0]
         for mode in modes:
-            res = check_config(mode, single, DistContext.from_env(mode, device.type), shape, device, n_check,
-                               args.check_steps, rank, units_per_step(world))
+            res = check_config(
+                mode,
+                single,
+                DistContext.from_env(mode, device.type),
+                shape,
+                device,
+                n_check,
+                args.check_steps,
+                rank,
+                units_per_step(world),
+            )
             if rank == 0:
                 correctness.append(res)
-                say(f"  check {mode}: {world} ranks vs 1 ({res['precision']}): step-1 gradient |dg|/|g| "
+                say(
+                    f"  check {mode}: {world} ranks vs 1 ({res['precision']}): step-1 gradient |dg|/|g| "
                     f"{res['grad_rel_l2']:.3g}; after {res['steps']} steps max |dp| {res['max_abs_diff']:.3g}, "
-                    f"|dp| / |update| {res['rel_to_update']:.3g} -> {'PASS' if res['passed'] else 'FAIL'}")
+                    f"|dp| / |update| {res['rel_to_update']:.3g} -> {'PASS' if res['passed'] else 'FAIL'}"
+                )
             dist.barrier()
 
     if rank == 0:

@@ -22,6 +22,7 @@ Run: python bench/bench_eval.py [--draft DIR] [--verifier smollm2] [--device cud
      pytest bench/bench_eval.py --benchmark-only: pytest-benchmark of one speculative decode vs
      greedy on the tiny random verifier (CPU, or CUDA when present).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from peagle_ext.serving import PEagleDrafter, Verifier, greedy_generate, speculative_generate
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _out_dir() -> Path:
@@ -48,12 +49,15 @@ def _out_dir() -> Path:
 
 def _random_drafter(model, num_depths=8):
     from peagle_ext.model import PEagleDraftModel
+
     torch.manual_seed(0)
     dm = PEagleDraftModel.from_verifier(model.config, num_depths=num_depths, mask_token_id=int(model.config.vocab_size))
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    dm.attach_verifier(norm_weight=base.norm.weight.detach().float().cpu(),
-                       lm_head_weight=model.get_output_embeddings().weight.detach().float().cpu(),
-                       embed_weight=model.get_input_embeddings().weight.detach().float().cpu())
+    dm.attach_verifier(
+        norm_weight=base.norm.weight.detach().float().cpu(),
+        lm_head_weight=model.get_output_embeddings().weight.detach().float().cpu(),
+        embed_weight=model.get_input_embeddings().weight.detach().float().cpu(),
+    )
     return dm
 
 
@@ -72,15 +76,24 @@ def _profile(verifier, drafter, prompts, k, max_new, eos):
     t_draft = sum(s.draft_s for s in spec) / rounds
     t_verify = sum(s.verify_s for s in spec) / rounds
     t_round = sum(s.wall_s for s in spec) / rounds
-    return {"num_spec_tokens": k, "acceptance_length": acc_len, "t_step_ms": 1e3 * t_step,
-            "t_round_ms": 1e3 * t_round, "t_draft_ms": 1e3 * t_draft, "t_verify_ms": 1e3 * t_verify,
-            "verify_cost_in_steps": t_verify / t_step, "draft_cost_in_steps": t_draft / t_step,
-            "speedup_bound_free_draft": acc_len * t_step / t_verify, "speedup_achieved": acc_len * t_step / t_round}
+    return {
+        "num_spec_tokens": k,
+        "acceptance_length": acc_len,
+        "t_step_ms": 1e3 * t_step,
+        "t_round_ms": 1e3 * t_round,
+        "t_draft_ms": 1e3 * t_draft,
+        "t_verify_ms": 1e3 * t_verify,
+        "verify_cost_in_steps": t_verify / t_step,
+        "draft_cost_in_steps": t_draft / t_step,
+        "speedup_bound_free_draft": acc_len * t_step / t_verify,
+        "speedup_achieved": acc_len * t_step / t_round,
+    }
 
 
 def main(argv=None) -> int:
     from peagle_ext.data import load_verifier
     from peagle_ext.eval import eos_ids, evaluate, load_drafter, parse_k_sweep, plot_k_sweep, render_prompts
+
     quick = os.environ.get("QUICK", "0") not in ("", "0")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--verifier", default="smollm2")
@@ -95,7 +108,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype) or (
-        torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        torch.bfloat16 if dev.type == "cuda" else torch.float32
+    )
     model, tok = load_verifier(args.verifier, device=dev, dtype=dtype, require_chat_template=False)
     if args.draft:
         drafter = load_drafter(args.draft, Verifier(model), dtype=dtype)
@@ -109,17 +123,36 @@ def main(argv=None) -> int:
     eos = eos_ids(model, tok)
     print(f"verifier {args.verifier} ({dev}, {str(dtype).replace('torch.', '')}), drafter: {draft_name}")
     out = _out_dir()
-    report = {"verifier": args.verifier, "draft": draft_name, "device": str(dev), "dtype": str(dtype),
-              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-              "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "benches": {}}
+    report = {
+        "verifier": args.verifier,
+        "draft": draft_name,
+        "device": str(dev),
+        "dtype": str(dtype),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "benches": {},
+    }
     rows = []
     for bench in [b for b in args.benches.split(",") if b]:
         t0 = time.perf_counter()
         prompts = render_prompts(tok, bench, args.num_prompts)
-        r = evaluate(verifier, drafter, prompts, num_spec_tokens=k_main, max_new_tokens=args.max_new_tokens,
-                     k_sweep=ks, eos_token_id=eos)
-        r["plot"] = str(plot_k_sweep(r["k_sweep"], out / f"bench_eval_{bench}_k_sweep.png",
-                                     f"{args.verifier} + P-EAGLE, {bench} ({len(prompts)} prompts, {dev})"))
+        r = evaluate(
+            verifier,
+            drafter,
+            prompts,
+            num_spec_tokens=k_main,
+            max_new_tokens=args.max_new_tokens,
+            k_sweep=ks,
+            eos_token_id=eos,
+        )
+        r["plot"] = str(
+            plot_k_sweep(
+                r["k_sweep"],
+                out / f"bench_eval_{bench}_k_sweep.png",
+                f"{args.verifier} + P-EAGLE, {bench} ({len(prompts)} prompts, {dev})",
+            )
+        )
         r["profile"] = [_profile(verifier, drafter, prompts[:3], k, args.max_new_tokens, eos) for k in (1, k_main)]
         r["wall_s"] = time.perf_counter() - t0
         report["benches"][bench] = r
@@ -128,19 +161,27 @@ def main(argv=None) -> int:
         (out / "bench_eval.json").write_text(json.dumps(report, indent=1) + "\n")  # partial results survive a timeout
         print(f"{bench}: {len(prompts)} prompts in {r['wall_s']:.0f}s")
     print()
-    print(f"{'bench':<10} {'K':>2} {'accept_len':>10} {'tok/s':>8} {'greedy tok/s':>12} {'speed-up':>8} {'lossless':>8}")
+    print(
+        f"{'bench':<10} {'K':>2} {'accept_len':>10} {'tok/s':>8} {'greedy tok/s':>12} {'speed-up':>8} {'lossless':>8}"
+    )
     for bench, s in rows:
-        print(f"{bench:<10} {s['num_spec_tokens']:>2} {s['acceptance_length']:>10.3f} {s['tokens_per_s']:>8.1f} "
-              f"{s['baseline_tokens_per_s']:>12.1f} {s['speedup']:>8.2f} {s['num_lossless']:>4}/{args.num_prompts}")
+        print(
+            f"{bench:<10} {s['num_spec_tokens']:>2} {s['acceptance_length']:>10.3f} {s['tokens_per_s']:>8.1f} "
+            f"{s['baseline_tokens_per_s']:>12.1f} {s['speedup']:>8.2f} {s['num_lossless']:>4}/{args.num_prompts}"
+        )
     print()
     print("round breakdown (3 prompts, device synchronised): times in ms; costs in greedy steps")
-    print(f"{'bench':<10} {'K':>2} {'accept_len':>10} {'t_step':>7} {'t_verify':>8} {'t_draft':>7} "
-          f"{'verify/step':>11} {'draft/step':>10} {'bound':>6} {'achieved':>8}")
+    print(
+        f"{'bench':<10} {'K':>2} {'accept_len':>10} {'t_step':>7} {'t_verify':>8} {'t_draft':>7} "
+        f"{'verify/step':>11} {'draft/step':>10} {'bound':>6} {'achieved':>8}"
+    )
     for bench, r in report["benches"].items():
         for p in r["profile"]:
-            print(f"{bench:<10} {p['num_spec_tokens']:>2} {p['acceptance_length']:>10.3f} {p['t_step_ms']:>7.2f} "
-                  f"{p['t_verify_ms']:>8.2f} {p['t_draft_ms']:>7.2f} {p['verify_cost_in_steps']:>11.2f} "
-                  f"{p['draft_cost_in_steps']:>10.2f} {p['speedup_bound_free_draft']:>6.2f} {p['speedup_achieved']:>8.2f}")
+            print(
+                f"{bench:<10} {p['num_spec_tokens']:>2} {p['acceptance_length']:>10.3f} {p['t_step_ms']:>7.2f} "
+                f"{p['t_verify_ms']:>8.2f} {p['t_draft_ms']:>7.2f} {p['verify_cost_in_steps']:>11.2f} "
+                f"{p['draft_cost_in_steps']:>10.2f} {p['speedup_bound_free_draft']:>6.2f} {p['speedup_achieved']:>8.2f}"
+            )
     print(f"\nreport: {out / 'bench_eval.json'}")
     return 0
 
@@ -150,8 +191,10 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_setup():
-    from peagle_ext.testing import make_tiny_verifier
     from transformers import AutoModelForCausalLM
+
+    from peagle_ext.testing import make_tiny_verifier
+
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     d = make_tiny_verifier(Path(tempfile.mkdtemp()) / "v")
     vm = AutoModelForCausalLM.from_pretrained(d).to(dev).eval().requires_grad_(False)

@@ -25,12 +25,12 @@ Baselines:
 Configurations: V = 151,936 (Qwen) with the full vocab as draft vocab ("full"), and a 32K draft
 vocab mapped through d2t into it ("draft32k").
 """
+
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 from pathlib import Path
@@ -76,13 +76,33 @@ def input_bytes(c):
 
 def fused_step(c, chunk_size="auto", grad=True):
     if grad:
-        loss, m = fused_linear_kl(c["xd"], c["w_d"], c["xt"], c["w_t"], c["weight"], c["depth"],
-                                  num_depths=NUM_DEPTHS, d2t=c["d2t"], chunk_size=chunk_size, validate=False)
+        loss, m = fused_linear_kl(
+            c["xd"],
+            c["w_d"],
+            c["xt"],
+            c["w_t"],
+            c["weight"],
+            c["depth"],
+            num_depths=NUM_DEPTHS,
+            d2t=c["d2t"],
+            chunk_size=chunk_size,
+            validate=False,
+        )
         loss.backward()
     else:
         with torch.no_grad():
-            loss, m = fused_linear_kl(c["xd"], c["w_d"], c["xt"], c["w_t"], c["weight"], c["depth"],
-                                      num_depths=NUM_DEPTHS, d2t=c["d2t"], chunk_size=chunk_size, validate=False)
+            loss, m = fused_linear_kl(
+                c["xd"],
+                c["w_d"],
+                c["xt"],
+                c["w_t"],
+                c["weight"],
+                c["depth"],
+                num_depths=NUM_DEPTHS,
+                d2t=c["d2t"],
+                chunk_size=chunk_size,
+                validate=False,
+            )
     return loss
 
 
@@ -197,6 +217,7 @@ def gemm_rate(m, h, n, reps=5):
 def kernel_share(c):
     """Device time of one fused step by kernel family (cuBLAS GEMMs, our row kernel, the rest)."""
     from torch.profiler import ProfilerActivity, profile
+
     _clear(c)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fused_step(c)
@@ -236,10 +257,21 @@ def run_table(sizes, configs, reps):
             rate = gemm_rate(m, H, vd)
             chunk_rate = gemm_rate(plan.rows_per_chunk, H, vd)
             floor = 8 * t * H * vd / rate
-            base = dict(T=t, config=cfg, H=H, Vd=vd, V=v, gemm_tflops=round(rate / 1e12, 1),
-                        chunk_gemm_tflops=round(chunk_rate / 1e12, 1), gemm_rows=m, floor_ms=round(floor * 1e3, 2),
-                        rows_per_chunk=plan.rows_per_chunk, num_chunks=plan.num_chunks,
-                        inputs_gib=round(inputs / GIB, 3), mem_target_gib=round(mem_target / GIB, 3))
+            base = dict(
+                T=t,
+                config=cfg,
+                H=H,
+                Vd=vd,
+                V=v,
+                gemm_tflops=round(rate / 1e12, 1),
+                chunk_gemm_tflops=round(chunk_rate / 1e12, 1),
+                gemm_rows=m,
+                floor_ms=round(floor * 1e3, 2),
+                rows_per_chunk=plan.rows_per_chunk,
+                num_chunks=plan.num_chunks,
+                inputs_gib=round(inputs / GIB, 3),
+                mem_target_gib=round(mem_target / GIB, 3),
+            )
 
             def record(method, fn, est=None, floor_s=floor, **extra):
                 if est is not None and est > 0.85 * torch.cuda.mem_get_info()[0]:
@@ -254,8 +286,14 @@ def run_table(sizes, configs, reps):
                     gc.collect()
                     torch.cuda.empty_cache()
                     return
-                r = dict(base, method=method, time_ms=round(ms * 1e3, 2), ratio_to_floor=round(ms / floor_s, 3),
-                         extra_peak_gib=round(peak / GIB, 3), **extra)
+                r = dict(
+                    base,
+                    method=method,
+                    time_ms=round(ms * 1e3, 2),
+                    ratio_to_floor=round(ms / floor_s, 3),
+                    extra_peak_gib=round(peak / GIB, 3),
+                    **extra,
+                )
                 if method == "fused":
                     r["time_ok"] = ms <= 1.3 * floor_s
                     r["mem_ok"] = peak <= mem_target and (t != 32768 or peak < 4 * GIB)
@@ -276,36 +314,52 @@ def run_table(sizes, configs, reps):
                     rows.append(dict(base, method="fused_kernel_share", **kernel_share(c)))
                 except Exception as e:  # noqa: BLE001 - the profiler is a diagnostic only
                     notes.append(f"kernel_share failed: {e}")
-            del c
+            c = None  # free the case before the next size
             gc.collect()
             torch.cuda.empty_cache()
-    return dict(device=dev, torch=torch.__version__, build=peagle_ext.build_info(), speculators=spec_status,
-                rows=rows, notes=notes)
+    return dict(
+        device=dev,
+        torch=torch.__version__,
+        build=peagle_ext.build_info(),
+        speculators=spec_status,
+        rows=rows,
+        notes=notes,
+    )
 
 
 def print_table(res):
     print(f"# fused linear-KL loss on {res['device']} (torch {res['torch']}); speculators: {res['speculators']}")
-    hdr = (f"{'T':>7} {'cfg':>9} {'method':>17} {'time ms':>9} {'floor ms':>9} {'x floor':>8} "
-           f"{'extra GiB':>9} {'target GiB':>10}  note")
+    hdr = (
+        f"{'T':>7} {'cfg':>9} {'method':>17} {'time ms':>9} {'floor ms':>9} {'x floor':>8} "
+        f"{'extra GiB':>9} {'target GiB':>10}  note"
+    )
     print(hdr)
     for r in res["rows"]:
         if r["method"] == "fused_kernel_share":
-            print(f"{r['T']:>7} {r['config']:>9} {'kernel share':>17}  row kernel {r['row_kernel']:.1%}, "
-                  f"GEMMs {r['gemm']:.1%}, other {r['other']:.1%} of {r['device_ms']} ms device time")
+            print(
+                f"{r['T']:>7} {r['config']:>9} {'kernel share':>17}  row kernel {r['row_kernel']:.1%}, "
+                f"GEMMs {r['gemm']:.1%}, other {r['other']:.1%} of {r['device_ms']} ms device time"
+            )
             continue
         if "skipped" in r:
-            print(f"{r['T']:>7} {r['config']:>9} {r['method']:>17} {'-':>9} {r['floor_ms']:>9} {'-':>8} {'-':>9} "
-                  f"{r['mem_target_gib']:>10}  skipped: {r['skipped']}")
+            print(
+                f"{r['T']:>7} {r['config']:>9} {r['method']:>17} {'-':>9} {r['floor_ms']:>9} {'-':>8} {'-':>9} "
+                f"{r['mem_target_gib']:>10}  skipped: {r['skipped']}"
+            )
             continue
         note = ""
         if r["method"] == "fused":
-            note = (f"time {'OK' if r['time_ok'] else 'OVER'} (<=1.3x), mem {'OK' if r['mem_ok'] else 'OVER'}; "
-                    f"{r['num_chunks']} chunks of {r['rows_per_chunk']} rows; cuBLAS {r['gemm_tflops']} TF/s "
-                    f"(chunk shape {r['chunk_gemm_tflops']})")
+            note = (
+                f"time {'OK' if r['time_ok'] else 'OVER'} (<=1.3x), mem {'OK' if r['mem_ok'] else 'OVER'}; "
+                f"{r['num_chunks']} chunks of {r['rows_per_chunk']} rows; cuBLAS {r['gemm_tflops']} TF/s "
+                f"(chunk shape {r['chunk_gemm_tflops']})"
+            )
         elif r["method"] == "fused_fwd_nograd":
             note = "forward only; floor = 2 GEMMs"
-        print(f"{r['T']:>7} {r['config']:>9} {r['method']:>17} {r['time_ms']:>9} {r['floor_ms']:>9} "
-              f"{r['ratio_to_floor']:>8} {r['extra_peak_gib']:>9} {r['mem_target_gib']:>10}  {note}")
+        print(
+            f"{r['T']:>7} {r['config']:>9} {r['method']:>17} {r['time_ms']:>9} {r['floor_ms']:>9} "
+            f"{r['ratio_to_floor']:>8} {r['extra_peak_gib']:>9} {r['mem_target_gib']:>10}  {note}"
+        )
     for n in res["notes"]:
         print("note:", n)
 
@@ -345,8 +399,10 @@ def main():
     out_dir = Path(os.environ.get("OUT") or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)
     if not has_cuda():
-        print("bench_loss: no CUDA GPU / CUDA build of peagle_ext: nothing to measure (the CPU path is covered "
-              "by the pytest-benchmark test)")
+        print(
+            "bench_loss: no CUDA GPU / CUDA build of peagle_ext: nothing to measure (the CPU path is covered "
+            "by the pytest-benchmark test)"
+        )
         (out_dir / "bench_loss.json").write_text(json.dumps({"skipped": "no CUDA"}, indent=1))
         return
     sizes = [int(s) for s in args.sizes.split(",") if s]

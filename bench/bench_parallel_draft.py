@@ -16,13 +16,14 @@ Measured per case (CUDA events, median of repetitions):
   copy_graph  a device-to-device copy moving the same number of bytes as our hidden traffic
 Every timed call touches its own set of buffers (several sets, > L2 in total), so the hidden
 traffic comes from DRAM as in the copy it is compared with.
-Targets (issue 6): ours >= 3x faster than ref at B=64; at B=256 our hidden traffic
+Targets: ours >= 3x faster than ref at B=64; at B=256 our hidden traffic
 (bytes read + written / ours_graph time) >= 60% of the copy's bandwidth.
 
 Run: python bench/bench_vllm.py  (prints a table, writes $OUT/bench_vllm.json or
 ./bench_out/bench_vllm.json; QUICK=1 for fewer repetitions), or
 pytest bench/bench_vllm.py --benchmark-only (pytest-benchmark; skips without a GPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,8 @@ import pytest
 import torch
 
 import peagle_ext
-from peagle_ext.vllm import DraftBatch, prepare_parallel_draft_inputs
 from peagle_ext.reference.parallel_draft import parallel_draft_torch
+from peagle_ext.vllm import DraftBatch, prepare_parallel_draft_inputs
 
 HAS_CUDA = torch.cuda.is_available() and peagle_ext.has_cuda_kernels()
 BATCHES = (1, 8, 64, 256)
@@ -47,8 +48,17 @@ DTYPE = torch.bfloat16
 MAX_MODEL_LEN = 8192
 BLOCK_SIZE = 16
 PREFILL_LEN = 128
-FIELDS = ("input_ids", "positions", "hidden", "is_rejected", "is_masked", "token_indices_to_sample",
-          "hidden_state_mapping", "slot_mapping", "query_start_loc")
+FIELDS = (
+    "input_ids",
+    "positions",
+    "hidden",
+    "is_rejected",
+    "is_masked",
+    "token_indices_to_sample",
+    "hidden_state_mapping",
+    "slot_mapping",
+    "query_start_loc",
+)
 
 
 def make_case(B, K, *, mix="decode", seed=0, device="cuda"):
@@ -203,8 +213,10 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     cases = [(b, k, "decode") for b in BATCHES for k in KS] + [(b, k, "mixed") for b in (64, 256) for k in KS]
     rows = []
-    hdr = (f"{'B':>4} {'K':>2} {'mix':>6} {'T_in':>5} {'T_out':>5} {'ours':>8} {'op':>8} {'graph':>8} {'ref':>8} "
-           f"{'refgr':>8} {'copy':>8} {'x eager':>7} {'x graph':>7} {'GB/s':>6} {'%copy':>6} {'floor':>7} ok")
+    hdr = (
+        f"{'B':>4} {'K':>2} {'mix':>6} {'T_in':>5} {'T_out':>5} {'ours':>8} {'op':>8} {'graph':>8} {'ref':>8} "
+        f"{'refgr':>8} {'copy':>8} {'x eager':>7} {'x graph':>7} {'GB/s':>6} {'%copy':>6} {'floor':>7} ok"
+    )
     print(f"prepare_parallel_draft_inputs, H={H} {str(DTYPE)[6:]}, {torch.cuda.get_device_name()}; times in us/call")
     print(hdr)
     for b, k, mix in cases:
@@ -212,11 +224,14 @@ def main():
         rows.append(r)
         rg = f"{r['ref_graph_us']:8.1f}" if r["ref_graph_us"] else f"{'-':>8}"
         sg = f"{r['speedup_graph']:7.1f}" if r["speedup_graph"] else f"{'-':>7}"
-        print(f"{b:>4} {k:>2} {mix:>6} {r['t_in']:>5} {r['t_out']:>5} {r['ours_us']:8.1f} {r['ours_op_us']:8.1f} "
-              f"{r['ours_graph_us']:8.1f} "
-              f"{r['ref_us']:8.1f} {rg} {r['copy_graph_us']:8.1f} {r['speedup_eager']:7.1f} {sg} "
-              f"{r['ours_hidden_GBps']:6.0f} {100 * r['hidden_bw_vs_copy']:5.0f}% {r['floor_us_at_copy_bw']:7.1f} "
-              f"{'yes' if r['match'] else 'NO'}", flush=True)
+        print(
+            f"{b:>4} {k:>2} {mix:>6} {r['t_in']:>5} {r['t_out']:>5} {r['ours_us']:8.1f} {r['ours_op_us']:8.1f} "
+            f"{r['ours_graph_us']:8.1f} "
+            f"{r['ref_us']:8.1f} {rg} {r['copy_graph_us']:8.1f} {r['speedup_eager']:7.1f} {sg} "
+            f"{r['ours_hidden_GBps']:6.0f} {100 * r['hidden_bw_vs_copy']:5.0f}% {r['floor_us_at_copy_bw']:7.1f} "
+            f"{'yes' if r['match'] else 'NO'}",
+            flush=True,
+        )
     b64 = [r for r in rows if r["B"] == 64 and r["mix"] == "decode"]
     b256 = [r for r in rows if r["B"] == 256 and r["mix"] == "decode"]
     targets = {
@@ -228,8 +243,9 @@ def main():
     targets["target_3x_at_B64_met"] = targets["speedup_eager_at_B64_min"] >= 3.0
     targets["target_60pct_copy_bw_at_B256_met"] = targets["hidden_bw_vs_copy_at_B256_min"] >= 0.6
     print("targets:", json.dumps(targets))
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, quick=quick, cases=rows,
-                  targets=targets)
+    result = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, quick=quick, cases=rows, targets=targets
+    )
     (out_dir / "bench_vllm.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out_dir / 'bench_vllm.json'}")
     return 0 if targets["all_match_reference"] else 1

@@ -10,7 +10,7 @@ the same optimizer (AdamW, warmup + cosine, grad clip 1.0) and the same number o
   `generate_cod_sample_indices`; for each call we replace that name in
   `speculators.models.peagle.core` with a function returning OUR layout's (anchor, depth)
   (peagle_ext.integrations.speculators.speculators_layout), so both see identical token sets. Our layout has
-  the two DESIGN.md fixes (no chain crosses a document, no anchor -1); on such a layout the two
+  the two docs/design.md fixes (no chain crosses a document, no anchor -1); on such a layout the two
   attention rules are the same, so any difference measured here comes from the model/loss code.
   Its loss is mean KL over the loss-masked sampled tokens (+1e-5 in the denominator); ours the
   same mean without the epsilon.
@@ -32,6 +32,7 @@ GPU:
     PYTHONPATH=/tmp/site:$PWD python bench/bench_quality.py --device cuda --seq-len 2048 \
         --steps 300 --num-depths 8 --draft-vocab 0 --train-rows 300 --val-rows 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 import peagle_ext.integrations.speculators as S
-import peagle_ext.testing as TT
-from peagle_ext.reference.draft_model import plain_model_class
 
 
 def parse_args(argv=None):
@@ -59,13 +57,21 @@ def parse_args(argv=None):
     p.add_argument("--train-rows", type=int, default=40, help="distinct packed training rows (cycled)")
     p.add_argument("--val-rows", type=int, default=6)
     p.add_argument("--num-conversations", type=int, default=400)
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="draft vocab size (most frequent assistant tokens); 0 = the full vocab")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="draft vocab size (most frequent assistant tokens); 0 = the full vocab",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-noise-ref", dest="noise_ref", action="store_false",
-                   help="skip the noise reference (a rounding-perturbed copy of our model trained alongside)")
+    p.add_argument(
+        "--no-noise-ref",
+        dest="noise_ref",
+        action="store_false",
+        help="skip the noise reference (a rounding-perturbed copy of our model trained alongside)",
+    )
     p.add_argument("--spec-attn", default=None, help="speculators attention: sdpa (CPU default) | flex (CUDA default)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -77,6 +83,7 @@ def parse_args(argv=None):
 def load_data(a, device):
     from peagle_ext import data as D
     from peagle_ext.data import HiddenStateCache, packed_fingerprint
+
     t0 = time.time()
     vdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     verifier, tok = D.load_verifier("smollm2", device=device, dtype=vdtype)
@@ -94,8 +101,11 @@ def load_data(a, device):
     train_rows = D.pack_conversations(tok_train, a.seq_len, pad_token_id=pad)[: a.train_rows]
     val_rows = D.pack_conversations(tok_val, a.seq_len, pad_token_id=pad)[: a.val_rows]
     if len(train_rows) < a.train_rows or len(val_rows) < a.val_rows:
-        print(f"note: only {len(train_rows)} train / {len(val_rows)} val rows of {a.seq_len} tokens "
-              f"from {a.num_conversations} conversations", flush=True)
+        print(
+            f"note: only {len(train_rows)} train / {len(val_rows)} val rows of {a.seq_len} tokens "
+            f"from {a.num_conversations} conversations",
+            flush=True,
+        )
     counts = torch.zeros(vocab, dtype=torch.long)
     for r in train_rows:
         counts += torch.bincount(r.input_ids[r.loss_mask], minlength=vocab)[:vocab]
@@ -104,35 +114,50 @@ def load_data(a, device):
 
     def states(rows, tag):
         key = packed_fingerprint(rows)[:16]
-        cache = HiddenStateCache(os.path.join(root, f"{tag}-{a.seq_len}-{key}"),
-                                 meta={"verifier": "smollm2", "dtype": str(vdtype), "aux": aux_ids})
+        cache = HiddenStateCache(
+            os.path.join(root, f"{tag}-{a.seq_len}-{key}"),
+            meta={"verifier": "smollm2", "dtype": str(vdtype), "aux": aux_ids},
+        )
         cache.generate(verifier, rows, aux_ids, rows_per_shard=8, dtype=torch.float32)
         return [ex for ex in cache]
 
     train = states(train_rows, "train")
     val = states(val_rows, "val")
-    print(f"data: {len(train)} train / {len(val)} val rows of {a.seq_len} tokens, "
-          f"{sum(int(e.loss_mask.sum()) for e in train)} train loss tokens, verifier states in "
-          f"{time.time() - t0:.1f}s", flush=True)
+    print(
+        f"data: {len(train)} train / {len(val)} val rows of {a.seq_len} tokens, "
+        f"{sum(int(e.loss_mask.sum()) for e in train)} train loss tokens, verifier states in "
+        f"{time.time() - t0:.1f}s",
+        flush=True,
+    )
     return verifier, tok, vcfg, aux_ids, counts, train, val
 
 
 def build_models(a, device, verifier, tok, vcfg, aux_ids, counts):
     from peagle_ext.model import PEagleDraftModel, PEagleOptions, build_vocab_mapping, resolve_mask_token_id
+
     vocab = int(vcfg.vocab_size)
     mask_id, how = resolve_mask_token_id(tok, vocab)
     dv = a.draft_vocab if a.draft_vocab and a.draft_vocab < vocab else None
     d2t = build_vocab_mapping(counts, dv)[0] if dv else None
     torch.manual_seed(a.seed)
     ours = PEagleDraftModel.from_verifier(
-        vcfg, num_layers=a.num_layers, num_depths=a.num_depths, mask_token_id=mask_id, draft_vocab_size=dv,
-        aux_layer_ids=aux_ids, d2t=d2t, verifier_name_or_path="smollm2",
-        options=PEagleOptions(train_embeddings="all"))  # speculators trains the whole embedding
+        vcfg,
+        num_layers=a.num_layers,
+        num_depths=a.num_depths,
+        mask_token_id=mask_id,
+        draft_vocab_size=dv,
+        aux_layer_ids=aux_ids,
+        d2t=d2t,
+        verifier_name_or_path="smollm2",
+        options=PEagleOptions(train_embeddings="all"),
+    )  # speculators trains the whole embedding
     base = verifier.get_decoder() if hasattr(verifier, "get_decoder") else verifier.model
-    ours.attach_verifier(norm_weight=base.norm.weight.detach().float().cpu(),
-                         lm_head_weight=verifier.get_output_embeddings().weight.detach().float().cpu(),
-                         norm_eps=getattr(vcfg, "rms_norm_eps", 1e-6),
-                         embed_weight=verifier.get_input_embeddings().weight.detach().float().cpu())
+    ours.attach_verifier(
+        norm_weight=base.norm.weight.detach().float().cpu(),
+        lm_head_weight=verifier.get_output_embeddings().weight.detach().float().cpu(),
+        norm_eps=getattr(vcfg, "rms_norm_eps", 1e-6),
+        embed_weight=verifier.get_input_embeddings().weight.detach().float().cpu(),
+    )
     ours.to(device)
     attn = a.spec_attn or ("sdpa" if device.type == "cpu" else "flex")
     impl = {"flex": "simple_flex_attention"}.get(attn, attn)
@@ -143,14 +168,18 @@ def build_models(a, device, verifier, tok, vcfg, aux_ids, counts):
             spec.t2d.copy_(ours.t2d)
     if device.type == "cuda":
         # its forward as a plain function; FlexAttention pieces compiled (see bench_train_step.py)
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         import speculators.models.attention as spec_attn
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         type(spec).forward = S.uncompiled(type(spec).forward)
         # dynamic shapes: T changes every step (as in bench_train_step.py's spec_eager case)
         spec_attn.flex_attention = torch.compile(flex_attention, dynamic=True)
         spec._create_mask_fn = torch.compile(create_block_mask, dynamic=True)
-    print(f"models: {a.num_layers} layer(s), K={a.num_depths}, draft vocab {dv or vocab} of {vocab}, mask token "
-          f"{mask_id} ({how}); speculators attention: {impl}", flush=True)
+    print(
+        f"models: {a.num_layers} layer(s), K={a.num_depths}, draft vocab {dv or vocab} of {vocab}, mask token "
+        f"{mask_id} ({how}); speculators attention: {impl}",
+        flush=True,
+    )
     return ours, spec, core, impl
 
 
@@ -163,6 +192,7 @@ def make_opt(model, a):
             return (step + 1) / a.warmup
         t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lam), params
 
 
@@ -188,21 +218,28 @@ def evaluate(model, rows, layouts, k, amp, device, *, spec_core=None, loss_cfg=N
                 lo, mo = model(ex, lay)
                 c, t = [float(x) for x in mo["correct"]], [float(x) for x in mo["total"]]
             else:
-                lo, mo = S.speculators_forward(model, spec_core, S.speculators_batch(ex, device), num_depths=k,
-                                               loss_config=loss_cfg, layout=lay)
+                lo, mo = S.speculators_forward(
+                    model, spec_core, S.speculators_batch(ex, device), num_depths=k, loss_config=loss_cfg, layout=lay
+                )
                 c, t = S.speculators_per_depth(mo, k)
             loss_sum += float(lo) * w
             w_sum += w
             cs = [x + y for x, y in zip(cs, c)]
             ts = [x + y for x, y in zip(ts, t)]
-    return {"loss": loss_sum / max(w_sum, 1e-9), "acc": [c / t if t else 0.0 for c, t in zip(cs, ts)],
-            "counted": [int(t) for t in ts]}
+    return {
+        "loss": loss_sum / max(w_sum, 1e-9),
+        "acc": [c / t if t else 0.0 for c, t in zip(cs, ts)],
+        "counted": [int(t) for t in ts],
+    }
 
 
 def evaluate_all(models, spec_core, loss_cfg, rows, layouts, k, amp, device):
-    return {name: evaluate(m, rows, layouts, k, amp, device,
-                           spec_core=spec_core if name == "spec" else None, loss_cfg=loss_cfg)
-            for name, m in models.items()}
+    return {
+        name: evaluate(
+            m, rows, layouts, k, amp, device, spec_core=spec_core if name == "spec" else None, loss_cfg=loss_cfg
+        )
+        for name, m in models.items()
+    }
 
 
 def param_distance(m1, m2, init):
@@ -221,14 +258,16 @@ def compare_gradients(ours, spec, core, loss_cfg, ex, k, amp, device):
     """One forward+backward of both models on the same row and layout, before any update:
     loss and every trainable parameter's gradient, max |g_ours - g_spec| / max |g_ours|."""
     from peagle_ext.cod import cod_sample
+
     lay = cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, seed=4242).to(device)
     ours.zero_grad(set_to_none=True)
     spec.zero_grad(set_to_none=True)
     m = ours.forward_backward(ex, lay, autocast_dtype=amp)
     ctx = torch.autocast(device.type, dtype=amp) if amp else torch.autocast(device.type, enabled=False)
     with ctx:
-        ls, _ = S.speculators_forward(spec, core, S.speculators_batch(ex, device), num_depths=k,
-                                      loss_config=loss_cfg, layout=lay)
+        ls, _ = S.speculators_forward(
+            spec, core, S.speculators_batch(ex, device), num_depths=k, loss_config=loss_cfg, layout=lay
+        )
     ls.backward()
     sp = dict(spec.named_parameters())
     per = {}
@@ -243,8 +282,13 @@ def compare_gradients(ours, spec, core, loss_cfg, ex, k, amp, device):
     worst = max((v for v in per.values() if v is not None), default=0.0)
     ours.zero_grad(set_to_none=True)
     spec.zero_grad(set_to_none=True)
-    return {"loss_ours": m["loss_sum"] / max(m["weight"], 1e-9), "loss_spec": float(ls), "per_param_rel": per,
-            "worst_rel": worst, "worst_param": max(per, key=lambda n: -1 if per[n] is None else per[n])}
+    return {
+        "loss_ours": m["loss_sum"] / max(m["weight"], 1e-9),
+        "loss_spec": float(ls),
+        "per_param_rel": per,
+        "worst_rel": worst,
+        "worst_param": max(per, key=lambda n: -1 if per[n] is None else per[n]),
+    }
 
 
 def verdict(ev, k):
@@ -258,8 +302,19 @@ def verdict(ev, k):
         diff = p1 - p2
         good = abs(diff) <= 3 * se + 0.005
         ok &= good
-        rows.append({"depth": d, "ours": p1, "speculators": p2, "diff": diff, "se": se, "within_noise": good, "n": n,
-                     "noise_ref": ref, "ref_diff": None if ref is None else p1 - ref})
+        rows.append(
+            {
+                "depth": d,
+                "ours": p1,
+                "speculators": p2,
+                "diff": diff,
+                "se": se,
+                "within_noise": good,
+                "n": n,
+                "noise_ref": ref,
+                "ref_diff": None if ref is None else p1 - ref,
+            }
+        )
     l1, l2 = ev["ours"]["loss"], ev["spec"]["loss"]
     loss_ok = abs(l1 - l2) <= 0.05 * max(abs(l1), abs(l2), 1e-6)
     return ok and loss_ok, rows, loss_ok
@@ -296,6 +351,7 @@ def main(argv=None):
     ref = None
     if a.noise_ref:
         import copy as _copy
+
         ref = _copy.deepcopy(ours)
         gen = torch.Generator(device="cpu").manual_seed(a.seed + 99)
         with torch.no_grad():
@@ -305,12 +361,17 @@ def main(argv=None):
         opt_r, sch_r, par_r = make_opt(ref, a)
     models = {"ours": ours, "spec": spec, **({"ref": ref} if ref is not None else {})}
     from peagle_ext.cod import cod_sample
-    val_layouts = [cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, seed=10_000 + i).to(device)
-                   for i, ex in enumerate(val)]
+
+    val_layouts = [
+        cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, seed=10_000 + i).to(device) for i, ex in enumerate(val)
+    ]
     grad_check = compare_gradients(ours, spec, core, loss_cfg, train[0].to(device), k, amp, device)
-    print(f"step-0 gradients on one row: loss ours {grad_check['loss_ours']:.6f} speculators "
-          f"{grad_check['loss_spec']:.6f}; worst relative grad difference {grad_check['worst_rel']:.2e} "
-          f"({grad_check['worst_param']})", flush=True)
+    print(
+        f"step-0 gradients on one row: loss ours {grad_check['loss_ours']:.6f} speculators "
+        f"{grad_check['loss_spec']:.6f}; worst relative grad difference {grad_check['worst_rel']:.2e} "
+        f"({grad_check['worst_param']})",
+        flush=True,
+    )
     ev0 = evaluate_all(models, core, loss_cfg, val, val_layouts, k, amp, device)
     print(f"step 0 held-out: ours loss {ev0['ours']['loss']:.5f}, speculators {ev0['spec']['loss']:.5f}", flush=True)
 
@@ -333,66 +394,97 @@ def main(argv=None):
         opt_o.step()
         sch_o.step()
         time_o += time.perf_counter() - t0
-        rec["ours"] = {"loss": m["loss_sum"] / max(m["weight"], 1e-9), "grad_norm": gn_o,
-                       "correct": [int(x) for x in m["correct"]], "total": [int(x) for x in m["total"]]}
+        rec["ours"] = {
+            "loss": m["loss_sum"] / max(m["weight"], 1e-9),
+            "grad_norm": gn_o,
+            "correct": [int(x) for x in m["correct"]],
+            "total": [int(x) for x in m["total"]],
+        }
         # speculators (same row, same layout)
         t0 = time.perf_counter()
         opt_s.zero_grad(set_to_none=True)
         ctx = torch.autocast(device.type, dtype=amp) if amp else torch.autocast(device.type, enabled=False)
         with ctx:
-            ls, ms = S.speculators_forward(spec, core, S.speculators_batch(ex, device), num_depths=k,
-                                           loss_config=loss_cfg, layout=lay)
+            ls, ms = S.speculators_forward(
+                spec, core, S.speculators_batch(ex, device), num_depths=k, loss_config=loss_cfg, layout=lay
+            )
         ls.backward()
         gn_s = float(torch.nn.utils.clip_grad_norm_(par_s, 1.0))
         opt_s.step()
         sch_s.step()
         time_s += time.perf_counter() - t0
         c, t = S.speculators_per_depth(ms, k)
-        rec["spec"] = {"loss": float(ls), "grad_norm": gn_s, "correct": [int(x) for x in c], "total": [int(x) for x in t]}
+        rec["spec"] = {
+            "loss": float(ls),
+            "grad_norm": gn_s,
+            "correct": [int(x) for x in c],
+            "total": [int(x) for x in t],
+        }
         if ref is not None:
             opt_r.zero_grad(set_to_none=True)
             mr = ref.forward_backward(ex, lay, autocast_dtype=amp)
             torch.nn.utils.clip_grad_norm_(par_r, 1.0)
             opt_r.step()
             sch_r.step()
-            rec["ref"] = {"loss": mr["loss_sum"] / max(mr["weight"], 1e-9),
-                          "correct": [int(x) for x in mr["correct"]], "total": [int(x) for x in mr["total"]]}
+            rec["ref"] = {
+                "loss": mr["loss_sum"] / max(mr["weight"], 1e-9),
+                "correct": [int(x) for x in mr["correct"]],
+                "total": [int(x) for x in mr["total"]],
+            }
         log.append(rec)
         if step % 10 == 0 or step == a.steps - 1:
-            print(f"step {step:4d} T={lay.num_tokens:5d}  loss ours {rec['ours']['loss']:.5f} spec "
-                  f"{rec['spec']['loss']:.5f}  |grad| {gn_o:.4f} / {gn_s:.4f}  "
-                  f"({time.time() - t_loop:.0f}s)", flush=True)
+            print(
+                f"step {step:4d} T={lay.num_tokens:5d}  loss ours {rec['ours']['loss']:.5f} spec "
+                f"{rec['spec']['loss']:.5f}  |grad| {gn_o:.4f} / {gn_s:.4f}  "
+                f"({time.time() - t_loop:.0f}s)",
+                flush=True,
+            )
 
     ev1 = evaluate_all(models, core, loss_cfg, val, val_layouts, k, amp, device)
     ok, rows, loss_ok = verdict(ev1, k)
     # parameter drift between the two after identical updates
     sp = dict(spec.named_parameters())
-    drift = max(float((p.detach() - sp[n].detach()).abs().max() / (p.detach().abs().max() + 1e-12))
-                for n, p in ours.named_parameters() if p.requires_grad)
+    drift = max(
+        float((p.detach() - sp[n].detach()).abs().max() / (p.detach().abs().max() + 1e-12))
+        for n, p in ours.named_parameters()
+        if p.requires_grad
+    )
     # how far apart the runs ended relative to how far training moved them (identical math would
     # give ~0; training amplifies rounding differences, see the noise reference)
     dist = {"ours_vs_spec": param_distance(ours, spec, init)}
     if ref is not None:
         dist["ours_vs_ref"] = param_distance(ours, ref, init)
-    last = log[-min(20, len(log)):]
+    last = log[-min(20, len(log)) :]
 
     def window(side):
         c = [sum(r[side]["correct"][d] for r in last) for d in range(k)]
         t = [sum(r[side]["total"][d] for r in last) for d in range(k)]
-        return {"loss": sum(r[side]["loss"] for r in last) / len(last), "acc": [x / y if y else 0.0 for x, y in zip(c, t)]}
+        return {
+            "loss": sum(r[side]["loss"] for r in last) / len(last),
+            "acc": [x / y if y else 0.0 for x, y in zip(c, t)],
+        }
 
     summary = {
-        "bench": "quality", "device": str(device), "torch": torch.__version__,
+        "bench": "quality",
+        "device": str(device),
+        "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-        "settings": vars(a), "speculators_attention": impl, "trainable_parameters": trainable,
+        "settings": vars(a),
+        "speculators_attention": impl,
+        "trainable_parameters": trainable,
         "step0_gradients": grad_check,
         "max_abs_step_loss_diff": max(abs(r["ours"]["loss"] - r["spec"]["loss"]) for r in log),
         "max_rel_param_drift_end": drift,
         "param_distance_over_update_norm": dist,
-        "max_abs_step_loss_diff_ref": max(abs(r["ours"]["loss"] - r["ref"]["loss"]) for r in log) if ref is not None else None,
+        "max_abs_step_loss_diff_ref": max(abs(r["ours"]["loss"] - r["ref"]["loss"]) for r in log)
+        if ref is not None
+        else None,
         "train_last20": {name: window(name) for name in models},
-        "heldout_step0": ev0, "heldout_end": ev1, "per_depth_end": rows,
-        "agree_within_noise": ok, "loss_agrees": loss_ok,
+        "heldout_step0": ev0,
+        "heldout_end": ev1,
+        "per_depth_end": rows,
+        "agree_within_noise": ok,
+        "loss_agrees": loss_ok,
         "seconds": {"total": time.time() - t_start, "ours_steps": time_o, "spec_steps": time_s},
         "log": log,
     }
@@ -408,6 +500,7 @@ def main(argv=None):
 def plot(log, ev, k, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:  # plotting is a convenience; the JSON holds everything
@@ -420,10 +513,17 @@ def plot(log, ev, k, path):
     ax[0].set_xlabel("step")
     ax[0].set_ylabel("train KL loss (same rows, same COD samples)")
     ax[0].legend()
-    ax[1].semilogy(s, [abs(r["ours"]["loss"] - r["spec"]["loss"]) + 1e-12 for r in log], label="|ours - speculators|", lw=1)
+    ax[1].semilogy(
+        s, [abs(r["ours"]["loss"] - r["spec"]["loss"]) + 1e-12 for r in log], label="|ours - speculators|", lw=1
+    )
     if "ref" in log[0]:
-        ax[1].semilogy(s, [abs(r["ours"]["loss"] - r["ref"]["loss"]) + 1e-12 for r in log],
-                       label="|ours - ours(weights x (1+1e-6 N(0,1)))|", lw=1, ls="--")
+        ax[1].semilogy(
+            s,
+            [abs(r["ours"]["loss"] - r["ref"]["loss"]) + 1e-12 for r in log],
+            label="|ours - ours(weights x (1+1e-6 N(0,1)))|",
+            lw=1,
+            ls="--",
+        )
     ax[1].set_xlabel("step")
     ax[1].set_ylabel("|train loss difference|")
     ax[1].legend(fontsize=8)
@@ -443,33 +543,57 @@ def plot(log, ev, k, path):
 def print_table(s, k):
     e = s["heldout_end"]
     has_ref = "ref" in e
-    print("\n== quality at equal work (" + s["device"] + ", " + str(s["settings"]["steps"]) + " steps, speculators attention "
-          + s["speculators_attention"] + ") ==")
+    print(
+        "\n== quality at equal work ("
+        + s["device"]
+        + ", "
+        + str(s["settings"]["steps"])
+        + " steps, speculators attention "
+        + s["speculators_attention"]
+        + ") =="
+    )
     g = s["step0_gradients"]
-    print(f"step-0 gradients (same weights, row, layout): worst relative difference {g['worst_rel']:.2e} ({g['worst_param']})")
+    print(
+        f"step-0 gradients (same weights, row, layout): worst relative difference {g['worst_rel']:.2e} ({g['worst_param']})"
+    )
     first = [abs(r["ours"]["loss"] - r["spec"]["loss"]) for r in s["log"][:20]]
-    line = (f"|train loss diff| ours vs speculators: max {max(first):.2e} over the first 20 steps, "
-            f"{s['max_abs_step_loss_diff']:.2e} over all")
+    line = (
+        f"|train loss diff| ours vs speculators: max {max(first):.2e} over the first 20 steps, "
+        f"{s['max_abs_step_loss_diff']:.2e} over all"
+    )
     if has_ref:
         first_r = [abs(r["ours"]["loss"] - r["ref"]["loss"]) for r in s["log"][:20]]
         line += f"; ours vs noise ref: {max(first_r):.2e} / {s['max_abs_step_loss_diff_ref']:.2e}"
     print(line)
     dist = s["param_distance_over_update_norm"]
-    print("parameters at the end, ||a - b|| / ||ours - init||: ours vs speculators "
-          f"{dist['ours_vs_spec']:.3g}" + (f", ours vs noise ref {dist['ours_vs_ref']:.3g}" if has_ref else ""))
+    print(
+        "parameters at the end, ||a - b|| / ||ours - init||: ours vs speculators "
+        f"{dist['ours_vs_spec']:.3g}" + (f", ours vs noise ref {dist['ours_vs_ref']:.3g}" if has_ref else "")
+    )
     tl = s["train_last20"]
     print("train loss (last 20 steps): " + ", ".join(f"{n} {tl[n]['loss']:.5f}" for n in tl))
-    print("held-out loss: " + ", ".join(f"{n} {e[n]['loss']:.5f}" for n in e) +
-          f"  (step 0: ours {s['heldout_step0']['ours']['loss']:.5f} / speculators {s['heldout_step0']['spec']['loss']:.5f})")
-    hdr = "| depth | n | ours acc | speculators acc | diff | 3 SE |" + (" noise ref acc | ours - ref |" if has_ref else "") + " within noise |"
+    print(
+        "held-out loss: "
+        + ", ".join(f"{n} {e[n]['loss']:.5f}" for n in e)
+        + f"  (step 0: ours {s['heldout_step0']['ours']['loss']:.5f} / speculators {s['heldout_step0']['spec']['loss']:.5f})"
+    )
+    hdr = (
+        "| depth | n | ours acc | speculators acc | diff | 3 SE |"
+        + (" noise ref acc | ours - ref |" if has_ref else "")
+        + " within noise |"
+    )
     print(hdr)
     print("|" + "---:|" * (hdr.count("|") - 2) + ":--:|")
     for r in s["per_depth_end"]:
         extra = f" {r['noise_ref']:.4f} | {r['ref_diff']:+.4f} |" if has_ref else ""
-        print(f"| {r['depth']} | {r['n']} | {r['ours']:.4f} | {r['speculators']:.4f} | {r['diff']:+.4f} | "
-              f"{3 * r['se']:.4f} |{extra} {'yes' if r['within_noise'] else 'NO'} |")
-    print(f"verdict: {'AGREE within noise' if s['agree_within_noise'] else 'DISAGREE'} (|diff| <= 3 SE + 0.005 at "
-          "every depth and held-out loss within 5%)")
+        print(
+            f"| {r['depth']} | {r['n']} | {r['ours']:.4f} | {r['speculators']:.4f} | {r['diff']:+.4f} | "
+            f"{3 * r['se']:.4f} |{extra} {'yes' if r['within_noise'] else 'NO'} |"
+        )
+    print(
+        f"verdict: {'AGREE within noise' if s['agree_within_noise'] else 'DISAGREE'} (|diff| <= 3 SE + 0.005 at "
+        "every depth and held-out loss within 5%)"
+    )
 
 
 if __name__ == "__main__":

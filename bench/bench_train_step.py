@@ -46,13 +46,14 @@ parent creates when the 128K case is done) before its first step, so the two mem
 (72 GB and ~50 GB) never meet. Outputs in --out: bench_train_step.json, bench_train_step.png (peak memory and
 step time vs N), bench_train_step_logs.tgz (per-case logs); the compact table is printed last.
 
-GPU (the lead's run; speculators' wheels installed with --no-deps into /tmp/site; needs the
+GPU (speculators' wheels installed with --no-deps into /tmp/site; needs the
 CUDA build of peagle_ext, e.g. `bash bench/gpu_suite.sh build`):
     pip install --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD python bench/bench_train_step.py --budget-s 160
 CPU smoke test of the harness (tiny shapes; speculators with its sdpa backend + eager loss):
     PYTHONPATH=/tmp/specsite:$PWD python bench/bench_train_step.py --device cpu --tiny --budget-s 300
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,10 +74,34 @@ T0 = float(os.environ.get("BENCH_TRAIN_STEP_T0", time.time()))  # children print
 K8 = 8192
 
 
-def case(name, impl, n, layers=1, max_anchors=None, timeout_s=45, min_s=15, est_s=20, protect=False,
-         bg_ok=False, bg_first=False, note=""):
-    return dict(name=name, impl=impl, n=n, layers=layers, max_anchors=max_anchors, timeout_s=timeout_s,
-                min_s=min_s, est_s=est_s, protect=protect, bg_ok=bg_ok, bg_first=bg_first, note=note)
+def case(
+    name,
+    impl,
+    n,
+    layers=1,
+    max_anchors=None,
+    timeout_s=45,
+    min_s=15,
+    est_s=20,
+    protect=False,
+    bg_ok=False,
+    bg_first=False,
+    note="",
+):
+    return dict(
+        name=name,
+        impl=impl,
+        n=n,
+        layers=layers,
+        max_anchors=max_anchors,
+        timeout_s=timeout_s,
+        min_s=min_s,
+        est_s=est_s,
+        protect=protect,
+        bg_ok=bg_ok,
+        bg_first=bg_first,
+        note=note,
+    )
 
 
 def default_cases():
@@ -90,8 +115,18 @@ def default_cases():
         # room for the protected cases still pending
         case("spec_eager-1L-8K", "spec_eager", 8 * 1024, timeout_s=150, min_s=30),
         case("peagle-1L-32K", "peagle", 32 * 1024, timeout_s=45, est_s=20, protect=True, bg_ok=True),
-        case("peagle-1L-128K-a1024", "peagle", 128 * 1024, max_anchors=1024, timeout_s=50, min_s=20, est_s=28,
-             protect=True, bg_ok=True, bg_first=True),
+        case(
+            "peagle-1L-128K-a1024",
+            "peagle",
+            128 * 1024,
+            max_anchors=1024,
+            timeout_s=50,
+            min_s=20,
+            est_s=28,
+            protect=True,
+            bg_ok=True,
+            bg_first=True,
+        ),
         # ~80 GB peak on an H200 (2026-11-29 run): never beside the background case
         case("plain-1L-4K", "plain", 4 * 1024, timeout_s=40),
         case("peagle-1L-16K", "peagle", 16 * 1024, timeout_s=35, bg_ok=True),
@@ -152,12 +187,14 @@ class GpuLock:
     def __enter__(self):
         if self.f:
             import fcntl
+
             fcntl.flock(self.f, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc):
         if self.f:
             import fcntl
+
             fcntl.flock(self.f, fcntl.LOCK_UN)
 
 
@@ -165,6 +202,7 @@ def child_main(a):
     if a.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(x) for x in a.cpus.split(",")})
     import torch
+
     c = json.loads(a.child)
     res = Result(a.result, c)
     deadline = float(a.deadline)
@@ -176,6 +214,7 @@ def child_main(a):
         # timed step shares the GPU with a measurement and no compile holds the lock.
         try:
             import triton.testing as triton_testing
+
             orig_do_bench = triton_testing.do_bench
 
             def locked_do_bench(fn, *args, **kw):
@@ -183,6 +222,7 @@ def child_main(a):
                 torch.cuda.synchronize()
                 with gpu_lock:
                     return orig_do_bench(fn, *args, **kw)
+
             triton_testing.do_bench = locked_do_bench
             res.d["autotune_lock"] = "installed (triton.testing.do_bench)"
         except Exception as e:  # it then runs unlocked (said in the result)
@@ -202,8 +242,17 @@ def child_main(a):
     state_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if tiny:
         from transformers import Qwen3Config
-        vcfg = Qwen3Config(hidden_size=64, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=1024, rms_norm_eps=1e-6)
+
+        vcfg = Qwen3Config(
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=1024,
+            rms_norm_eps=1e-6,
+        )
         mask_id, real_vocab, doc_len = 1000, 1000, (64, 256)
     else:
         vcfg = TT.qwen3_8b_config()
@@ -211,26 +260,33 @@ def child_main(a):
     k = a.num_depths
     impl = c["impl"]
     from peagle_ext.model import PEagleOptions
-    opts = PEagleOptions(down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=c["max_anchors"],
-                         train_embeddings="all")
+
+    opts = PEagleOptions(
+        down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=c["max_anchors"], train_embeddings="all"
+    )
     cls = plain_model_class() if impl == "plain" else None
-    ours = TT.make_peagle(vcfg, num_layers=c["layers"], num_depths=k, mask_token_id=mask_id, options=opts,
-                         device=dev, cls=cls)
-    ex = TT.synthetic_example(c["n"], hidden=vcfg.hidden_size, vocab=real_vocab, device=dev, dtype=state_dtype,
-                             doc_len=doc_len, seed=1234)
+    ours = TT.make_peagle(
+        vcfg, num_layers=c["layers"], num_depths=k, mask_token_id=mask_id, options=opts, device=dev, cls=cls
+    )
+    ex = TT.synthetic_example(
+        c["n"], hidden=vcfg.hidden_size, vocab=real_vocab, device=dev, dtype=state_dtype, doc_len=doc_len, seed=1234
+    )
     res.d["loss_tokens"] = int(ex.loss_mask.sum())
     res.d["docs"] = int(ex.document_ids.max()) + 1
     # the work floor of this step, from one of OUR layouts of this row (T differs by < 1% from
     # step to step; speculators' own sampler gives a slightly larger T, see "T")
     from peagle_ext.cod import cod_sample
-    fl = step_flops_floor(cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, max_anchors=c["max_anchors"],
-                                       seed=7), vcfg, c["layers"])
+
+    fl = step_flops_floor(
+        cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, max_anchors=c["max_anchors"], seed=7), vcfg, c["layers"]
+    )
     res.d["floor_tflop"] = round(fl["total"] / 1e12, 3)
     res.d["floor_attention_tflop"] = round(fl["attention"] / 1e12, 3)
 
     if impl.startswith("spec"):
-        spec, core = S.make_speculators_twin(ours, attn_impl="sdpa" if dev.type == "cpu" else "simple_flex_attention",
-                                             device=dev)
+        spec, core = S.make_speculators_twin(
+            ours, attn_impl="sdpa" if dev.type == "cpu" else "simple_flex_attention", device=dev
+        )
         del ours
         model = spec
         loss_cfg = S.speculators_loss_config("fused" if dev.type == "cuda" else "eager")
@@ -239,6 +295,7 @@ def child_main(a):
         seen_t = []
         # Python stacks every 15 s: if its first step does not finish, the log says where it is
         import faulthandler
+
         stacks = open(os.path.join(a.logdir, f"{c['name']}.stacks.txt"), "w")
         faulthandler.dump_traceback_later(15, repeat=True, file=stacks)
         if impl == "spec_eager":
@@ -247,11 +304,11 @@ def child_main(a):
             type(spec).forward = fwd_raw
             replay, first = [False], []  # see use_flex("static")
             if dev.type == "cuda":
-                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
                 import speculators.models.attention as spec_attn_mod
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
                 def use_flex(variant):
-                    """"dynamic": flex_attention and create_block_mask compiled with dynamic
+                    """ "dynamic": flex_attention and create_block_mask compiled with dynamic
                     shapes (T changes every step). "static": the fallback if that fails to
                     compile: both compiled for one T, and its sampler replays its own first COD
                     sample on later steps so that T stays fixed (no recompile per step; its
@@ -261,6 +318,7 @@ def child_main(a):
                     spec._create_mask_fn = torch.compile(create_block_mask, dynamic=dyn)
                     res.d["flex_variant"] = variant
                     replay[0] = not dyn
+
                 use_flex("dynamic")
             # record T (number of sampled tokens) from its own sampler, unchanged otherwise
             orig_sampler = core.generate_cod_sample_indices
@@ -273,9 +331,11 @@ def child_main(a):
                     first[:] = [(anchor, depth)]
                 seen_t.append(anchor.shape[0])
                 return anchor, depth
+
             core.generate_cod_sample_indices = recording_sampler
         else:  # spec_compiled
             import logging
+
             torch._logging.set_logs(dynamo=logging.INFO, recompiles=True, graph_breaks=True)
             if a.spec_compile_dynamic == "true":
                 type(spec).forward = torch.compile(fwd_raw, dynamic=True)
@@ -286,19 +346,28 @@ def child_main(a):
             def report_compile_times():
                 try:
                     from torch._dynamo.utils import compile_times
+
                     res.d["compile_times"] = compile_times(repr="str")[:4000]
                     res.write()
                 except Exception as e:  # diagnostics only
                     res.d["compile_times"] = f"unavailable: {e}"
+
             import threading
+
             threading.Timer(max(1.0, deadline - time.time() - 4.0), report_compile_times).start()
 
         def step(i):
             ctx = torch.autocast(dev.type, dtype=amp) if amp else torch.autocast(dev.type, enabled=False)
             opt.zero_grad(set_to_none=True)
             with ctx:
-                _, loss, _m = spec(**batch, loss_config=loss_cfg, max_anchors=c["max_anchors"], num_depths=k,
-                                   down_sample_ratio=0.7, down_sample_ratio_min=0.2)
+                _, loss, _m = spec(
+                    **batch,
+                    loss_config=loss_cfg,
+                    max_anchors=c["max_anchors"],
+                    num_depths=k,
+                    down_sample_ratio=0.7,
+                    down_sample_ratio_min=0.2,
+                )
             loss.backward()
             opt.step()
             return float(loss), (seen_t[-1] if seen_t else None)
@@ -342,8 +411,12 @@ def child_main(a):
         try:
             loss, tt = step(-1 - w)
         except Exception as e:  # a compile failure of the dynamic flex variant: retry once, static
-            if impl != "spec_eager" or dev.type != "cuda" or res.d.get("flex_variant") != "dynamic" \
-                    or isinstance(e, torch.cuda.OutOfMemoryError):
+            if (
+                impl != "spec_eager"
+                or dev.type != "cuda"
+                or res.d.get("flex_variant") != "dynamic"
+                or isinstance(e, torch.cuda.OutOfMemoryError)
+            ):
                 raise
             res.event("dynamic flex variant failed, retrying static", error=repr(e)[:800])
             torch._dynamo.reset()  # drop whatever the failed attempt cached on flex_attention's code
@@ -355,8 +428,13 @@ def child_main(a):
         warm.append(time.perf_counter() - t)
         if w == 1:
             gpu_lock.__exit__()
-        res.event(f"warmup{w}", warmup_s=[round(x, 3) for x in warm], T=tt, loss=round(loss, 4),
-                  peak_first_gb=mem_gb(torch.cuda.max_memory_allocated))
+        res.event(
+            f"warmup{w}",
+            warmup_s=[round(x, 3) for x in warm],
+            T=tt,
+            loss=round(loss, 4),
+            peak_first_gb=mem_gb(torch.cuda.max_memory_allocated),
+        )
         if warm[-1] < 5.0 or time.time() + warm[-1] * 2 > deadline:
             break
     if dev.type == "cuda":
@@ -373,10 +451,17 @@ def child_main(a):
             times.append(time.perf_counter() - t)
         ts.append(tt)
         srt = sorted(times)
-        res.event(f"step{len(times)}", step_s=[round(x, 4) for x in times], median_s=round(srt[len(srt) // 2], 4),
-                  T=tt, Ts=ts, loss=round(loss, 4), peak_gb=mem_gb(torch.cuda.max_memory_allocated),
-                  reserved_gb=mem_gb(torch.cuda.max_memory_reserved),
-                  rest_gb=mem_gb(torch.cuda.memory_allocated))
+        res.event(
+            f"step{len(times)}",
+            step_s=[round(x, 4) for x in times],
+            median_s=round(srt[len(srt) // 2], 4),
+            T=tt,
+            Ts=ts,
+            loss=round(loss, 4),
+            peak_gb=mem_gb(torch.cuda.max_memory_allocated),
+            reserved_gb=mem_gb(torch.cuda.max_memory_reserved),
+            rest_gb=mem_gb(torch.cuda.memory_allocated),
+        )
     res.d["status"] = "ok" if times else "no timed step"
     res.write()
     os._exit(0)  # skip interpreter teardown (and any leftover compile workers)
@@ -393,10 +478,28 @@ class Running:
         self.path = os.path.join(logdir, f"{c['name']}.json")
         if os.path.exists(self.path):
             os.remove(self.path)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(c), "--result", self.path,
-               "--deadline", str(time.time() + timeout - 2.0), "--device", a.device,
-               "--steps", str(c.get("steps") or a.steps), "--num-depths", str(a.num_depths), "--logdir", logdir,
-               "--spec-compile-dynamic", a.spec_compile_dynamic, "--gpu-lock", os.path.join(logdir, "gpu.lock")]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            json.dumps(c),
+            "--result",
+            self.path,
+            "--deadline",
+            str(time.time() + timeout - 2.0),
+            "--device",
+            a.device,
+            "--steps",
+            str(c.get("steps") or a.steps),
+            "--num-depths",
+            str(a.num_depths),
+            "--logdir",
+            logdir,
+            "--spec-compile-dynamic",
+            a.spec_compile_dynamic,
+            "--gpu-lock",
+            os.path.join(logdir, "gpu.lock"),
+        ]
         if cpus:
             cmd += ["--cpus", ",".join(str(x) for x in sorted(cpus))]
         if a.tiny:
@@ -460,8 +563,14 @@ class Running:
         r["wall_s"] = round(time.time() - self.t0, 1)
         if c["impl"] == "spec_compiled":
             # the frame-by-frame compile timeline (dynamo INFO lines carry wall-clock stamps)
-            keys = ("torchdynamo start tracing", "done compiler function", "Recompiling function",
-                    "Graph break in user code", "Skipping the frame", "size mismatch")
+            keys = (
+                "torchdynamo start tracing",
+                "done compiler function",
+                "Recompiling function",
+                "Graph break in user code",
+                "Skipping the frame",
+                "size mismatch",
+            )
             with open(logpath, errors="replace") as f:
                 r["compile_log"] = [ln.rstrip()[:240] for ln in f if any(k in ln for k in keys)][:150]
         return r
@@ -482,13 +591,19 @@ def write_outputs(a, results, logdir):
     out = a.out
     os.makedirs(out, exist_ok=True)
     res = [summarize(r) for r in results]
-    meta = {"bench": "train_step", "budget_s": a.budget_s, "elapsed_s": round(time.time() - T0, 1),
-            "device": a.device, "tiny": a.tiny, "num_depths": a.num_depths,
-            "drafter": "Qwen3-8B-shaped: hidden 4096, 32/8 heads x 128, intermediate 12288, vocab 151936 "
-                       "(draft vocab = full vocab), 3 aux layers, K=8, r=0.7, r_min=0.2; fp32 weights + bf16 "
-                       "autocast; AdamW",
-            "gpu": next((r.get("gpu") for r in res if r.get("gpu")), None),
-            "torch": next((r.get("torch") for r in res if r.get("torch")), None)}
+    meta = {
+        "bench": "train_step",
+        "budget_s": a.budget_s,
+        "elapsed_s": round(time.time() - T0, 1),
+        "device": a.device,
+        "tiny": a.tiny,
+        "num_depths": a.num_depths,
+        "drafter": "Qwen3-8B-shaped: hidden 4096, 32/8 heads x 128, intermediate 12288, vocab 151936 "
+        "(draft vocab = full vocab), 3 aux layers, K=8, r=0.7, r_min=0.2; fp32 weights + bf16 "
+        "autocast; AdamW",
+        "gpu": next((r.get("gpu") for r in res if r.get("gpu")), None),
+        "torch": next((r.get("torch") for r in res if r.get("torch")), None),
+    }
     with open(os.path.join(out, "bench_train_step.json"), "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1)
     try:
@@ -498,6 +613,7 @@ def write_outputs(a, results, logdir):
     # logs as one archive (the device returns few files)
     try:
         import tarfile
+
         with tarfile.open(os.path.join(out, "bench_train_step_logs.tgz"), "w:gz") as t:
             t.add(logdir, arcname="logs")
     except Exception as e:
@@ -507,8 +623,10 @@ def write_outputs(a, results, logdir):
 
 def plot(res, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {}
     for r in res:
@@ -539,28 +657,38 @@ def plot(res, path):
 
 
 def print_table(meta, res):
-    print(f"\n== train step: {meta['gpu'] or meta['device']}, torch {meta['torch']}, {meta['elapsed_s']}s of "
-          f"{meta['budget_s']}s budget ==")
+    print(
+        f"\n== train step: {meta['gpu'] or meta['device']}, torch {meta['torch']}, {meta['elapsed_s']}s of "
+        f"{meta['budget_s']}s budget =="
+    )
     print(meta["drafter"])
-    print("floor TF/s = the step's unavoidable matmul FLOPs (step_flops_floor) / step "
-          "time; H200 dense bf16 peak is ~989 TF/s")
-    print("| case | N | T | step ms (median) | min ms | tokens/s | floor TF/s | peak GB | at rest GB | first step s | status |")
+    print(
+        "floor TF/s = the step's unavoidable matmul FLOPs (step_flops_floor) / step "
+        "time; H200 dense bf16 peak is ~989 TF/s"
+    )
+    print(
+        "| case | N | T | step ms (median) | min ms | tokens/s | floor TF/s | peak GB | at rest GB | first step s | status |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in res:
         med = r.get("median_s")
         warm = r.get("warmup_s")
         note = " (beside bg)" if r.get("beside_background") else ""
-        print(f"| {r['name']}{note} | {r['n']} | {r.get('T') or '-'} | {med * 1e3:.0f} | {min(r['step_s']) * 1e3:.0f} | "
-              f"{r['tokens_per_s']} | {r.get('floor_tflops_per_s')} | {r.get('peak_gb', '-')} | {r.get('rest_gb', '-')} | "
-              f"{warm[0] if warm else '-'} | {r.get('status')} |"
-              if med else
-              f"| {r['name']}{note} | {r['n']} | {r.get('T') or '-'} | - | - | - | - | {r.get('peak_first_gb', '-')} | - | "
-              f"{warm[0] if warm else '-'} | {r.get('status')} |")
+        print(
+            f"| {r['name']}{note} | {r['n']} | {r.get('T') or '-'} | {med * 1e3:.0f} | {min(r['step_s']) * 1e3:.0f} | "
+            f"{r['tokens_per_s']} | {r.get('floor_tflops_per_s')} | {r.get('peak_gb', '-')} | {r.get('rest_gb', '-')} | "
+            f"{warm[0] if warm else '-'} | {r.get('status')} |"
+            if med
+            else f"| {r['name']}{note} | {r['n']} | {r.get('T') or '-'} | - | - | - | - | {r.get('peak_first_gb', '-')} | - | "
+            f"{warm[0] if warm else '-'} | {r.get('status')} |"
+        )
     by = {r["name"]: r for r in res}
     o, s = by.get("peagle-1L-8K"), by.get("spec_eager-1L-8K")
     if o and s and o.get("median_s") and s.get("median_s"):
-        print(f"8K uncapped, 1 layer: peak memory ours/speculators = {o['peak_gb'] / s['peak_gb']:.3f} (target <= 1/3), "
-              f"step time ours/speculators = {o['median_s'] / s['median_s']:.3f} (target <= 1/2)")
+        print(
+            f"8K uncapped, 1 layer: peak memory ours/speculators = {o['peak_gb'] / s['peak_gb']:.3f} (target <= 1/3), "
+            f"step time ours/speculators = {o['median_s'] / s['median_s']:.3f} (target <= 1/2)"
+        )
 
 
 def parent_main(a):
@@ -568,8 +696,9 @@ def parent_main(a):
     if a.cases:
         want = a.cases.split(",")
         names = {x["name"] for x in cases}
-        cases = [c for c in cases if c["name"] in want] + \
-                [c for w in want if w not in names for c in [parse_case(w)] if c]
+        cases = [c for c in cases if c["name"] in want] + [
+            c for w in want if w not in names for c in [parse_case(w)] if c
+        ]
     # per-case logs live outside --out (the GPU device returns only a few files from $OUT); they
     # travel as one archive, bench_train_step_logs.tgz
     logdir = a.logdir or os.path.join("/tmp", f"bench_train_step_logs_{os.getpid()}")
@@ -596,8 +725,7 @@ def parent_main(a):
         gate = os.path.join(logdir, "background.gate")
         if os.path.exists(gate):
             os.remove(gate)
-        env = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, len(high_cpus or allowed))),
-               "BENCH_TRAIN_STEP_GATE": gate}
+        env = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, len(high_cpus or allowed))), "BENCH_TRAIN_STEP_GATE": gate}
         if not big:
             open(gate, "w").close()
         first_spec = {**first_spec, "background": True}
@@ -615,7 +743,9 @@ def parent_main(a):
             break
         idx = 0 if not bg_alive else next((i for i, c in enumerate(queue) if c.get("bg_ok")), None)
         if idx is None:
-            print(f"[{time.time() - T0:6.1f}s] waiting for {bg.c['name']} (the next cases need the whole GPU)", flush=True)
+            print(
+                f"[{time.time() - T0:6.1f}s] waiting for {bg.c['name']} (the next cases need the whole GPU)", flush=True
+            )
             results.append(bg.wait(until=deadline))
             continue
         c = queue.pop(idx)
@@ -630,8 +760,11 @@ def parent_main(a):
             # keep room for the protected cases still pending (the 32K and 128K claims)
             keep = sum(x["est_s"] for x in queue if x.get("protect"))
             timeout = max(min(c["min_s"], left), min(timeout, left - keep))
-        print(f"[{time.time() - T0:6.1f}s] -> {c['name']} (timeout {timeout:.0f}s, {left:.0f}s left"
-              f"{', beside ' + bg.c['name'] if bg_alive else ''})", flush=True)
+        print(
+            f"[{time.time() - T0:6.1f}s] -> {c['name']} (timeout {timeout:.0f}s, {left:.0f}s left"
+            f"{', beside ' + bg.c['name'] if bg_alive else ''})",
+            flush=True,
+        )
         r = Running(a, c, timeout, logdir, cpus=low_cpus if bg_alive else None).wait()
         if bg_alive:
             r["beside_background"] = bg.c["name"] if bg.alive() else f"{bg.c['name']} (ended during this case)"
@@ -655,8 +788,14 @@ def write_outputs_quiet(a, results, logdir):
     """Partial JSON after every case, so a killed parent still leaves results behind."""
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_train_step.json"), "w") as f:
-        json.dump({"meta": {"partial": True, "elapsed_s": round(time.time() - T0, 1)},
-                   "results": [summarize(r) for r in results]}, f, indent=1)
+        json.dump(
+            {
+                "meta": {"partial": True, "elapsed_s": round(time.time() - T0, 1)},
+                "results": [summarize(r) for r in results],
+            },
+            f,
+            indent=1,
+        )
 
 
 def parse_case(spec):
@@ -679,11 +818,19 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps per case (fewer when its time runs out)")
     p.add_argument("--num-depths", type=int, default=8)
     p.add_argument("--cases", default="", help="comma list of case names (or impl:N[:layers[:anchors]])")
-    p.add_argument("--spec-compile-dynamic", default="true", choices=["true", "none"],
-                   help="spec_compiled: torch.compile(forward, dynamic=True), or 'none' = its own wrapper")
+    p.add_argument(
+        "--spec-compile-dynamic",
+        default="true",
+        choices=["true", "none"],
+        help="spec_compiled: torch.compile(forward, dynamic=True), or 'none' = its own wrapper",
+    )
     p.add_argument("--timeout-scale", type=float, default=1.0, help="(tiny) multiply case timeouts")
-    p.add_argument("--no-background", dest="background", action="store_false",
-                   help="run speculators' 8K case in the foreground, in priority order")
+    p.add_argument(
+        "--no-background",
+        dest="background",
+        action="store_false",
+        help="run speculators' 8K case in the foreground, in priority order",
+    )
     p.add_argument("--background-anyway", action="store_true", help="(testing) background mode on CPU / --tiny")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
@@ -698,7 +845,7 @@ def main(argv=None):
     if a.child:
         return child_main(a)
     if a.list:
-        for c in (tiny_cases() if a.tiny else default_cases()):
+        for c in tiny_cases() if a.tiny else default_cases():
             print(c)
         return 0
     return parent_main(a)
@@ -717,7 +864,9 @@ def step_flops_floor(layout, cfg, num_layers: int) -> dict:
                     verifier logits at the N unique positions            2 * N * H * V
     Returns {"total": flops, "attention": ..., "pairs": ...} (floats)."""
     import torch as _t
+
     from peagle_ext.reference import document_starts
+
     h = cfg.hidden_size
     i_sz = cfg.intermediate_size
     hq = cfg.num_attention_heads
@@ -740,8 +889,12 @@ def step_flops_floor(layout, cfg, num_layers: int) -> dict:
     f_deep = 6.0 * t * h * (hq + 2 * hkv) * d * max(0, num_layers - 1)
     f_attn = 3.5 * 4.0 * d * hq * pairs * num_layers
     f_heads = 4.0 * t * h * v + 2.0 * n * h * v
-    return {"total": f_fc + f_l0 + f_post + f_deep + f_attn + f_heads, "attention": f_attn, "pairs": pairs,
-            "heads": f_heads}
+    return {
+        "total": f_fc + f_l0 + f_post + f_deep + f_attn + f_heads,
+        "attention": f_attn,
+        "pairs": pairs,
+        "heads": f_heads,
+    }
 
 
 if __name__ == "__main__":

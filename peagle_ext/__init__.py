@@ -12,6 +12,7 @@
 - `eval`: `peagle eval`'s measurements; `cli`: the `peagle` command.
 - `testing`: tiny random verifiers and synthetic data for tests and benchmarks.
 """
+
 import importlib
 
 from ._native import build_info, has_cuda_kernels  # noqa: F401
@@ -19,8 +20,22 @@ from .ops.cod import CodLayout, cod_sample  # noqa: F401
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"ops", "cod", "reference", "attention", "loss", "model", "data", "train", "serving", "vllm", "eval",
-               "cli", "testing", "integrations"}
+_SUBMODULES = {
+    "ops",
+    "cod",
+    "reference",
+    "attention",
+    "loss",
+    "model",
+    "data",
+    "train",
+    "serving",
+    "vllm",
+    "eval",
+    "cli",
+    "testing",
+    "integrations",
+}
 
 
 def __getattr__(name):

@@ -1,4 +1,5 @@
 """Argument checks shared by the Python wrappers: every message names the argument."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ The guard compares the torch this process imports with the torch the extension w
 against (written to _build_info.json by CMake), because a mismatch otherwise surfaces as an
 "undefined symbol" trace from the dynamic loader.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,8 @@ def _load():
         if built.get("torch_version") != torch.__version__:
             raise ImportError(
                 f"peagle_ext was built against torch {built.get('torch_version')} but this process "
-                f"imports torch {torch.__version__}; the compiled ops are not ABI compatible. {_REBUILD}")
+                f"imports torch {torch.__version__}; the compiled ops are not ABI compatible. {_REBUILD}"
+            )
     try:
         from . import _C  # noqa: F401  (registers torch.ops.peagle.*)
     except ImportError as e:
@@ -31,7 +33,8 @@ def _load():
             raise ImportError(f"peagle_ext's native module is not built ({e}). {_REBUILD}") from e
         raise ImportError(
             f"peagle_ext's native module failed to load ({e}); it was built against torch "
-            f"{built.get('torch_version')}, this is torch {torch.__version__}. {_REBUILD}") from e
+            f"{built.get('torch_version')}, this is torch {torch.__version__}. {_REBUILD}"
+        ) from e
     return _C
 
 

@@ -1,4 +1,4 @@
-"""Speculative-decoding evaluation of a P-EAGLE drafter (docs/design.md, "Evaluation"); the
+"""Speculative-decoding evaluation of a P-EAGLE drafter (docs/design.md section 7); the
 `peagle eval` command line is peagle_ext/cli/eval.py.
 
 For every prompt: the verifier's own greedy decoding (the baseline, timed) and greedy
@@ -12,6 +12,7 @@ message "Complete the following Python function" + the code, or a JSONL), every 
 with the verifier tokenizer's chat template (add_generation_prompt=True); a tokenizer without a
 template gets the user text as is.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ import torch
 
 from .data import load_eval_prompts
 from .model import PEagleDraftModel
-from .serving import (GreedyResult, PEagleDrafter, SpecResult, Verifier, acceptance_stats, first_mismatch,
-                      greedy_generate, speculative_generate)
+from .serving import (
+    GreedyResult,
+    PEagleDrafter,
+    SpecResult,
+    Verifier,
+    acceptance_stats,
+    first_mismatch,
+    greedy_generate,
+    speculative_generate,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,8 +56,10 @@ def load_drafter(path, verifier: Verifier, *, dtype: torch.dtype | None = None) 
     model = PEagleDraftModel.from_pretrained(d)
     cfg = model.config
     if cfg.hidden_size != verifier.hidden_size:
-        raise ValueError(f"drafter {d} has hidden_size {cfg.hidden_size}, the verifier {verifier.hidden_size}: "
-                         "it was trained for another verifier")
+        raise ValueError(
+            f"drafter {d} has hidden_size {cfg.hidden_size}, the verifier {verifier.hidden_size}: "
+            "it was trained for another verifier"
+        )
     ids = cfg.eagle_aux_hidden_state_layer_ids or []
     if not ids or max(ids) > verifier.num_layers:
         raise ValueError(f"drafter {d} reads verifier aux layers {ids}, the verifier has {verifier.num_layers} layers")
@@ -121,10 +132,20 @@ def summarize_k(k: int, prompt_ids: list[str], spec: list[SpecResult], base: lis
     prompts = []
     for pid, r, b in zip(prompt_ids, spec, base):
         mm = first_mismatch(r.tokens, b.tokens)
-        prompts.append({"id": pid, "prompt_tokens": r.prompt_tokens, "tokens_generated": len(r.tokens),
-                        "rounds": r.rounds, "acceptance_length": r.acceptance_length if r.rounds else None,
-                        "lossless": mm is None, "first_mismatch": mm, "wall_s": r.wall_s,
-                        "baseline_wall_s": b.wall_s, "accepted_per_round": list(r.accepted)})
+        prompts.append(
+            {
+                "id": pid,
+                "prompt_tokens": r.prompt_tokens,
+                "tokens_generated": len(r.tokens),
+                "rounds": r.rounds,
+                "acceptance_length": r.acceptance_length if r.rounds else None,
+                "lossless": mm is None,
+                "first_mismatch": mm,
+                "wall_s": r.wall_s,
+                "baseline_wall_s": b.wall_s,
+                "accepted_per_round": list(r.accepted),
+            }
+        )
     return {
         "num_spec_tokens": k,
         "acceptance_length": st["acceptance_length"],
@@ -141,9 +162,18 @@ def summarize_k(k: int, prompt_ids: list[str], spec: list[SpecResult], base: lis
     }
 
 
-def evaluate(verifier: Verifier, drafter, prompts: list[tuple[str, list[int]]], *, num_spec_tokens: int,
-             max_new_tokens: int, k_sweep: list[int] | None = None, eos_token_id=None, warmup: bool = True,
-             log=None) -> dict:
+def evaluate(
+    verifier: Verifier,
+    drafter,
+    prompts: list[tuple[str, list[int]]],
+    *,
+    num_spec_tokens: int,
+    max_new_tokens: int,
+    k_sweep: list[int] | None = None,
+    eos_token_id=None,
+    warmup: bool = True,
+    log=None,
+) -> dict:
     """Baseline + speculative decoding of every prompt; the JSON report (without run metadata).
 
     The main K runs interleaved with the baseline prompt by prompt (so machine-load drift hits
@@ -166,9 +196,11 @@ def evaluate(verifier: Verifier, drafter, prompts: list[tuple[str, list[int]]], 
         s = speculative_generate(verifier, drafter, toks, num_spec_tokens, max_new_tokens, eos_token_id=eos_token_id)
         base.append(b)
         main.append(s)
-        say(f"[{i + 1}/{len(prompts)}] {pid}: {len(s.tokens)} tokens, {s.rounds} rounds, acceptance "
+        say(
+            f"[{i + 1}/{len(prompts)}] {pid}: {len(s.tokens)} tokens, {s.rounds} rounds, acceptance "
             f"{s.acceptance_length:.2f}, {'lossless' if s.tokens == b.tokens else 'MISMATCH'}, "
-            f"{fmt(_rate(len(s.tokens), s.wall_s))} vs {fmt(_rate(len(b.tokens), b.wall_s))} tok/s")
+            f"{fmt(_rate(len(s.tokens), s.wall_s))} vs {fmt(_rate(len(b.tokens), b.wall_s))} tok/s"
+        )
     report = summarize_k(num_spec_tokens, ids, main, base)
     if ks:
         sweep = []
@@ -176,11 +208,15 @@ def evaluate(verifier: Verifier, drafter, prompts: list[tuple[str, list[int]]], 
             if k == num_spec_tokens:
                 r = report
             else:
-                spec = [speculative_generate(verifier, drafter, t, k, max_new_tokens, eos_token_id=eos_token_id)
-                        for _, t in prompts]
+                spec = [
+                    speculative_generate(verifier, drafter, t, k, max_new_tokens, eos_token_id=eos_token_id)
+                    for _, t in prompts
+                ]
                 r = summarize_k(k, ids, spec, base)
-            say(f"K={k}: acceptance length {r['acceptance_length']:.3f}, {fmt(r['tokens_per_s'])} tok/s "
-                f"(x{fmt(r['speedup'], 2)}), lossless {r['num_lossless']}/{len(prompts)}")
+            say(
+                f"K={k}: acceptance length {r['acceptance_length']:.3f}, {fmt(r['tokens_per_s'])} tok/s "
+                f"(x{fmt(r['speedup'], 2)}), lossless {r['num_lossless']}/{len(prompts)}"
+            )
             sweep.append({key: v for key, v in r.items() if key != "prompts"})
         report["k_sweep"] = sweep
     return report
@@ -193,8 +229,10 @@ def fmt(x, nd=1):
 def plot_k_sweep(sweep: list[dict], path, title: str = "") -> Path:
     """PNG of acceptance length vs K (left axis) and speed-up vs plain greedy (right axis)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     ks = [r["num_spec_tokens"] for r in sweep]
     al = [r["acceptance_length"] for r in sweep]
     fig, ax = plt.subplots(figsize=(6, 4))

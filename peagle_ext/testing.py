@@ -8,6 +8,7 @@ benchmarks and the examples run on (no model hub, no download).
 - `random_documents`, `garbage_layout`, `random_draft_batch`: random and adversarial op inputs
   (packed documents, layouts that break every content rule, vLLM-shaped verifier batches).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,17 +18,21 @@ from pathlib import Path
 import torch
 
 from .data import TrainingExample
-from .ops.cod import CodLayout
 from .model import PEagleDraftModel
+from .ops.cod import CodLayout
 
-WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from "
-         "or had by hot word but what some we can out other were all there when up use your how said an each "
-         "she which do their time if will way about many then them write would like so these her long make "
-         "thing see him two has look more day could go come did number sound no most people my over know "
-         "water than call first who may down side been now find").split()
+WORDS = (
+    "the a of to and in is it you that he was for on are with as I his they be at one have this from "
+    "or had by hot word but what some we can out other were all there when up use your how said an each "
+    "she which do their time if will way about many then them write would like so these her long make "
+    "thing see him two has look more day could go come did number sound no most people my over know "
+    "water than call first who may down side been now find"
+).split()
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -44,35 +49,61 @@ def sentence(rng: random.Random, n: int) -> str:
 def make_tokenizer(directory: Path, *, vocab_size: int = 300, chat_template: bool = True):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     rng = random.Random(0)
     corpus = [sentence(rng, 12) for _ in range(400)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast
 
 
-def make_tiny_verifier(directory, *, hidden: int = 64, layers: int = 6, heads: int = 2, kv_heads: int = 1,
-                       vocab_size: int = 300, model_type: str = "llama", chat_template: bool = True,
-                       seed: int = 0) -> Path:
+def make_tiny_verifier(
+    directory,
+    *,
+    hidden: int = 64,
+    layers: int = 6,
+    heads: int = 2,
+    kv_heads: int = 1,
+    vocab_size: int = 300,
+    model_type: str = "llama",
+    chat_template: bool = True,
+    seed: int = 0,
+) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(d, vocab_size=min(vocab_size, 300), chat_template=chat_template)
     cls = LlamaConfig if model_type == "llama" else Qwen3Config
-    cfg = cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-              max_position_embeddings=1024, tie_word_embeddings=False,
-              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    cfg = cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(d)
@@ -96,35 +127,68 @@ def qwen3_8b_config(vocab_size: int = 151_936):
     """Qwen3-8B's shape (the drafter mirrors it): hidden 4096, 32/8 heads, head dim 128,
     intermediate 12288, 36 layers (aux layers 2, 18, 33), rope theta 1e6."""
     from transformers import Qwen3Config
-    return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       vocab_size=vocab_size, rms_norm_eps=1e-6, max_position_embeddings=131072,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+
+    return Qwen3Config(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=vocab_size,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
 
 
-def make_peagle(verifier_config, *, num_layers: int, num_depths: int, mask_token_id: int,
-                options=None, device="cpu", seed: int = 0, cls=None):
+def make_peagle(
+    verifier_config,
+    *,
+    num_layers: int,
+    num_depths: int,
+    mask_token_id: int,
+    options=None,
+    device="cpu",
+    seed: int = 0,
+    cls=None,
+):
     """A drafter with random weights and a random verifier head (norm weight near 1, head rows
     of the verifier's scale), built directly on `device` (no 2B-parameter CPU init on GPU runs)."""
     cls = cls or PEagleDraftModel
     torch.manual_seed(seed)
     with torch.device(device):
-        m = cls.from_verifier(verifier_config, num_layers=num_layers, num_depths=num_depths,
-                              mask_token_id=mask_token_id, options=options,
-                              verifier_name_or_path="synthetic/qwen3-shaped")
+        m = cls.from_verifier(
+            verifier_config,
+            num_layers=num_layers,
+            num_depths=num_depths,
+            mask_token_id=mask_token_id,
+            options=options,
+            verifier_name_or_path="synthetic/qwen3-shaped",
+        )
     m = m.to(device)
     h = verifier_config.hidden_size
     v = verifier_config.vocab_size
     g = torch.Generator(device=device).manual_seed(seed + 1)
     norm_w = torch.rand(h, generator=g, device=device) + 0.5
-    head_w = torch.randn(v, h, generator=g, device=device) * (1.0 / h ** 0.5) * 4.0
+    head_w = torch.randn(v, h, generator=g, device=device) * (1.0 / h**0.5) * 4.0
     m.attach_verifier(norm_weight=norm_w, lm_head_weight=head_w, init_from_verifier=True)
     return m
 
 
-def synthetic_example(n: int, *, hidden: int, n_aux: int = 3, vocab: int, device="cpu",
-                      dtype=torch.bfloat16, doc_len=(512, 2048), prompt_frac=(0.1, 0.4), seed: int = 0,
-                      avoid_id: int | None = None):
+def synthetic_example(
+    n: int,
+    *,
+    hidden: int,
+    n_aux: int = 3,
+    vocab: int,
+    device="cpu",
+    dtype=torch.bfloat16,
+    doc_len=(512, 2048),
+    prompt_frac=(0.1, 0.4),
+    seed: int = 0,
+    avoid_id: int | None = None,
+):
     """A packed row of length n: documents of random length in doc_len, each a prompt part
     (loss 0) then an answer part (loss 1), with the EAGLE-shift padding (document id -1) at each
     document's last position and at the row's tail. Verifier states ~ N(0, 1) in `dtype`."""
@@ -138,9 +202,9 @@ def synthetic_example(n: int, *, hidden: int, n_aux: int = 3, vocab: int, device
         ln = min(ln, n - p)
         if ln < 8:
             break
-        doc[p:p + ln - 1] = k  # last position: no partner after the shift -> padding
+        doc[p : p + ln - 1] = k  # last position: no partner after the shift -> padding
         pf = float(torch.empty(1).uniform_(*prompt_frac, generator=g))
-        lm[p + int(ln * pf):p + ln - 1] = True
+        lm[p + int(ln * pf) : p + ln - 1] = True
         p += ln
         k += 1
     ids = torch.randint(0, vocab, (n,), generator=g)
@@ -152,19 +216,19 @@ def synthetic_example(n: int, *, hidden: int, n_aux: int = 3, vocab: int, device
     valid = (doc >= 0).to(device)
     hid = hid * valid[:, None]
     last = last * valid[:, None]
-    return TrainingExample(input_ids=ids.to(device), document_ids=doc.to(device), loss_mask=lm.to(device),
-                           hidden=hid, last_hidden=last)
+    return TrainingExample(
+        input_ids=ids.to(device), document_ids=doc.to(device), loss_mask=lm.to(device), hidden=hid, last_hidden=last
+    )
 
 
-def random_documents(n: int, g: torch.Generator, *, max_doc_len: int = 200, pad_tail: int = 0,
-                     p_loss: float = 0.7):
+def random_documents(n: int, g: torch.Generator, *, max_doc_len: int = 200, pad_tail: int = 0, p_loss: float = 0.7):
     """Random packed sequence: documents of random length, trailing padding, random loss mask."""
     doc = torch.empty(n, dtype=torch.int32)
     pos, k = 0, 0
     while pos < n - pad_tail:
         ln = int(torch.randint(1, max_doc_len + 1, (1,), generator=g))
         ln = min(ln, n - pad_tail - pos)
-        doc[pos:pos + ln] = k
+        doc[pos : pos + ln] = k
         pos += ln
         k += 1
     doc[pos:] = -1
@@ -192,9 +256,24 @@ def uniform_int(g, lo, hi):
     return int(torch.randint(lo, hi + 1, (1,), generator=g))
 
 
-def random_draft_batch(g, *, B, K, H, dtype=torch.float32, prefill_frac=0.3, max_prefill=40, general=False,
-               near_max=False, with_rejected=True, block_size=None, max_model_len=None, extra_rows=0,
-               extra_blocks=0, device="cpu"):
+def random_draft_batch(
+    g,
+    *,
+    B,
+    K,
+    H,
+    dtype=torch.float32,
+    prefill_frac=0.3,
+    max_prefill=40,
+    general=False,
+    near_max=False,
+    with_rejected=True,
+    block_size=None,
+    max_model_len=None,
+    extra_rows=0,
+    extra_blocks=0,
+    device="cpu",
+):
     """A verifier batch as vLLM hands it to the proposer (padded drafter batch).
 
     Decode requests have K+1 tokens (K previous drafts + the verified token) and reject 0..K of
@@ -238,6 +317,10 @@ def random_draft_batch(g, *, B, K, H, dtype=torch.float32, prefill_frac=0.3, max
         block_table=torch.randint(0, 5000, (B + extra_rows, blocks_per_req), generator=g, dtype=torch.int32),
     )
     args = {k: v.to(device) for k, v in args.items()}
-    kw = dict(num_spec_tokens=K, mask_token_id=uniform_int(g, 32000, 32100), block_size=block_size,
-              max_model_len=max_model_len)
+    kw = dict(
+        num_spec_tokens=K,
+        mask_token_id=uniform_int(g, 32000, 32100),
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )
     return args, kw

@@ -8,7 +8,9 @@ import torch
 @pytest.fixture
 def rng():
     """A fresh generator per test, seeded from the test's name unless PEAGLE_TEST_SEED is set."""
-    seed = int(os.environ.get("PEAGLE_TEST_SEED", "0")) or zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").encode())
+    seed = int(os.environ.get("PEAGLE_TEST_SEED", "0")) or zlib.crc32(
+        os.environ.get("PYTEST_CURRENT_TEST", "").encode()
+    )
     return torch.Generator().manual_seed(seed)
 
 
@@ -26,6 +28,7 @@ def one_thread():
 def tiny(tmp_path_factory):
     """A tiny random Llama verifier directory and a small chat JSONL: (verifier_dir, data_path)."""
     from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+
     d = tmp_path_factory.mktemp("tiny")
     v = make_tiny_verifier(d / "verifier")
     data = make_chat_jsonl(d / "chat.jsonl", n=14, turns=1, words=(4, 12))

@@ -1,4 +1,5 @@
 """Helpers shared by the tests (fixtures are in conftest.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,14 +31,21 @@ def devices():
     return ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 
-
-
 def run_cli(args, timeout=120):
     """`python -m peagle_ext.cli ARGS` in a subprocess from the repo root (one OpenMP thread)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "peagle_ext.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "peagle_ext.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(ROOT),
+    )
 
 
 def mask_from_metadata(lay, meta, cross):
@@ -59,7 +67,7 @@ def mask_from_metadata(lay, meta, cross):
             if c >= 0:
                 cnt[i, n + c] += 1
     if not cross:  # fold the symmetric depth-0 range keys onto their layout rows
-        cnt[:, n:2 * n] += cnt[:, :n]
+        cnt[:, n : 2 * n] += cnt[:, :n]
         cnt = cnt[:, n:]
     return cnt
 
@@ -74,9 +82,19 @@ def expected_size(num_seeds: int, d: int, r: float, r_min: float) -> int:
     return int(math.floor(max(0, num_seeds - d) * max(math.pow(r, d), r_min)))
 
 
-def check_layout_rules(layout: CodLayout, doc, lm, *, num_depths=8, down_sample_ratio=0.7,
-                       down_sample_ratio_min=0.2, max_anchors=None, depth0="all", seed=None):
-    """The rules of DESIGN.md section 2, checked from the layout alone (no reference draw)."""
+def check_layout_rules(
+    layout: CodLayout,
+    doc,
+    lm,
+    *,
+    num_depths=8,
+    down_sample_ratio=0.7,
+    down_sample_ratio_min=0.2,
+    max_anchors=None,
+    depth0="all",
+    seed=None,
+):
+    """The rules of docs/design.md section 2, checked from the layout alone (no reference draw)."""
     doc_l, lm_l = doc.tolist(), lm.bool().tolist()
     n = len(doc_l)
     anchor, depth = layout.anchor.cpu().tolist(), layout.depth.cpu().tolist()
@@ -86,8 +104,8 @@ def check_layout_rules(layout: CodLayout, doc, lm, *, num_depths=8, down_sample_
     assert all(off[d] <= off[d + 1] for d in range(num_depths))
     per_depth = []
     for d in range(num_depths):
-        assert all(x == d for x in depth[off[d]:off[d + 1]]), "depth-major order"
-        a = anchor[off[d]:off[d + 1]]
+        assert all(x == d for x in depth[off[d] : off[d + 1]]), "depth-major order"
+        a = anchor[off[d] : off[d + 1]]
         assert all(a[i] < a[i + 1] for i in range(len(a) - 1)), f"depth {d} anchors not strictly sorted"
         per_depth.append(a)
     assert all(0 <= a and a + d < n for a, d in zip(anchor, depth)), "anchor < 0 or position >= N"
@@ -172,18 +190,37 @@ def assert_same_batch(a: DraftBatch, b: DraftBatch, what=""):
 
 def verifier_config(model_type="llama", layers=6, head_dim=32):
     cls = LlamaConfig if model_type == "llama" else Qwen3Config
-    return cls(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, intermediate_size=128,
-               num_hidden_layers=layers, vocab_size=V, rms_norm_eps=1e-6)
+    return cls(
+        hidden_size=H,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        vocab_size=V,
+        rms_norm_eps=1e-6,
+    )
 
 
-def make_model(g, *, layer_type="llama", num_layers=2, k=4, mask=V, options=None, draft_vocab=None, d2t=None,
-               head_dim=32):
+def make_model(
+    g, *, layer_type="llama", num_layers=2, k=4, mask=V, options=None, draft_vocab=None, d2t=None, head_dim=32
+):
     """head_dim: 32 on the CPU (fast); the CUDA kernels take 64 or 128."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
-    m = PEagleDraftModel.from_verifier(verifier_config(layer_type, head_dim=head_dim), num_layers=num_layers, num_depths=k,
-                                       mask_token_id=mask, layer_type=layer_type, options=options,
-                                       draft_vocab_size=draft_vocab, d2t=d2t, verifier_name_or_path="tiny/verifier")
-    m.attach_verifier(norm_weight=torch.rand(H, generator=g) + 0.5,
-                      lm_head_weight=torch.randn(V, H, generator=g) * 3.0,
-                      embed_weight=torch.randn(V, H, generator=g))
+    m = PEagleDraftModel.from_verifier(
+        verifier_config(layer_type, head_dim=head_dim),
+        num_layers=num_layers,
+        num_depths=k,
+        mask_token_id=mask,
+        layer_type=layer_type,
+        options=options,
+        draft_vocab_size=draft_vocab,
+        d2t=d2t,
+        verifier_name_or_path="tiny/verifier",
+    )
+    m.attach_verifier(
+        norm_weight=torch.rand(H, generator=g) + 0.5,
+        lm_head_weight=torch.randn(V, H, generator=g) * 3.0,
+        embed_weight=torch.randn(V, H, generator=g),
+    )
     return m

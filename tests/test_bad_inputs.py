@@ -6,26 +6,23 @@ code 2 and a one-line message, no traceback); data-like values the op cannot che
 (NaN/inf in activations) follow a documented propagation rule instead, which is tested here;
 a corrupt or partial file on disk raises ValueError naming the file, never loads silently.
 """
+
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import run_cli
 import torch
 
-from peagle_ext.testing import garbage_layout
-from tests.helpers import requires_cuda
 from peagle_ext.attention import cod_attention
 from peagle_ext.cod import CodLayout, cod_sample
 from peagle_ext.loss import fused_linear_kl
 from peagle_ext.model import PEagleDraftModel
 from peagle_ext.reference import dense_cod_mask
+from peagle_ext.testing import garbage_layout
 from peagle_ext.vllm import prepare_parallel_draft_inputs
+from tests.helpers import requires_cuda, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,8 +215,6 @@ def test_cuda_cod_attention_nan_rules(cross):
         assert torch.equal(out[pad], torch.zeros_like(out[pad]))
 
 
-
-
 @requires_cuda
 @pytest.mark.parametrize("cross", [False, True])
 def test_cuda_cod_attention_garbage_layout_is_memory_safe(cross, monkeypatch):
@@ -230,12 +225,15 @@ def test_cuda_cod_attention_garbage_layout_is_memory_safe(cross, monkeypatch):
     for n, t, k in [(50, 80, 4), (200, 333, 8), (7, 9, 3)]:
         lay = garbage_layout(g, n, t, k, cross, "cuda")
         t = lay.num_tokens
-        q, kk, v = (torch.randn(t, 4, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
-                    for _ in range(3))
+        q, kk, v = (
+            torch.randn(t, 4, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True) for _ in range(3)
+        )
         ctx = {}
         if cross:
-            ctx = {name: torch.randn(n, 4, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
-                   for name in ("context_k", "context_v")}
+            ctx = {
+                name: torch.randn(n, 4, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+                for name in ("context_k", "context_v")
+            }
         monkeypatch.delenv("PEAGLE_ATTN_CHECK", raising=False)
         out = cod_attention(q, kk, v, lay, window=9, sink=1, **ctx)
         torch.autograd.grad(out.float().sum(), [q, kk, v, *ctx.values()])
@@ -261,8 +259,9 @@ def test_cpu_cod_attention_garbage_layout_is_rejected(rng):
 # fused_linear_kl
 # ------------------------------------------------------------------------------------------
 def _kl_inputs(g, t=12, h=8, v=20, dtype=torch.float64):
-    xd, wd, xt, wt = (torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)
-                      for s in ((t, h), (v, h), (t, h), (v, h)))
+    xd, wd, xt, wt = (
+        torch.randn(*s, generator=g, dtype=torch.float64).to(dtype) for s in ((t, h), (v, h), (t, h), (v, h))
+    )
     weight = torch.ones(t, dtype=torch.float64)
     depth = torch.randint(0, 3, (t,), generator=g)
     return xd, wd, xt, wt, weight, depth
@@ -282,8 +281,11 @@ def test_fused_linear_kl_non_contiguous_inputs_equal_contiguous(rng):
 
 def test_fused_linear_kl_device_mismatch_is_named(rng):
     xd, wd, xt, wt, weight, depth = _kl_inputs(rng)
-    for name, over in [("draft_head", dict(wd=wd.to("meta"))), ("weight", dict(weight=weight.to("meta"))),
-                       ("depth", dict(depth=depth.to("meta")))]:
+    for name, over in [
+        ("draft_head", dict(wd=wd.to("meta"))),
+        ("weight", dict(weight=weight.to("meta"))),
+        ("depth", dict(depth=depth.to("meta"))),
+    ]:
         a = {**dict(xd=xd, wd=wd, xt=xt, wt=wt, weight=weight, depth=depth), **over}
         with pytest.raises(ValueError, match=f"{name} must be on"):
             fused_linear_kl(a["xd"], a["wd"], a["xt"], a["wt"], a["weight"], a["depth"], num_depths=3)
@@ -337,8 +339,17 @@ def test_fused_linear_kl_validate_false_stays_memory_safe(rng):
     assert float(loss) == float(want)
     assert int(m["total"].sum()) == 10
     with pytest.raises(ValueError, match="d2t"):
-        fused_linear_kl(xd, wd[:15], xt, wt, weight, depth, num_depths=3, validate=False,
-                        d2t=torch.full((15,), 10**6, dtype=torch.int64))
+        fused_linear_kl(
+            xd,
+            wd[:15],
+            xt,
+            wt,
+            weight,
+            depth,
+            num_depths=3,
+            validate=False,
+            d2t=torch.full((15,), 10**6, dtype=torch.int64),
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -347,13 +358,21 @@ def test_fused_linear_kl_validate_false_stays_memory_safe(rng):
 def test_prepare_parallel_draft_inputs_copies_non_finite_hidden_bitwise():
     """The op moves data: NaN/inf (and their payload bits) are copied as they are, never checked."""
     from peagle_ext.reference.parallel_draft import parallel_draft_loop
+
     h = 4
     th = torch.randn(7, h)
     th[1, 0], th[4, 2], th[6, 3] = float("nan"), float("inf"), -float("inf")
     mh = torch.full((h,), float("nan"))
-    args = (torch.arange(7, dtype=torch.int32), torch.arange(7, dtype=torch.int64),
-            torch.tensor([11, 12], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32),
-            torch.tensor([1, 0], dtype=torch.int32), th, mh, torch.arange(8, dtype=torch.int32).view(2, 4))
+    args = (
+        torch.arange(7, dtype=torch.int32),
+        torch.arange(7, dtype=torch.int64),
+        torch.tensor([11, 12], dtype=torch.int32),
+        torch.tensor([0, 3, 7], dtype=torch.int32),
+        torch.tensor([1, 0], dtype=torch.int32),
+        th,
+        mh,
+        torch.arange(8, dtype=torch.int32).view(2, 4),
+    )
     kw = dict(num_spec_tokens=3, mask_token_id=99, block_size=4, max_model_len=16)
     got = prepare_parallel_draft_inputs(*args, **kw)
     want = parallel_draft_loop(*args, **kw)
@@ -363,11 +382,17 @@ def test_prepare_parallel_draft_inputs_copies_non_finite_hidden_bitwise():
 
 def test_prepare_parallel_draft_inputs_token_ids_are_not_range_checked():
     """Token ids are data for the op (any int32, negative included): copied, never indexed."""
-    args = (torch.tensor([-5, 2**31 - 1, 7], dtype=torch.int32), torch.arange(3, dtype=torch.int64),
-            torch.tensor([-1], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), None,
-            torch.randn(3, 2), torch.zeros(2), torch.zeros(1, 4, dtype=torch.int32))
-    got = prepare_parallel_draft_inputs(*args, num_spec_tokens=2, mask_token_id=0, block_size=4,
-                                        max_model_len=16)
+    args = (
+        torch.tensor([-5, 2**31 - 1, 7], dtype=torch.int32),
+        torch.arange(3, dtype=torch.int64),
+        torch.tensor([-1], dtype=torch.int32),
+        torch.tensor([0, 3], dtype=torch.int32),
+        None,
+        torch.randn(3, 2),
+        torch.zeros(2),
+        torch.zeros(1, 4, dtype=torch.int32),
+    )
+    got = prepare_parallel_draft_inputs(*args, num_spec_tokens=2, mask_token_id=0, block_size=4, max_model_len=16)
     assert got.input_ids.tolist() == [2**31 - 1, 7, -1, 0]
 
 
@@ -377,9 +402,9 @@ def test_prepare_parallel_draft_inputs_token_ids_are_not_range_checked():
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     from tests.helpers import make_model
+
     d = tmp_path_factory.mktemp("ckpt") / "good"
-    m = make_model(torch.Generator().manual_seed(0), num_layers=1, k=3, draft_vocab=200,
-                   d2t=None)
+    m = make_model(torch.Generator().manual_seed(0), num_layers=1, k=3, draft_vocab=200, d2t=None)
     m.save_pretrained(d)
     return d
 
@@ -396,22 +421,26 @@ def _edit_config(fn):
         c = json.loads((d / "config.json").read_text())
         fn(c)
         (d / "config.json").write_text(json.dumps(c))
+
     return mutate
 
 
 def _edit_weights(fn):
     def mutate(d):
         from safetensors.torch import load_file, save_file
+
         sd = load_file(str(d / "model.safetensors"))
         fn(sd)
         save_file(sd, str(d / "model.safetensors"))
+
     return mutate
 
 
 def _truncate(name, keep):
     def mutate(d):
         b = (d / name).read_bytes()
-        (d / name).write_bytes(b[:keep(len(b))])
+        (d / name).write_bytes(b[: keep(len(b))])
+
     return mutate
 
 
@@ -419,47 +448,110 @@ FROM_PRETRAINED_CASES = [
     # id, mutation, exception, message
     ("no_config", lambda d: (d / "config.json").unlink(), FileNotFoundError, "no config.json"),
     ("no_weights", lambda d: (d / "model.safetensors").unlink(), FileNotFoundError, "no model.safetensors"),
-    ("garbage_weights", lambda d: (d / "model.safetensors").write_bytes(b"\x00garbage" * 9), ValueError,
-     "model.safetensors is not a readable safetensors file"),
+    (
+        "garbage_weights",
+        lambda d: (d / "model.safetensors").write_bytes(b"\x00garbage" * 9),
+        ValueError,
+        "model.safetensors is not a readable safetensors file",
+    ),
     ("empty_weights", lambda d: (d / "model.safetensors").write_bytes(b""), ValueError, "not a readable safetensors"),
-    ("half_written_weights", _truncate("model.safetensors", lambda n: n // 2), ValueError,
-     "not a readable safetensors"),
+    (
+        "half_written_weights",
+        _truncate("model.safetensors", lambda n: n // 2),
+        ValueError,
+        "not a readable safetensors",
+    ),
     ("truncated_header", _truncate("model.safetensors", lambda n: 12), ValueError, "not a readable safetensors"),
     ("half_written_config", _truncate("config.json", lambda n: n // 2), ValueError, "config.json is not valid JSON"),
     ("empty_config", lambda d: (d / "config.json").write_text(""), ValueError, "not valid JSON"),
     ("config_not_an_object", lambda d: (d / "config.json").write_text("[1, 2]"), ValueError, "JSON object"),
-    ("other_model_type", _edit_config(lambda c: c.update(speculators_model_type="eagle3")), ValueError,
-     "speculators_model_type is 'eagle3'"),
-    ("no_layer_config", _edit_config(lambda c: c.pop("transformer_layer_config")), ValueError,
-     "missing transformer_layer_config"),
-    ("no_speculators_config", _edit_config(lambda c: c.pop("speculators_config")), ValueError,
-     "missing speculators_config"),
-    ("k_zero", _edit_config(lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=0)),
-     ValueError, r"speculative_tokens \(K\) must be in \[1, 64\]"),
-    ("no_proposal_methods", _edit_config(lambda c: c["speculators_config"].update(proposal_methods=[])), ValueError,
-     "needs proposal_methods"),
-    ("layer_type_gpt2", _edit_config(lambda c: c["transformer_layer_config"].update(model_type="gpt2")), ValueError,
-     "model_type must be one of"),
-    ("hidden_size_mismatch", _edit_config(lambda c: c.update(target_hidden_size=96)), ValueError,
-     "verifier/draft hidden size mismatch"),
-    ("mask_token_out_of_vocab", _edit_config(lambda c: c.update(mask_token_id=10**6)), ValueError,
-     "mask_token_id 1000000 is outside"),
-    ("draft_vocab_mismatch", _edit_config(lambda c: c.update(draft_vocab_size=100)), ValueError,
-     "checkpoint tensor .* has shape"),
+    (
+        "other_model_type",
+        _edit_config(lambda c: c.update(speculators_model_type="eagle3")),
+        ValueError,
+        "speculators_model_type is 'eagle3'",
+    ),
+    (
+        "no_layer_config",
+        _edit_config(lambda c: c.pop("transformer_layer_config")),
+        ValueError,
+        "missing transformer_layer_config",
+    ),
+    (
+        "no_speculators_config",
+        _edit_config(lambda c: c.pop("speculators_config")),
+        ValueError,
+        "missing speculators_config",
+    ),
+    (
+        "k_zero",
+        _edit_config(lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=0)),
+        ValueError,
+        r"speculative_tokens \(K\) must be in \[1, 64\]",
+    ),
+    (
+        "no_proposal_methods",
+        _edit_config(lambda c: c["speculators_config"].update(proposal_methods=[])),
+        ValueError,
+        "needs proposal_methods",
+    ),
+    (
+        "layer_type_gpt2",
+        _edit_config(lambda c: c["transformer_layer_config"].update(model_type="gpt2")),
+        ValueError,
+        "model_type must be one of",
+    ),
+    (
+        "hidden_size_mismatch",
+        _edit_config(lambda c: c.update(target_hidden_size=96)),
+        ValueError,
+        "verifier/draft hidden size mismatch",
+    ),
+    (
+        "mask_token_out_of_vocab",
+        _edit_config(lambda c: c.update(mask_token_id=10**6)),
+        ValueError,
+        "mask_token_id 1000000 is outside",
+    ),
+    (
+        "draft_vocab_mismatch",
+        _edit_config(lambda c: c.update(draft_vocab_size=100)),
+        ValueError,
+        "checkpoint tensor .* has shape",
+    ),
     ("missing_tensor", _edit_weights(lambda sd: sd.pop("fc.weight")), ValueError, r"missing \['fc.weight'\]"),
-    ("verifier_tensor_inside", _edit_weights(lambda sd: sd.update({"verifier_lm_head.weight": torch.zeros(2, 2)})),
-     ValueError, "unexpected"),
-    ("wrong_shape", _edit_weights(lambda sd: sd.update({"fc.weight": sd["fc.weight"][:, :7].contiguous()})),
-     ValueError, "fc.weight has shape"),
-    ("int_weights", _edit_weights(lambda sd: sd.update({"norm.weight": sd["norm.weight"].int()})), ValueError,
-     "norm.weight has dtype int32"),
+    (
+        "verifier_tensor_inside",
+        _edit_weights(lambda sd: sd.update({"verifier_lm_head.weight": torch.zeros(2, 2)})),
+        ValueError,
+        "unexpected",
+    ),
+    (
+        "wrong_shape",
+        _edit_weights(lambda sd: sd.update({"fc.weight": sd["fc.weight"][:, :7].contiguous()})),
+        ValueError,
+        "fc.weight has shape",
+    ),
+    (
+        "int_weights",
+        _edit_weights(lambda sd: sd.update({"norm.weight": sd["norm.weight"].int()})),
+        ValueError,
+        "norm.weight has dtype int32",
+    ),
     ("float_d2t", _edit_weights(lambda sd: sd.update({"d2t": sd["d2t"].float()})), ValueError, "d2t has dtype"),
-    ("d2t_out_of_vocab", _edit_weights(lambda sd: sd.update({"d2t": sd["d2t"] + 10**6})), ValueError,
-     "d2t maps a draft id outside the vocab"),
-    ("d2t_not_increasing", _edit_weights(lambda sd: sd.update({"d2t": sd["d2t"].flip(0) * 0 - torch.arange(200)})),
-     ValueError, "strictly increasing"),
-    ("t2d_mismatch", _edit_weights(lambda sd: sd["t2d"].logical_not_()), ValueError,
-     "t2d does not mark exactly"),
+    (
+        "d2t_out_of_vocab",
+        _edit_weights(lambda sd: sd.update({"d2t": sd["d2t"] + 10**6})),
+        ValueError,
+        "d2t maps a draft id outside the vocab",
+    ),
+    (
+        "d2t_not_increasing",
+        _edit_weights(lambda sd: sd.update({"d2t": sd["d2t"].flip(0) * 0 - torch.arange(200)})),
+        ValueError,
+        "strictly increasing",
+    ),
+    ("t2d_mismatch", _edit_weights(lambda sd: sd["t2d"].logical_not_()), ValueError, "t2d does not mark exactly"),
 ]
 
 
@@ -484,6 +576,7 @@ def test_from_pretrained_loads_non_finite_weights_but_export_refuses(saved_model
     `peagle export` refuses to publish them, and the trainer never writes them
     (test_train.py::test_checkpoints_are_atomic_and_pruned)."""
     from peagle_ext.train import TrainError, export
+
     d = _mutated(saved_model, tmp_path, _edit_weights(lambda sd: sd["fc.weight"].__setitem__((0, 0), float("nan"))))
     m = PEagleDraftModel.from_pretrained(d)
     assert math.isnan(float(m.fc.weight[0, 0]))
@@ -497,6 +590,7 @@ def test_from_pretrained_loads_non_finite_weights_but_export_refuses(saved_model
 # ------------------------------------------------------------------------------------------
 def test_export_bad_sources_and_destinations(saved_model, tmp_path):
     from peagle_ext.train import TrainError, export
+
     with pytest.raises(TrainError, match="does not exist"):
         export(str(tmp_path / "missing"), str(tmp_path / "x"))
     run = tmp_path / "run"
@@ -534,22 +628,40 @@ def test_export_bad_sources_and_destinations(saved_model, tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+
     d = tmp_path_factory.mktemp("tiny")
     return make_tiny_verifier(d / "verifier"), make_chat_jsonl(d / "chat.jsonl", n=10, turns=1, words=(4, 10))
 
 
 def _settings(tiny, out, **kw):
     from peagle_ext.train import TrainSettings
+
     v, data = tiny
-    base = dict(verifier=str(v), data=str(data), output=str(out), seq_len=64, num_depths=2, num_layers=1,
-                max_steps=2, draft_vocab_size=None, dtype="float32", device="cpu", checkpoint_every=1,
-                val_every=100, val_fraction=0.0, warmup_steps=1, progress=False, num_conversations=None)
+    base = dict(
+        verifier=str(v),
+        data=str(data),
+        output=str(out),
+        seq_len=64,
+        num_depths=2,
+        num_layers=1,
+        max_steps=2,
+        draft_vocab_size=None,
+        dtype="float32",
+        device="cpu",
+        checkpoint_every=1,
+        val_every=100,
+        val_fraction=0.0,
+        warmup_steps=1,
+        progress=False,
+        num_conversations=None,
+    )
     base.update(kw)
     return TrainSettings(**base)
 
 
 def test_verifier_with_corrupt_files(tiny, tmp_path):
     from peagle_ext.data import DataError, load_verifier
+
     v, _ = tiny
     half = tmp_path / "half"
     shutil.copytree(v, half)
@@ -566,7 +678,9 @@ def test_verifier_with_corrupt_files(tiny, tmp_path):
 
 def test_data_file_that_is_not_text(tmp_path):
     import gzip
+
     from peagle_ext.data import DataError, load_conversations
+
     b = tmp_path / "binary.jsonl"
     b.write_bytes(b"\xff\xfe\x00\x81 not utf-8\n")
     with pytest.raises(DataError, match="not UTF-8 text"):
@@ -580,12 +694,22 @@ def test_data_file_that_is_not_text(tmp_path):
 
 def test_train_settings_out_of_range_are_named():
     from peagle_ext.train import TrainError, TrainSettings
-    cases = [(dict(num_depths=0), "--num-depths"), (dict(num_depths=65), "--num-depths"),
-             (dict(lr=float("nan")), "--lr"), (dict(lr=0.0), "--lr"), (dict(max_steps=0), "--max-steps"),
-             (dict(val_fraction=1.0), "--val-fraction"), (dict(batch_size=0), "--batch-size"),
-             (dict(window=0), "window"), (dict(down_sample_ratio=0.0), "down_sample_ratio"),
-             (dict(attention="full"), "attention"), (dict(schedule="step"), "--schedule"),
-             (dict(loss="mse"), "--loss"), (dict(keep_checkpoints=0), "--keep-checkpoints")]
+
+    cases = [
+        (dict(num_depths=0), "--num-depths"),
+        (dict(num_depths=65), "--num-depths"),
+        (dict(lr=float("nan")), "--lr"),
+        (dict(lr=0.0), "--lr"),
+        (dict(max_steps=0), "--max-steps"),
+        (dict(val_fraction=1.0), "--val-fraction"),
+        (dict(batch_size=0), "--batch-size"),
+        (dict(window=0), "window"),
+        (dict(down_sample_ratio=0.0), "down_sample_ratio"),
+        (dict(attention="full"), "attention"),
+        (dict(schedule="step"), "--schedule"),
+        (dict(loss="mse"), "--loss"),
+        (dict(keep_checkpoints=0), "--keep-checkpoints"),
+    ]
     if not torch.cuda.is_available():
         cases.append((dict(device="cuda"), "no CUDA GPU"))
     for kw, match in cases:
@@ -596,7 +720,9 @@ def test_train_settings_out_of_range_are_named():
 def test_token_ids_outside_the_verifier_vocab(tiny, tmp_path):
     """A tokenizer that does not belong to the verifier (ids past its vocab) is refused."""
     from transformers import AutoTokenizer
+
     from peagle_ext.train import RunLog, TrainError, prepare_data
+
     v, _ = tiny
     tok = AutoTokenizer.from_pretrained(str(v))
     log = RunLog(tmp_path / "log.jsonl", echo=False)
@@ -609,7 +735,9 @@ def test_token_ids_outside_the_verifier_vocab(tiny, tmp_path):
 
 def test_mask_token_that_the_data_uses(tiny, tmp_path):
     from transformers import AutoTokenizer
+
     from peagle_ext.train import TrainError, train
+
     v, _ = tiny
     used = AutoTokenizer.from_pretrained(str(v)).convert_tokens_to_ids("<|im_start|>")  # in every conversation
     with pytest.raises(TrainError, match=f"mask_token_id {used} .* occurs as a real token"):
@@ -618,6 +746,7 @@ def test_mask_token_that_the_data_uses(tiny, tmp_path):
 
 def test_train_output_that_is_a_file(tiny, tmp_path):
     from peagle_ext.train import TrainError, train
+
     f = tmp_path / "out"
     f.write_text("x")
     with pytest.raises(TrainError, match="exists and is not a directory"):
@@ -628,6 +757,7 @@ def test_resume_from_a_damaged_complete_checkpoint(tiny, tmp_path):
     """A checkpoint is fsynced before it is marked complete, so this needs damage after the
     fact (disk, hand edits): --resume names it and says how to fall back, it never loads it."""
     from peagle_ext.train import TrainError, train
+
     out = tmp_path / "run"
     train(_settings(tiny, out, max_steps=2))
     newest = out / "checkpoint-2"
@@ -648,6 +778,7 @@ def test_pruning_removes_the_complete_marker_first(tmp_path, monkeypatch):
     says COMPLETE but misses files."""
     import peagle_ext.train as T
     from tests.helpers import make_model
+
     m = make_model(torch.Generator().manual_seed(1), num_layers=1, k=2)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -656,9 +787,10 @@ def test_pruning_removes_the_complete_marker_first(tmp_path, monkeypatch):
 
     def spy(p, *a, **k):
         p = Path(p)
-        if p.name.startswith(T.CHECKPOINT_PREFIX) and p.name[len(T.CHECKPOINT_PREFIX):].isdigit():
+        if p.name.startswith(T.CHECKPOINT_PREFIX) and p.name[len(T.CHECKPOINT_PREFIX) :].isdigit():
             seen.append((p.name, (p / T.COMPLETE_MARKER).exists()))
         return real_rmtree(p, *a, **k)
+
     monkeypatch.setattr(shutil, "rmtree", spy)
     for step in (1, 2, 3):
         T.save_checkpoint(tmp_path, step, m, opt, sch, {"step": step}, keep=1)
@@ -674,10 +806,26 @@ def test_cli_bad_inputs_exit_2_without_traceback(tiny, tmp_path, saved_model):
     binary.write_bytes(b"\xff\xfe\x00")
     corrupt = _mutated(saved_model, tmp_path, _truncate("model.safetensors", lambda n: n // 3))
     runs = [
-        (["train", "--verifier", str(v), "--data", str(data), "--output", str(afile), "--max-steps", "1"],
-         "is not a directory"),
-        (["train", "--verifier", str(v), "--data", str(binary), "--output", str(tmp_path / "o"), "--max-steps", "1",
-          "--seq-len", "64"], "not UTF-8"),
+        (
+            ["train", "--verifier", str(v), "--data", str(data), "--output", str(afile), "--max-steps", "1"],
+            "is not a directory",
+        ),
+        (
+            [
+                "train",
+                "--verifier",
+                str(v),
+                "--data",
+                str(binary),
+                "--output",
+                str(tmp_path / "o"),
+                "--max-steps",
+                "1",
+                "--seq-len",
+                "64",
+            ],
+            "not UTF-8",
+        ),
         (["export", str(corrupt), str(tmp_path / "e")], "not a readable safetensors"),
     ]
     for args, match in runs:
@@ -691,6 +839,7 @@ def test_cli_bad_inputs_exit_2_without_traceback(tiny, tmp_path, saved_model):
 # ------------------------------------------------------------------------------------------
 def _has_eval():
     from peagle_ext.cli import SUBCOMMANDS, build_parser
+
     build_parser()
     return "eval" in SUBCOMMANDS
 

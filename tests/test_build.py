@@ -2,6 +2,7 @@
 
 The kernel .cu files include no torch header, so nvcc compiles them on CPU-only machines
 (CI included): a kernel compile error never lands even though CI has no GPU."""
+
 import concurrent.futures as cf
 import json
 import os
@@ -27,8 +28,8 @@ def test_build_info_reports_backends_and_torch():
 
 
 def test_torch_mismatch_is_a_clear_error(tmp_path, monkeypatch):
-    import importlib
     import peagle_ext._native as native
+
     info = json.loads((Path(native.__file__).parent / "_build_info.json").read_text())
     fake = tmp_path / "_build_info.json"
     fake.write_text(json.dumps({**info, "torch_version": "0.0.1"}))
@@ -49,8 +50,19 @@ def test_cuda_kernel_sources_compile_for_sm90(tmp_path):
 
     def compile_one(src):
         out = tmp_path / (src.parent.parent.name + "_" + src.stem + ".o")
-        cmd = [_nvcc(), "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-arch=sm_90", "-I", str(ROOT / "csrc"),
-               "-c", str(src), "-o", str(out)]
+        cmd = [
+            _nvcc(),
+            "-std=c++17",
+            "-O1",
+            "--expt-relaxed-constexpr",
+            "-arch=sm_90",
+            "-I",
+            str(ROOT / "csrc"),
+            "-c",
+            str(src),
+            "-o",
+            str(out),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         return src, r.returncode, r.stderr[-4000:]
 
@@ -66,9 +78,20 @@ def test_block_row_mask_equals_row_ranges(tmp_path):
     pass's per-block mask (BlockRowMask, cod_attn_tile.cuh) answers as RowRanges::allows for every
     key of 400K random and adversarial (range, block, jend) cases."""
     exe = tmp_path / "check_block_row_mask"
-    r = subprocess.run([_nvcc(), "-std=c++17", "-O2", "-I", str(ROOT / "csrc"),
-                        str(ROOT / "tools" / "kernels" / "check_block_row_mask.cu"), "-o", str(exe)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            _nvcc(),
+            "-std=c++17",
+            "-O2",
+            "-I",
+            str(ROOT / "csrc"),
+            str(ROOT / "tools" / "kernels" / "check_block_row_mask.cu"),
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.startswith("PASS"), run.stdout[-2000:]

@@ -16,6 +16,7 @@ first 20% of the post-warm-up samples, for RSS and for CUDA allocated/reserved m
 fails when a growth exceeds its threshold (default 24 MiB RSS, 8 MiB CUDA). The least-squares
 slope (MiB per 1000 steps) is reported too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-
 MiB = 2**20
 
 
 def rss_bytes() -> int:
     try:
         import psutil
+
         return int(psutil.Process().memory_info().rss)
     except ImportError:
         with open("/proc/self/status") as f:
@@ -58,15 +59,30 @@ def growth(samples: list[dict], key: str, warmup_step: int) -> dict:
     k = max(1, len(post) // 5)
     first = statistics.median(s[key] for s in post[:k])
     last = statistics.median(s[key] for s in post[-k:])
-    return {"growth_mib": (last - first) / MiB,
-            "slope_mib_per_1000_steps": _slope_per_1000([s["step"] for s in post], [s[key] / MiB for s in post]),
-            "start_mib": first / MiB, "end_mib": last / MiB, "max_mib": max(s[key] for s in post) / MiB,
-            "samples": len(post)}
+    return {
+        "growth_mib": (last - first) / MiB,
+        "slope_mib_per_1000_steps": _slope_per_1000([s["step"] for s in post], [s[key] / MiB for s in post]),
+        "start_mib": first / MiB,
+        "end_mib": last / MiB,
+        "max_mib": max(s[key] for s in post) / MiB,
+        "samples": len(post),
+    }
 
 
-def run(steps: int = 2000, *, device: str = "cpu", out_dir=None, log_every: int = 10, checkpoint_every: int = 250,
-        warmup_frac: float = 0.25, max_rss_growth_mib: float = 24.0, max_cuda_growth_mib: float = 8.0,
-        workdir=None, plot: bool = True, quiet: bool = False) -> dict:
+def run(
+    steps: int = 2000,
+    *,
+    device: str = "cpu",
+    out_dir=None,
+    log_every: int = 10,
+    checkpoint_every: int = 250,
+    warmup_frac: float = 0.25,
+    max_rss_growth_mib: float = 24.0,
+    max_cuda_growth_mib: float = 8.0,
+    workdir=None,
+    plot: bool = True,
+    quiet: bool = False,
+) -> dict:
     """Train `steps` steps of the tiny config, sampling memory; returns the report (see module doc)."""
     import torch
 
@@ -88,8 +104,11 @@ def run(steps: int = 2000, *, device: str = "cpu", out_dir=None, log_every: int 
     def sample(step: int):
         s = {"step": step, "t": time.time() - t_start, "rss": rss_bytes()}
         if cuda:
-            s.update(cuda_allocated=torch.cuda.memory_allocated(), cuda_reserved=torch.cuda.memory_reserved(),
-                     cuda_max_allocated=torch.cuda.max_memory_allocated())
+            s.update(
+                cuda_allocated=torch.cuda.memory_allocated(),
+                cuda_reserved=torch.cuda.memory_reserved(),
+                cuda_max_allocated=torch.cuda.max_memory_allocated(),
+            )
         samples.append(s)
         if not quiet and len(samples) % 20 == 1:
             extra = f", cuda alloc {s['cuda_allocated'] / MiB:.1f} MiB" if cuda else ""
@@ -103,10 +122,25 @@ def run(steps: int = 2000, *, device: str = "cpu", out_dir=None, log_every: int 
             sample(int(rec["step"]))
 
     settings = T.TrainSettings(
-        verifier=str(verifier), data=str(data), output=str(work / "run"), seq_len=64, num_depths=3, num_layers=1,
-        max_steps=steps, draft_vocab_size=None, dtype="float32" if not cuda else "auto", device=device,
-        checkpoint_every=checkpoint_every, val_every=checkpoint_every, val_fraction=0.1, warmup_steps=10,
-        log_every=log_every, progress=False, num_conversations=None, keep_checkpoints=2)
+        verifier=str(verifier),
+        data=str(data),
+        output=str(work / "run"),
+        seq_len=64,
+        num_depths=3,
+        num_layers=1,
+        max_steps=steps,
+        draft_vocab_size=None,
+        dtype="float32" if not cuda else "auto",
+        device=device,
+        checkpoint_every=checkpoint_every,
+        val_every=checkpoint_every,
+        val_fraction=0.1,
+        warmup_steps=10,
+        log_every=log_every,
+        progress=False,
+        num_conversations=None,
+        keep_checkpoints=2,
+    )
     T.RunLog.write = write
     try:
         sample(0)
@@ -118,10 +152,16 @@ def run(steps: int = 2000, *, device: str = "cpu", out_dir=None, log_every: int 
     wall = time.time() - t_start
     warmup_step = int(steps * warmup_frac)
     report = {
-        "device": device, "steps": steps, "wall_s": wall, "steps_per_s": steps / wall, "warmup_step": warmup_step,
-        "skipped_steps": result.skipped_steps, "final_train_loss": result.train.get("loss"),
+        "device": device,
+        "steps": steps,
+        "wall_s": wall,
+        "steps_per_s": steps / wall,
+        "warmup_step": warmup_step,
+        "skipped_steps": result.skipped_steps,
+        "final_train_loss": result.train.get("loss"),
         "thresholds_mib": {"rss": max_rss_growth_mib, "cuda": max_cuda_growth_mib},
-        "rss": growth(samples, "rss", warmup_step), "samples": samples,
+        "rss": growth(samples, "rss", warmup_step),
+        "samples": samples,
     }
     failures = []
     if report["rss"]["growth_mib"] > max_rss_growth_mib:
@@ -130,7 +170,9 @@ def run(steps: int = 2000, *, device: str = "cpu", out_dir=None, log_every: int 
         for key in ("cuda_allocated", "cuda_reserved"):
             report[key] = growth(samples, key, warmup_step)
             if report[key]["growth_mib"] > max_cuda_growth_mib:
-                failures.append(f"{key} grew {report[key]['growth_mib']:.1f} MiB after warm-up (> {max_cuda_growth_mib})")
+                failures.append(
+                    f"{key} grew {report[key]['growth_mib']:.1f} MiB after warm-up (> {max_cuda_growth_mib})"
+                )
     report["ok"] = not failures
     report["failures"] = failures
     tag = "cuda" if cuda else "cpu"
@@ -142,8 +184,10 @@ def run(steps: int = 2000, *, device: str = "cpu", out_dir=None, log_every: int 
 
 def _plot(samples, warmup_step, path: Path, cuda: bool) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2 if cuda else 1, figsize=(12 if cuda else 7, 4), squeeze=False)
     steps = [s["step"] for s in samples]
     ax = axes[0][0]
@@ -182,18 +226,30 @@ def main(argv=None) -> int:
     p.add_argument("--max-cuda-growth-mib", type=float, default=8.0)
     a = p.parse_args(argv)
     import torch
+
     torch.set_num_threads(1)
-    r = run(a.steps, device=a.device, out_dir=a.out, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
-            warmup_frac=a.warmup_frac, max_rss_growth_mib=a.max_rss_growth_mib,
-            max_cuda_growth_mib=a.max_cuda_growth_mib)
-    print(f"\nlong run: {r['steps']} steps on {r['device']} in {r['wall_s']:.0f}s ({r['steps_per_s']:.1f} steps/s), "
-          f"final train loss {r['final_train_loss']:.4f}, skipped steps {r['skipped_steps']}")
+    r = run(
+        a.steps,
+        device=a.device,
+        out_dir=a.out,
+        log_every=a.log_every,
+        checkpoint_every=a.checkpoint_every,
+        warmup_frac=a.warmup_frac,
+        max_rss_growth_mib=a.max_rss_growth_mib,
+        max_cuda_growth_mib=a.max_cuda_growth_mib,
+    )
+    print(
+        f"\nlong run: {r['steps']} steps on {r['device']} in {r['wall_s']:.0f}s ({r['steps_per_s']:.1f} steps/s), "
+        f"final train loss {r['final_train_loss']:.4f}, skipped steps {r['skipped_steps']}"
+    )
     for key in ("rss", "cuda_allocated", "cuda_reserved"):
         if key in r:
             g = r[key]
-            print(f"  {key:15s} after step {r['warmup_step']}: {g.get('start_mib', 0):8.1f} -> {g.get('end_mib', 0):8.1f} MiB "
-                  f"(growth {g['growth_mib']:+.2f} MiB, slope {g['slope_mib_per_1000_steps']:+.2f} MiB/1000 steps, "
-                  f"max {g.get('max_mib', 0):.1f})")
+            print(
+                f"  {key:15s} after step {r['warmup_step']}: {g.get('start_mib', 0):8.1f} -> {g.get('end_mib', 0):8.1f} MiB "
+                f"(growth {g['growth_mib']:+.2f} MiB, slope {g['slope_mib_per_1000_steps']:+.2f} MiB/1000 steps, "
+                f"max {g.get('max_mib', 0):.1f})"
+            )
     print("  verdict:", "OK (no growth beyond the thresholds)" if r["ok"] else "FAIL: " + "; ".join(r["failures"]))
     print(f"  wrote {r.get('plot')} and its .json")
     return 0 if r["ok"] else 1

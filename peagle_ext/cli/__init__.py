@@ -1,5 +1,6 @@
 """The `peagle` command (also `python -m peagle_ext.cli`): one module per subcommand, each with
 HELP, add_arguments(parser) and run(args) -> exit code."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
-        print("\n[peagle] interrupted; the newest complete checkpoint is kept (continue with --resume)", file=sys.stderr)
+        print(
+            "\n[peagle] interrupted; the newest complete checkpoint is kept (continue with --resume)", file=sys.stderr
+        )
         return 130
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         print(f"peagle {args.command}: error: {e}", file=sys.stderr)

@@ -1,4 +1,5 @@
 """`peagle eval`: speculative-decoding evaluation of a drafter (acceptance, tokens/s, losslessness)."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,17 @@ from pathlib import Path
 import torch
 
 from ..data import load_verifier
-from ..eval import DTYPES, eos_ids, evaluate, fmt, load_drafter, parse_k_sweep, plot_k_sweep, render_prompts, resolve_draft_dir
+from ..eval import (
+    DTYPES,
+    eos_ids,
+    evaluate,
+    fmt,
+    load_drafter,
+    parse_k_sweep,
+    plot_k_sweep,
+    render_prompts,
+    resolve_draft_dir,
+)
 from ..serving import Verifier
 
 HELP = "speculative-decoding evaluation of a drafter (acceptance, tokens/s, losslessness)"
@@ -25,8 +36,12 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="K-sweep PNG (default: next to --json, else ./eval_k_sweep.png)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="verifier and drafter dtype; auto = bfloat16 on cuda, float32 on cpu")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="verifier and drafter dtype; auto = bfloat16 on cuda, float32 on cpu",
+    )
     p.add_argument("--ignore-eos", action="store_true", default=False, help="always generate max-new-tokens tokens")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=True)
     p.add_argument("--quiet", action="store_true", default=False, help="no per-prompt lines")
@@ -52,26 +67,49 @@ def run(args) -> int:
     verifier = Verifier(model, aux_layer_ids=drafter.aux_layer_ids)
     k = args.num_spec_tokens or drafter.num_depths
     if k > drafter.num_depths:
-        raise ValueError(f"--num-spec-tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
-                         f"({draft_dir} was trained to draft at most that many tokens in parallel)")
+        raise ValueError(
+            f"--num-spec-tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
+            f"({draft_dir} was trained to draft at most that many tokens in parallel)"
+        )
     if ks and max(ks) > drafter.num_depths:
         raise ValueError(f"--k-sweep goes up to K={max(ks)}, the drafter's num_depths is {drafter.num_depths}")
     prompts = render_prompts(tok, args.bench, args.num_prompts)
     eos = None if args.ignore_eos else eos_ids(model, tok)
     log = None if args.quiet else (lambda s: print(s, flush=True))
     t0 = time.perf_counter()
-    report = evaluate(verifier, drafter, prompts, num_spec_tokens=k, max_new_tokens=args.max_new_tokens,
-                      k_sweep=ks, eos_token_id=eos, warmup=args.warmup, log=log)
-    meta = {"verifier": str(args.verifier), "draft": str(draft_dir), "bench": args.bench,
-            "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "device": str(device),
-            "dtype": str(dtype).replace("torch.", ""), "drafter_num_depths": drafter.num_depths,
-            "stop_at_eos": eos is not None, "wall_s": time.perf_counter() - t0}
+    report = evaluate(
+        verifier,
+        drafter,
+        prompts,
+        num_spec_tokens=k,
+        max_new_tokens=args.max_new_tokens,
+        k_sweep=ks,
+        eos_token_id=eos,
+        warmup=args.warmup,
+        log=log,
+    )
+    meta = {
+        "verifier": str(args.verifier),
+        "draft": str(draft_dir),
+        "bench": args.bench,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "drafter_num_depths": drafter.num_depths,
+        "stop_at_eos": eos is not None,
+        "wall_s": time.perf_counter() - t0,
+    }
     report = {**meta, **report}
     if ks:
         plot = args.plot or (str(Path(args.json).with_suffix("")) + "_k_sweep.png" if args.json else "eval_k_sweep.png")
-        report["plot"] = str(plot_k_sweep(report["k_sweep"], plot,
-                                          f"{Path(str(args.verifier)).name} + P-EAGLE on {report['bench']} "
-                                          f"({len(prompts)} prompts)"))
+        report["plot"] = str(
+            plot_k_sweep(
+                report["k_sweep"],
+                plot,
+                f"{Path(str(args.verifier)).name} + P-EAGLE on {report['bench']} ({len(prompts)} prompts)",
+            )
+        )
     _print_summary(report)
     if args.json:
         p = Path(args.json)
@@ -86,18 +124,25 @@ def run(args) -> int:
 def _print_summary(r: dict):
     k = r["num_spec_tokens"]
     print()
-    print(f"P-EAGLE speculative decoding, K={k}, {r['num_prompts']} {r['bench']} prompts, "
-          f"max {r['max_new_tokens']} new tokens ({r['device']}, {r['dtype']})")
+    print(
+        f"P-EAGLE speculative decoding, K={k}, {r['num_prompts']} {r['bench']} prompts, "
+        f"max {r['max_new_tokens']} new tokens ({r['device']}, {r['dtype']})"
+    )
     print(f"  acceptance length {fmt(r['acceptance_length'], 3)} tokens/round over {r['rounds']} rounds")
-    print("  per-position acceptance P(k | <k accepted): "
-          + " ".join(fmt(a, 2) for a in r["per_position_acceptance"]))
-    print("  per-position acceptance (unconditional):   "
-          + " ".join(fmt(a, 2) for a in r["per_position_acceptance_unconditional"]))
-    print(f"  tokens/s {fmt(r['tokens_per_s'])} vs plain greedy {fmt(r['baseline_tokens_per_s'])} "
-          f"(speed-up x{fmt(r['speedup'], 2)})")
+    print("  per-position acceptance P(k | <k accepted): " + " ".join(fmt(a, 2) for a in r["per_position_acceptance"]))
+    print(
+        "  per-position acceptance (unconditional):   "
+        + " ".join(fmt(a, 2) for a in r["per_position_acceptance_unconditional"])
+    )
+    print(
+        f"  tokens/s {fmt(r['tokens_per_s'])} vs plain greedy {fmt(r['baseline_tokens_per_s'])} "
+        f"(speed-up x{fmt(r['speedup'], 2)})"
+    )
     print(f"  lossless (== verifier greedy): {r['num_lossless']}/{r['num_prompts']} prompts")
     if r.get("k_sweep"):
         print("  K  accept_len  tok/s   speed-up  lossless")
         for s in r["k_sweep"]:
-            print(f"  {s['num_spec_tokens']:<2} {fmt(s['acceptance_length'], 3):>10}  {fmt(s['tokens_per_s']):>6}  "
-                  f"{fmt(s['speedup'], 2):>8}  {s['num_lossless']}/{r['num_prompts']}")
+            print(
+                f"  {s['num_spec_tokens']:<2} {fmt(s['acceptance_length'], 3):>10}  {fmt(s['tokens_per_s']):>6}  "
+                f"{fmt(s['speedup'], 2):>8}  {s['num_lossless']}/{r['num_prompts']}"
+            )

@@ -1,4 +1,5 @@
 """`peagle export`: write a vLLM-loadable (bf16) copy of a trained drafter."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..train import export
+
     d = export(args.src, args.dst, dtype=args.dtype)
     k = json.loads((d / "config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     spec = json.dumps({"model": str(d), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": k})

@@ -1,4 +1,5 @@
 """`peagle train`: train a P-EAGLE drafter; every flag also reads from --config."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,27 +22,47 @@ def _bool(v: str) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..train import TrainSettings
+
     d = TrainSettings()
     # flags default to "absent" (argparse.SUPPRESS) so --config values are only overridden when given
     g = p.add_argument_group("what to train on")
-    g.add_argument("--verifier", help=f"local HF causal-LM directory or 'smollm2' (bundled SmolLM2-135M-Instruct). Default {d.verifier}")
+    g.add_argument(
+        "--verifier",
+        help=f"local HF causal-LM directory or 'smollm2' (bundled SmolLM2-135M-Instruct). Default {d.verifier}",
+    )
     g.add_argument("--data", help=f"JSONL of {{\"messages\": [...]}} per line, or 'sharegpt'. Default {d.data}")
     g.add_argument("--output", help=f"output directory. Default {d.output}")
-    g.add_argument("--num-conversations", type=_opt_int, help=f"use the first N conversations (none = all). Default {d.num_conversations}")
+    g.add_argument(
+        "--num-conversations",
+        type=_opt_int,
+        help=f"use the first N conversations (none = all). Default {d.num_conversations}",
+    )
     g.add_argument("--val-fraction", type=float, help=f"held-out fraction of conversations. Default {d.val_fraction}")
-    g.add_argument("--seq-len", type=int, help=f"packed row length; longer conversations are truncated. Default {d.seq_len}")
+    g.add_argument(
+        "--seq-len", type=int, help=f"packed row length; longer conversations are truncated. Default {d.seq_len}"
+    )
     g = p.add_argument_group("the drafter")
     g.add_argument("--num-layers", type=int, help=f"decoder layers. Default {d.num_layers}")
     g.add_argument("--num-depths", type=int, help=f"K, tokens drafted in parallel. Default {d.num_depths}")
     g.add_argument("--layer-type", choices=["llama", "qwen3"], help="default: the verifier's, else llama")
-    g.add_argument("--draft-vocab-size", type=_opt_int, help=f"most frequent tokens kept (none = full vocab). Default {d.draft_vocab_size}")
+    g.add_argument(
+        "--draft-vocab-size",
+        type=_opt_int,
+        help=f"most frequent tokens kept (none = full vocab). Default {d.draft_vocab_size}",
+    )
     g.add_argument("--mask-token-id", type=_opt_int, help="default: tokenizer's mask token, else a new id")
-    g.add_argument("--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 2,15,27 (default 2,L//2,L-3)")
+    g.add_argument(
+        "--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 2,15,27 (default 2,L//2,L-3)"
+    )
     g.add_argument("--norm-before-residual", type=_bool)
-    g.add_argument("--train-embeddings", choices=["all", "mask", "none", "auto"],
-                   help="all (P-EAGLE), only the MASK row (much cheaper on CPU), none; auto = all on GPU, mask on "
-                   "CPU (default)")
-    g.add_argument("--train-lm-head", type=_bool, help=f"also train the (verifier-initialised) lm_head. Default {d.train_lm_head}")
+    g.add_argument(
+        "--train-embeddings",
+        choices=["all", "mask", "none", "auto"],
+        help="all (P-EAGLE), only the MASK row (much cheaper on CPU), none; auto = all on GPU, mask on CPU (default)",
+    )
+    g.add_argument(
+        "--train-lm-head", type=_bool, help=f"also train the (verifier-initialised) lm_head. Default {d.train_lm_head}"
+    )
     g = p.add_argument_group("COD sampling and attention")
     g.add_argument("--down-sample-ratio", type=float, help=f"r. Default {d.down_sample_ratio}")
     g.add_argument("--down-sample-ratio-min", type=float, help=f"r_min. Default {d.down_sample_ratio_min}")
@@ -63,29 +84,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, help=f"max grad norm (0 = off). Default {d.grad_clip}")
     g = p.add_argument_group("run")
     g.add_argument("--device", help=f"cpu | cuda. Default {d.device}")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
-                   help="autocast dtype; auto = bf16 on GPU and on CPUs with native bf16, else fp32")
-    g.add_argument("--threads", type=int, help="CPU threads (0 = torch's default). Default 1: on a shared 2-core "
-                   "machine 2 OpenMP threads run several times slower")
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        help="autocast dtype; auto = bf16 on GPU and on CPUs with native bf16, else fp32",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads (0 = torch's default). Default 1: on a shared 2-core "
+        "machine 2 OpenMP threads run several times slower",
+    )
     g.add_argument("--seed", type=int, help=f"Default {d.seed}")
     g.add_argument("--checkpoint-every", type=int, help=f"Default {d.checkpoint_every}")
     g.add_argument("--keep-checkpoints", type=int, help=f"Default {d.keep_checkpoints}")
     g.add_argument("--val-every", type=int, help=f"Default {d.val_every}")
     g.add_argument("--log-every", type=int, help=f"Default {d.log_every}")
-    g.add_argument("--hidden-cache-gb", type=float, help=f"keep verifier hidden states in memory up to this. Default {d.hidden_cache_gb}")
-    g.add_argument("--hidden-cache-dir", help="store verifier hidden states here (resumable; reused by later runs "
-                   "on the same data and settings)")
-    g.add_argument("--background-hidden", type=_bool, help="CPU: compute verifier hidden states on a second "
-                   "thread while training runs (default true)")
+    g.add_argument(
+        "--hidden-cache-gb",
+        type=float,
+        help=f"keep verifier hidden states in memory up to this. Default {d.hidden_cache_gb}",
+    )
+    g.add_argument(
+        "--hidden-cache-dir",
+        help="store verifier hidden states here (resumable; reused by later runs on the same data and settings)",
+    )
+    g.add_argument(
+        "--background-hidden",
+        type=_bool,
+        help="CPU: compute verifier hidden states on a second thread while training runs (default true)",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
-    g.add_argument("--dist", choices=["ddp", "fsdp"], help="under torchrun (WORLD_SIZE > 1): DDP (default) or FSDP2 "
-                   "(fully_shard per decoder layer + root, bf16 params / fp32 reduce on GPU)")
+    g.add_argument(
+        "--dist",
+        choices=["ddp", "fsdp"],
+        help="under torchrun (WORLD_SIZE > 1): DDP (default) or FSDP2 "
+        "(fully_shard per decoder layer + root, bf16 params / fp32 reduce on GPU)",
+    )
     g.add_argument("--config", help="YAML/JSON file of option: value (flags given here win)")
-    g.add_argument("--resume", action="store_const", const=True, help="continue from the newest complete checkpoint in --output")
+    g.add_argument(
+        "--resume", action="store_const", const=True, help="continue from the newest complete checkpoint in --output"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ..train import TrainSettings, settings_from, train
+
     cli = {k: getattr(args, k) for k in TrainSettings.field_names() if hasattr(args, k)}
     s = settings_from(cli, getattr(args, "config", None))
     r = train(s)
@@ -95,12 +139,16 @@ def run(args: argparse.Namespace) -> int:
     summ = r.val or r.train
     which = "validation" if r.val else "training (all steps)"
     print()
-    print(f"P-EAGLE drafter trained: {r.steps} steps in {r.wall_s / 60:.1f} min"
-          + (f" ({r.skipped_steps} non-finite steps skipped)" if r.skipped_steps else ""))
+    print(
+        f"P-EAGLE drafter trained: {r.steps} steps in {r.wall_s / 60:.1f} min"
+        + (f" ({r.skipped_steps} non-finite steps skipped)" if r.skipped_steps else "")
+    )
     print(f"per-depth accuracy ({which}, argmax agreement with the verifier):")
     print("  " + "  ".join(f"d{i}={a:.3f}" for i, a in enumerate(summ["acc"])))
-    print(f"  full accuracy {summ['full_acc']:.3f}, loss {summ['loss']:.4f}, estimated acceptance length "
-          f"{summ['accept_len']:.2f} (= sum_k prod_(j<=k) acc_j draft tokens per step, +1 bonus token)")
+    print(
+        f"  full accuracy {summ['full_acc']:.3f}, loss {summ['loss']:.4f}, estimated acceptance length "
+        f"{summ['accept_len']:.2f} (= sum_k prod_(j<=k) acc_j draft tokens per step, +1 bonus token)"
+    )
     print(f"checkpoint: {r.final_dir}  (vLLM/speculators format; `peagle export {r.final_dir} DST` for bf16)")
     for p in r.plots:
         print(f"plot: {p}")

@@ -1,4 +1,4 @@
-"""Verifier and training data for P-EAGLE (docs/design.md, "Data"). All offline: nothing is downloaded.
+"""Verifier and training data for P-EAGLE (docs/design.md section 7). All offline: nothing is downloaded.
 
     model, tok = load_verifier("smollm2")                       # or a local HF directory
     convs = load_conversations("sharegpt", limit=2000)          # or "my.jsonl"
@@ -20,6 +20,7 @@ Conventions (those of vLLM / speculators, so a drafter trained here serves in vL
 - loss mask: assistant content + its end-of-turn tokens, never the role header.
 - EAGLE shift: see shift.eagle_shift.
 """
+
 from .cache import HiddenStateCache, packed_fingerprint
 from .chat import TokenizeStats, assistant_char_spans, tokenize_conversation, tokenize_conversations
 from .conversations import (
@@ -45,9 +46,29 @@ from .verifier import (
 )
 
 __all__ = [
-    "DataError", "PackedSequence", "TrainingExample", "HiddenStateCache", "packed_fingerprint", "TokenizeStats",
-    "assistant_char_spans", "tokenize_conversation", "tokenize_conversations", "iter_sharegpt_records",
-    "load_conversations", "load_eval_prompts", "normalize_messages", "sharegpt_path", "verifier_hidden_states",
-    "pack_conversations", "eagle_shift", "cache_root", "check_aux_layer_ids", "convert_gguf_to_hf",
-    "decoder_parts", "default_aux_layer_ids", "load_verifier", "resolve_verifier_path", "smollm2_gguf_path",
+    "DataError",
+    "PackedSequence",
+    "TrainingExample",
+    "HiddenStateCache",
+    "packed_fingerprint",
+    "TokenizeStats",
+    "assistant_char_spans",
+    "tokenize_conversation",
+    "tokenize_conversations",
+    "iter_sharegpt_records",
+    "load_conversations",
+    "load_eval_prompts",
+    "normalize_messages",
+    "sharegpt_path",
+    "verifier_hidden_states",
+    "pack_conversations",
+    "eagle_shift",
+    "cache_root",
+    "check_aux_layer_ids",
+    "convert_gguf_to_hf",
+    "decoder_parts",
+    "default_aux_layer_ids",
+    "load_verifier",
+    "resolve_verifier_path",
+    "smollm2_gguf_path",
 ]

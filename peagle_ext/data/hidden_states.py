@@ -1,5 +1,6 @@
 """Verifier hidden states of a packed row: the aux layers' inputs and the last layer's output,
 per document (documents never attend each other)."""
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ def _batches_by_length(spans: list[tuple[int, int]], token_budget: int) -> list[
 
 
 @torch.no_grad()
-def verifier_hidden_states(verifier, packed: PackedSequence, aux_layer_ids, *,
-                           token_budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verifier_hidden_states(
+    verifier, packed: PackedSequence, aux_layer_ids, *, token_budget: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Verifier hidden states of one packed row: (aux [N, n_aux*H], last [N, H]).
 
     Which tensors (vLLM / speculators EAGLE-3 convention, so a drafter trained on them is served
@@ -72,6 +74,7 @@ def verifier_hidden_states(verifier, packed: PackedSequence, aux_layer_ids, *,
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             captured[key] = x
+
         return hook
 
     # Hooks on the INPUTS: layer k's input is aux id k; the final norm's input is id L and `last`.
@@ -92,7 +95,7 @@ def verifier_hidden_states(verifier, packed: PackedSequence, aux_layer_ids, *,
             for b, (s, e) in enumerate(batch):
                 n = e - s
                 for j, k in enumerate(ids):
-                    aux[s:e, j * H:(j + 1) * H] = captured[k][b, :n]
+                    aux[s:e, j * H : (j + 1) * H] = captured[k][b, :n]
                 last[s:e] = captured[L][b, :n]
     finally:
         for h in handles:

@@ -1,4 +1,5 @@
 """Packing of tokenized conversations into fixed-length rows with document ids."""
+
 from __future__ import annotations
 
 import bisect
@@ -38,8 +39,9 @@ def pack_conversations(tokenized, seq_len: int, *, pad_token_id: int) -> list[Pa
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         mask = torch.as_tensor(mask, dtype=torch.bool).reshape(-1)
         if ids.shape != mask.shape:
-            raise ValueError(f"tokenized[{k}]: input_ids and loss_mask lengths differ "
-                             f"({ids.numel()} vs {mask.numel()})")
+            raise ValueError(
+                f"tokenized[{k}]: input_ids and loss_mask lengths differ ({ids.numel()} vs {mask.numel()})"
+            )
         n = ids.numel()
         if n == 0:
             continue
@@ -70,9 +72,9 @@ def pack_conversations(tokenized, seq_len: int, *, pad_token_id: int) -> list[Pa
         p = 0
         for d, (ids, mask) in enumerate(docs):
             n = ids.numel()
-            input_ids[p:p + n] = ids
-            document_ids[p:p + n] = d
-            loss_mask[p:p + n] = mask
+            input_ids[p : p + n] = ids
+            document_ids[p : p + n] = d
+            loss_mask[p : p + n] = mask
             p += n
         out.append(PackedSequence(input_ids, document_ids, loss_mask, pad_token_id))
     return out

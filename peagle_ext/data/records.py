@@ -1,4 +1,5 @@
 """The records of the data pipeline: a packed row before the EAGLE shift, a training example after it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ class PackedSequence:
     loss_mask    bool  [N]  True on assistant tokens (see tokenize_conversation)
     pad_token_id int        the id written at padding positions (eagle_shift reuses it)
     """
+
     input_ids: torch.Tensor
     document_ids: torch.Tensor
     loss_mask: torch.Tensor
@@ -34,7 +36,7 @@ class PackedSequence:
 
 @dataclass
 class TrainingExample:
-    """One row after the EAGLE shift (DESIGN section 1), what the draft model trains on.
+    """One row after the EAGLE shift (docs/design.md section 1), what the draft model trains on.
 
     input_ids    int64 [N]         token p+1 at index p
     document_ids int32 [N]         -1 = padding (incl. each document's last position, see eagle_shift)
@@ -42,6 +44,7 @@ class TrainingExample:
     hidden       [N, n_aux*H]      verifier aux hidden states of position p
     last_hidden  [N, H]            verifier last hidden state (PRE final norm) of position p+1
     """
+
     input_ids: torch.Tensor
     document_ids: torch.Tensor
     loss_mask: torch.Tensor
@@ -55,7 +58,7 @@ class TrainingExample:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def to(self, device=None, dtype: torch.dtype | None = None) -> "TrainingExample":
+    def to(self, device=None, dtype: torch.dtype | None = None) -> TrainingExample:
         """Move every tensor to `device`; cast only the two hidden-state tensors to `dtype`."""
         return TrainingExample(
             input_ids=self.input_ids.to(device),

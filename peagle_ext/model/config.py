@@ -1,5 +1,6 @@
 """The drafter's configuration: the speculators-format checkpoint config (docs/design.md,
 "Checkpoints") and the training options that are not part of it."""
+
 from __future__ import annotations
 
 import copy
@@ -26,7 +27,7 @@ def layer_config_class(model_type: str):
 class PEagleConfig(PretrainedConfig):
     """Speculators-format config of a P-EAGLE drafter.
 
-    `to_dict()` is exactly the config.json of DESIGN.md section 5; `from_dict` reads it back.
+    `to_dict()` is exactly the config.json of docs/design.md section 5; `from_dict` reads it back.
     transformer_layer_config is a LlamaConfig or Qwen3Config whose num_hidden_layers is the
     number of DRAFT layers and whose vocab_size is the embedding's row count (the verifier's
     vocab, plus one when the MASK token is a new id past it).
@@ -34,11 +35,19 @@ class PEagleConfig(PretrainedConfig):
 
     model_type = "peagle"
 
-    def __init__(self, transformer_layer_config=None, draft_vocab_size: int | None = None,
-                 target_hidden_size: int | None = None, norm_before_residual: bool = False,
-                 norm_before_fc: bool = False, eagle_aux_hidden_state_layer_ids=None,
-                 mask_token_id: int | None = None, embed_requires_grad: bool = True,
-                 speculators_config: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        transformer_layer_config=None,
+        draft_vocab_size: int | None = None,
+        target_hidden_size: int | None = None,
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        eagle_aux_hidden_state_layer_ids=None,
+        mask_token_id: int | None = None,
+        embed_requires_grad: bool = True,
+        speculators_config: dict | None = None,
+        **kwargs,
+    ):
         if transformer_layer_config is None:
             transformer_layer_config = LlamaConfig()
         if isinstance(transformer_layer_config, dict):
@@ -47,21 +56,26 @@ class PEagleConfig(PretrainedConfig):
             d.pop("transformers_version", None)
             transformer_layer_config = cls(**d)
         if not isinstance(transformer_layer_config, PretrainedConfig):
-            raise TypeError("transformer_layer_config must be a transformers config or a dict, "
-                            f"got {type(transformer_layer_config).__name__}")
+            raise TypeError(
+                "transformer_layer_config must be a transformers config or a dict, "
+                f"got {type(transformer_layer_config).__name__}"
+            )
         layer_config_class(transformer_layer_config.model_type)  # validates llama|qwen3
         self.transformer_layer_config = transformer_layer_config
-        self.draft_vocab_size = int(draft_vocab_size if draft_vocab_size is not None
-                                    else transformer_layer_config.vocab_size)
+        self.draft_vocab_size = int(
+            draft_vocab_size if draft_vocab_size is not None else transformer_layer_config.vocab_size
+        )
         self.target_hidden_size = target_hidden_size
         self.norm_before_residual = bool(norm_before_residual)
         self.norm_before_fc = bool(norm_before_fc)
-        self.eagle_aux_hidden_state_layer_ids = (None if eagle_aux_hidden_state_layer_ids is None
-                                                 else [int(x) for x in eagle_aux_hidden_state_layer_ids])
+        self.eagle_aux_hidden_state_layer_ids = (
+            None if eagle_aux_hidden_state_layer_ids is None else [int(x) for x in eagle_aux_hidden_state_layer_ids]
+        )
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
         self.embed_requires_grad = bool(embed_requires_grad)
-        self.speculators_config = copy.deepcopy(speculators_config) if speculators_config else \
-            make_speculators_config(8, None, None)
+        self.speculators_config = (
+            copy.deepcopy(speculators_config) if speculators_config else make_speculators_config(8, None, None)
+        )
         for k in ("speculators_model_type", "architectures", "speculators_version"):
             kwargs.pop(k, None)
         super().__init__(**{k: v for k, v in kwargs.items() if k in _PRETRAINED_FIELDS})
@@ -144,7 +158,9 @@ class PEagleConfig(PretrainedConfig):
         return cls.from_dict(d, **kwargs)
 
 
-_PRETRAINED_FIELDS = {f.name for f in fields(PretrainedConfig)} if hasattr(PretrainedConfig, "__dataclass_fields__") else set()
+_PRETRAINED_FIELDS = (
+    {f.name for f in fields(PretrainedConfig)} if hasattr(PretrainedConfig, "__dataclass_fields__") else set()
+)
 
 
 def make_speculators_config(num_depths: int, verifier_name_or_path, verifier_architectures) -> dict:
@@ -152,8 +168,10 @@ def make_speculators_config(num_depths: int, verifier_name_or_path, verifier_arc
         "algorithm": "peagle",
         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_depths)}],
         "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": None if verifier_name_or_path is None else str(verifier_name_or_path),
-                     "architectures": list(verifier_architectures or [])},
+        "verifier": {
+            "name_or_path": None if verifier_name_or_path is None else str(verifier_name_or_path),
+            "architectures": list(verifier_architectures or []),
+        },
     }
 
 

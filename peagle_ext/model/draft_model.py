@@ -1,6 +1,7 @@
 """PEagleDraftModel: the P-EAGLE drafter's modules, its construction from a verifier config, and
-its checkpoint in the speculators format (docs/design.md, "Checkpoints"). The training forward
+its checkpoint in the speculators format (docs/design.md section 5). The training forward
 is in forward.py, the sequence partition in partition.py."""
+
 from __future__ import annotations
 
 import os
@@ -30,28 +31,31 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         except (KeyError, IndexError, TypeError, ValueError):
             raise ValueError("config: speculators_config needs proposal_methods[0].speculative_tokens (K)") from None
         if not 1 <= k <= 64:
-            raise ValueError(f"config: speculators_config proposal_methods[0].speculative_tokens (K) must be in "
-                             f"[1, 64], got {k}")
+            raise ValueError(
+                f"config: speculators_config proposal_methods[0].speculative_tokens (K) must be in [1, 64], got {k}"
+            )
         self.options = (options or PEagleOptions()).validate(config.num_depths)
         tl = config.transformer_layer_config
         h = tl.hidden_size
         if config.target_hidden_size is not None and int(config.target_hidden_size) != h:
             raise ValueError(
                 f"verifier/draft hidden size mismatch: target_hidden_size {config.target_hidden_size} != "
-                f"draft hidden_size {h} (this drafter reuses the verifier's lm_head and needs them equal)")
+                f"draft hidden_size {h} (this drafter reuses the verifier's lm_head and needs them equal)"
+            )
         if config.mask_token_id is None:
             raise ValueError("mask_token_id must be set (see resolve_mask_token_id)")
         if not 0 <= config.mask_token_id < tl.vocab_size:
-            raise ValueError(f"mask_token_id {config.mask_token_id} is outside the embedding "
-                             f"(transformer_layer_config.vocab_size = {tl.vocab_size})")
+            raise ValueError(
+                f"mask_token_id {config.mask_token_id} is outside the embedding "
+                f"(transformer_layer_config.vocab_size = {tl.vocab_size})"
+            )
         if not 1 <= config.draft_vocab_size <= tl.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {tl.vocab_size}], got {config.draft_vocab_size}")
         n_aux = config.num_aux
         self.embed_tokens = nn.Embedding(tl.vocab_size, h)
         self.input_norm = RMSNorm(n_aux * h, tl.rms_norm_eps) if config.norm_before_fc else None
         self.fc = nn.Linear(n_aux * h, h, bias=False)
-        self.layers = nn.ModuleList(DraftLayer(tl, i, config.norm_before_residual)
-                                    for i in range(tl.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftLayer(tl, i, config.norm_before_residual) for i in range(tl.num_hidden_layers))
         self.norm = RMSNorm(h, tl.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, n_aux * h))
@@ -71,8 +75,9 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         self.embed_tokens.weight.requires_grad_(mode == "all")
         # "mask" mode: the MASK row lives in its own parameter and is written back into
         # embed_tokens.weight in every checkpoint (checkpoint_state_dict)
-        self.mask_embed = nn.Parameter(self.embed_tokens.weight.detach()[config.mask_token_id].clone()) \
-            if mode == "mask" else None
+        self.mask_embed = (
+            nn.Parameter(self.embed_tokens.weight.detach()[config.mask_token_id].clone()) if mode == "mask" else None
+        )
         self.lm_head.weight.requires_grad_(self.options.train_lm_head)
 
     def _init_weights(self, std: float):
@@ -86,11 +91,22 @@ class PEagleDraftModel(TrainingForward, nn.Module):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_verifier(cls, verifier_config, *, num_layers: int = 1, num_depths: int = 8,
-                      mask_token_id: int, draft_vocab_size: int | None = None,
-                      aux_layer_ids=None, layer_type: str | None = None, d2t: torch.Tensor | None = None,
-                      verifier_name_or_path=None, options: PEagleOptions | None = None,
-                      norm_before_residual: bool = False, norm_before_fc: bool = False) -> "PEagleDraftModel":
+    def from_verifier(
+        cls,
+        verifier_config,
+        *,
+        num_layers: int = 1,
+        num_depths: int = 8,
+        mask_token_id: int,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids=None,
+        layer_type: str | None = None,
+        d2t: torch.Tensor | None = None,
+        verifier_name_or_path=None,
+        options: PEagleOptions | None = None,
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+    ) -> PEagleDraftModel:
         """A fresh drafter shaped after `verifier_config` (a transformers config or its dict).
 
         mask_token_id: an id below the verifier's vocab_size (e.g. the tokenizer's mask token),
@@ -112,8 +128,10 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int):
             raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
         if not 0 <= mask_token_id <= v:
-            raise ValueError(f"mask_token_id must be in [0, {v}] (an id of the vocab, or {v} = a new id "
-                             f"past it, growing the embedding by one), got {mask_token_id}")
+            raise ValueError(
+                f"mask_token_id must be in [0, {v}] (an id of the vocab, or {v} = a new id "
+                f"past it, growing the embedding by one), got {mask_token_id}"
+            )
         emb_rows = v + 1 if mask_token_id == v else v
         if layer_type is None:
             layer_type = vc.model_type if vc.model_type in LAYER_TYPES else "llama"
@@ -123,15 +141,23 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         if not rope:
             rope = {"rope_type": "default", "rope_theta": float(getattr(vc, "rope_theta", 10000.0))}
         tl = cls_tl(
-            vocab_size=emb_rows, hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=vc.num_attention_heads,
+            vocab_size=emb_rows,
+            hidden_size=vc.hidden_size,
+            intermediate_size=vc.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=vc.num_attention_heads,
             num_key_value_heads=getattr(vc, "num_key_value_heads", None) or vc.num_attention_heads,
-            head_dim=head_dim, hidden_act=getattr(vc, "hidden_act", "silu"),
+            head_dim=head_dim,
+            hidden_act=getattr(vc, "hidden_act", "silu"),
             max_position_embeddings=getattr(vc, "max_position_embeddings", 2048),
-            rms_norm_eps=getattr(vc, "rms_norm_eps", 1e-6), rope_parameters=dict(rope),
-            attention_bias=bool(getattr(vc, "attention_bias", False)), tie_word_embeddings=False,
-            bos_token_id=getattr(vc, "bos_token_id", None), eos_token_id=getattr(vc, "eos_token_id", None),
-            pad_token_id=getattr(vc, "pad_token_id", None))
+            rms_norm_eps=getattr(vc, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope),
+            attention_bias=bool(getattr(vc, "attention_bias", False)),
+            tie_word_embeddings=False,
+            bos_token_id=getattr(vc, "bos_token_id", None),
+            eos_token_id=getattr(vc, "eos_token_id", None),
+            pad_token_id=getattr(vc, "pad_token_id", None),
+        )
         if layer_type == "llama":
             tl.mlp_bias = bool(getattr(vc, "mlp_bias", False))
         if draft_vocab_size is None:
@@ -142,13 +168,20 @@ class PEagleDraftModel(TrainingForward, nn.Module):
             n = int(vc.num_hidden_layers)
             aux_layer_ids = [2, n // 2, n - 3] if n >= 6 else [min(2, n - 1), n // 2, max(n - 3, 0)]
         cfg = PEagleConfig(
-            transformer_layer_config=tl, draft_vocab_size=int(draft_vocab_size),
-            target_hidden_size=int(vc.hidden_size), norm_before_residual=norm_before_residual,
-            norm_before_fc=norm_before_fc, eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
-            mask_token_id=mask_token_id, embed_requires_grad=True,
+            transformer_layer_config=tl,
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=int(vc.hidden_size),
+            norm_before_residual=norm_before_residual,
+            norm_before_fc=norm_before_fc,
+            eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
+            mask_token_id=mask_token_id,
+            embed_requires_grad=True,
             speculators_config=make_speculators_config(
-                num_depths, verifier_name_or_path or getattr(verifier_config, "_name_or_path", None) or None,
-                getattr(verifier_config, "architectures", None)))
+                num_depths,
+                verifier_name_or_path or getattr(verifier_config, "_name_or_path", None) or None,
+                getattr(verifier_config, "architectures", None),
+            ),
+        )
         model = cls(cfg, options)
         if d2t is not None:
             model.set_vocab_mapping(d2t)
@@ -181,23 +214,35 @@ class PEagleDraftModel(TrainingForward, nn.Module):
     def num_depths(self) -> int:
         return self.config.num_depths
 
-    def attach_verifier(self, *, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                        norm_eps: float | None = None, embed_weight: torch.Tensor | None = None,
-                        init_from_verifier: bool = True):
+    def attach_verifier(
+        self,
+        *,
+        norm_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        norm_eps: float | None = None,
+        embed_weight: torch.Tensor | None = None,
+        init_from_verifier: bool = True,
+    ):
         """Hold the verifier's final norm and lm_head (rows of the draft vocab) as frozen buffers
         for the loss; with init_from_verifier also start the draft embeddings and lm_head from
         the verifier's (as speculators does). The MASK row, when grown, starts at the mean embedding."""
         h = self.config.hidden_size
         if norm_weight.shape != (h,):
-            raise ValueError(f"verifier/draft hidden size mismatch: verifier norm has shape "
-                             f"{tuple(norm_weight.shape)}, draft hidden_size is {h}")
+            raise ValueError(
+                f"verifier/draft hidden size mismatch: verifier norm has shape "
+                f"{tuple(norm_weight.shape)}, draft hidden_size is {h}"
+            )
         if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != h:
-            raise ValueError(f"verifier/draft hidden size mismatch: verifier lm_head has shape "
-                             f"{tuple(lm_head_weight.shape)}, draft hidden_size is {h}")
+            raise ValueError(
+                f"verifier/draft hidden size mismatch: verifier lm_head has shape "
+                f"{tuple(lm_head_weight.shape)}, draft hidden_size is {h}"
+            )
         ids = self.draft_token_ids.to(lm_head_weight.device)
         if int(ids.max()) >= lm_head_weight.shape[0]:
-            raise ValueError(f"draft vocab maps to target id {int(ids.max())} but the verifier lm_head "
-                             f"has only {lm_head_weight.shape[0]} rows")
+            raise ValueError(
+                f"draft vocab maps to target id {int(ids.max())} but the verifier lm_head "
+                f"has only {lm_head_weight.shape[0]} rows"
+            )
         with torch.no_grad():
             self.verifier_norm_weight.copy_(norm_weight.detach().float())
             self.verifier_lm_head_weight.copy_(lm_head_weight.detach()[ids].float())
@@ -211,8 +256,10 @@ class PEagleDraftModel(TrainingForward, nn.Module):
                     v = embed_weight.shape[0]
                     rows = self.embed_tokens.weight.shape[0]
                     if embed_weight.shape[1] != h or v > rows or v < rows - 1:
-                        raise ValueError(f"verifier embedding shape {tuple(embed_weight.shape)} does not fit "
-                                         f"the draft embedding {tuple(self.embed_tokens.weight.shape)}")
+                        raise ValueError(
+                            f"verifier embedding shape {tuple(embed_weight.shape)} does not fit "
+                            f"the draft embedding {tuple(self.embed_tokens.weight.shape)}"
+                        )
                     self.embed_tokens.weight[:v].copy_(embed_weight.detach().float())
                     if v < rows:
                         self.embed_tokens.weight[v:].copy_(embed_weight.detach().float().mean(0, keepdim=True))
@@ -221,7 +268,7 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         self.has_verifier = True
         return self
 
-    # -- checkpoint (DESIGN.md section 5) -----------------------------------------------------
+    # -- checkpoint (docs/design.md section 5) -----------------------------------------------------
     def checkpoint_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         out = {}
         for k, t in self.state_dict().items():
@@ -238,6 +285,7 @@ class PEagleDraftModel(TrainingForward, nn.Module):
 
     def save_pretrained(self, directory, *, dtype: torch.dtype | None = None):
         from safetensors.torch import save_file
+
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_file(self.checkpoint_state_dict(dtype), str(d / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -245,9 +293,11 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         self.config.save_pretrained(d)
 
     @classmethod
-    def from_pretrained(cls, directory, *, options: PEagleOptions | None = None,
-                        map_location="cpu") -> "PEagleDraftModel":
+    def from_pretrained(
+        cls, directory, *, options: PEagleOptions | None = None, map_location="cpu"
+    ) -> PEagleDraftModel:
         from safetensors.torch import load_file
+
         d = Path(directory)
         if not (d / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"{d} is not a P-EAGLE checkpoint: no {CONFIG_NAME}")
@@ -260,8 +310,10 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         except OSError:
             raise
         except Exception as e:  # safetensors' SafetensorError is no ValueError: name the file
-            raise ValueError(f"{d / WEIGHTS_NAME} is not a readable safetensors file ({e}): a corrupt or "
-                             "partially written checkpoint?") from None
+            raise ValueError(
+                f"{d / WEIGHTS_NAME} is not a readable safetensors file ({e}): a corrupt or "
+                "partially written checkpoint?"
+            ) from None
         model.load_checkpoint_state_dict(sd)
         return model
 
@@ -274,10 +326,16 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         own = self.state_dict()
         for k, t in sd.items():
             if tuple(t.shape) != tuple(own[k].shape):
-                raise ValueError(f"checkpoint tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(own[k].shape)}")
-            if own[k].is_floating_point() != t.is_floating_point() or (own[k].dtype == torch.bool) != (t.dtype == torch.bool):
-                raise ValueError(f"checkpoint tensor {k} has dtype {str(t.dtype).replace('torch.', '')}, "
-                                 f"expected {'a floating dtype' if own[k].is_floating_point() else own[k].dtype}")
+                raise ValueError(
+                    f"checkpoint tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(own[k].shape)}"
+                )
+            if own[k].is_floating_point() != t.is_floating_point() or (own[k].dtype == torch.bool) != (
+                t.dtype == torch.bool
+            ):
+                raise ValueError(
+                    f"checkpoint tensor {k} has dtype {str(t.dtype).replace('torch.', '')}, "
+                    f"expected {'a floating dtype' if own[k].is_floating_point() else own[k].dtype}"
+                )
         self._check_vocab_mapping(sd["d2t"], sd["t2d"])
         with torch.no_grad():
             for k, t in sd.items():
@@ -305,15 +363,22 @@ class PEagleDraftModel(TrainingForward, nn.Module):
     def check_mask_token_unused(self, input_ids: torch.Tensor, where: str = "the training data"):
         """Refuse data that uses the MASK id as a real token (it would be indistinguishable)."""
         if bool((input_ids == self.config.mask_token_id).any()):
-            raise ValueError(f"mask_token_id {self.config.mask_token_id} occurs as a real token in {where}; "
-                             "pick a mask token the data never uses (--mask-token-id)")
+            raise ValueError(
+                f"mask_token_id {self.config.mask_token_id} occurs as a real token in {where}; "
+                "pick a mask token the data never uses (--mask-token-id)"
+            )
 
     # -- COD layout ---------------------------------------------------------------------------------
 
     def sample_layout(self, example, *, seed: int | None = None) -> CodLayout:
         o = self.options
-        return cod_sample(example.document_ids, example.loss_mask, num_depths=self.num_depths,
-                          down_sample_ratio=o.down_sample_ratio, down_sample_ratio_min=o.down_sample_ratio_min,
-                          max_anchors=o.max_anchors, depth0="all" if o.attention == "symmetric" else "anchors",
-                          seed=seed)
-
+        return cod_sample(
+            example.document_ids,
+            example.loss_mask,
+            num_depths=self.num_depths,
+            down_sample_ratio=o.down_sample_ratio,
+            down_sample_ratio_min=o.down_sample_ratio_min,
+            max_anchors=o.max_anchors,
+            depth0="all" if o.attention == "symmetric" else "anchors",
+            seed=seed,
+        )

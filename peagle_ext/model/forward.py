@@ -1,4 +1,4 @@
-"""The training forward of PEagleDraftModel over a COD layout (docs/design.md, "Draft model").
+"""The training forward of PEagleDraftModel over a COD layout (docs/design.md section 7).
 
 One forward trains every depth of the drafter at once on a COD-sampled token set:
 
@@ -16,6 +16,7 @@ Attention goes through `peagle_ext.ops.attention.cod_attention`:
   provides context K/V per layer; the layout (depth 0 only at the anchors, then the deeper
   tokens) attends that context plus its own chain.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,17 +52,23 @@ class TrainingForward:
         if self.mask_embed is not None:
             emb = torch.cat([self.embed_tokens(example.input_ids.to(dev, torch.long)), self.mask_embed[None]], 0)
         else:
-            ids = torch.cat([example.input_ids.to(dev, torch.long),
-                             torch.tensor([self.config.mask_token_id], device=dev, dtype=torch.long)])
+            ids = torch.cat(
+                [
+                    example.input_ids.to(dev, torch.long),
+                    torch.tensor([self.config.mask_token_id], device=dev, dtype=torch.long),
+                ]
+            )
             emb = self.embed_tokens(ids)
         mask = self.mask_hidden.reshape(1, -1)
         hidden = example.hidden.to(dev)
         if hidden.dim() != 2 or hidden.shape[0] != n:
             raise ValueError(f"example.hidden must have shape [N={n}, n_aux*H], got {tuple(hidden.shape)}")
         if hidden.shape[1] != mask.shape[1]:
-            raise ValueError(f"verifier/draft hidden size mismatch: example.hidden has {hidden.shape[1]} features, "
-                             f"the drafter's fc expects {mask.shape[1]} ({self.config.num_aux} aux layers x "
-                             f"hidden {self.config.hidden_size})")
+            raise ValueError(
+                f"verifier/draft hidden size mismatch: example.hidden has {hidden.shape[1]} features, "
+                f"the drafter's fc expects {mask.shape[1]} ({self.config.num_aux} aux layers x "
+                f"hidden {self.config.hidden_size})"
+            )
         amp_dt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
         if self.input_norm is None and amp_dt is not None and hidden.dtype == amp_dt:
             # autocast casts fc's input to amp_dt anyway: concatenating in amp_dt gives the same
@@ -76,7 +83,7 @@ class TrainingForward:
         return emb, hid
 
     def pass_tokens(self, layout: CodLayout, rows: torch.Tensor) -> PassTokens:
-        pos = (layout.anchor.long() + layout.depth.long())
+        pos = layout.anchor.long() + layout.depth.long()
         freqs = pos.to(self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]
         emb = torch.cat([freqs, freqs], -1)
         cos = (emb.cos() * self.rope_scale)[:, None, :]
@@ -85,6 +92,7 @@ class TrainingForward:
 
     def attend(self, q, k, v, tok: PassTokens, context=None):
         from ..ops.attention import cod_attention, cod_attention_metadata
+
         o = self.options
         dt, in_dt = self.compute_dtype(q), q.dtype
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
@@ -92,10 +100,17 @@ class TrainingForward:
             context = (context[0].to(dt), context[1].to(dt))
         if tok.meta is None:  # the key ranges / chain tables serve every layer of the pass
             tok.meta = cod_attention_metadata(tok.layout, cross=context is not None, window=o.window, sink=o.sink)
-        out = cod_attention(q, k, v, tok.layout,
-                            context_k=None if context is None else context[0],
-                            context_v=None if context is None else context[1],
-                            window=o.window, sink=o.sink, metadata=tok.meta)
+        out = cod_attention(
+            q,
+            k,
+            v,
+            tok.layout,
+            context_k=None if context is None else context[0],
+            context_v=None if context is None else context[1],
+            window=o.window,
+            sink=o.sink,
+            metadata=tok.meta,
+        )
         # fp32 parameters on CUDA without autocast: the kernel ran in bf16, o_proj is fp32
         return out.to(in_dt)
 
@@ -154,7 +169,8 @@ class TrainingForward:
     def loss_terms(self, h, layout: CodLayout, example, target_normed):
         """(weighted loss SUM, weight sum, correct[K], total[K]) over the tokens of `layout`."""
         from ..ops.loss import fused_linear_kl
-        pos = (layout.anchor.long() + layout.depth.long())
+
+        pos = layout.anchor.long() + layout.depth.long()
         weight = example.loss_mask.to(pos.device)[pos].float()
         hn = self.norm(h)
         dt = self.compute_dtype(hn)
@@ -162,8 +178,17 @@ class TrainingForward:
         tgt = target_normed[pos].to(dt)
         head = self.lm_head.weight.to(dt)
         vhead = self.verifier_lm_head_weight.to(dt)
-        loss, m = fused_linear_kl(hn, head, tgt, vhead, weight, layout.depth, num_depths=self.num_depths,
-                                  kind=self.options.loss_kind, validate=hn.device.type == "cpu")
+        loss, m = fused_linear_kl(
+            hn,
+            head,
+            tgt,
+            vhead,
+            weight,
+            layout.depth,
+            num_depths=self.num_depths,
+            kind=self.options.loss_kind,
+            validate=hn.device.type == "cpu",
+        )
         wsum = weight.sum()
         return loss * wsum, wsum, m["correct"], m["total"]
 
@@ -172,8 +197,10 @@ class TrainingForward:
             raise RuntimeError("the drafter has no verifier head attached: call attach_verifier(...) first")
         last = example.last_hidden.to(self.verifier_norm_weight.device)
         if last.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"verifier/draft hidden size mismatch: example.last_hidden has {last.shape[-1]} "
-                             f"features, the drafter's hidden_size is {self.config.hidden_size}")
+            raise ValueError(
+                f"verifier/draft hidden size mismatch: example.last_hidden has {last.shape[-1]} "
+                f"features, the drafter's hidden_size is {self.config.hidden_size}"
+            )
         with torch.no_grad():
             return rms_norm(last.float(), self.verifier_norm_weight, self.verifier_norm_eps)
 
@@ -182,8 +209,10 @@ class TrainingForward:
             raise ValueError(f"layout has {layout.num_depths} depths, the drafter {self.num_depths}")
         want_all = self.options.attention == "symmetric"
         if layout.depth0_all != want_all:
-            raise ValueError(f"{self.options.attention} attention needs a layout sampled with "
-                             f"depth0={'all' if want_all else 'anchors'}")
+            raise ValueError(
+                f"{self.options.attention} attention needs a layout sampled with "
+                f"depth0={'all' if want_all else 'anchors'}"
+            )
         if layout.seq_len != n:
             raise ValueError(f"layout is for N={layout.seq_len}, the example has N={n}")
 
@@ -224,12 +253,24 @@ class TrainingForward:
             _, kvs = self.run_layers(self.stream_tokens(example, dev), l0, collect_kv=True, last_full=False)
             h, _ = self.run_layers(tok, l0, contexts=kvs)
         loss_sum, wsum, correct, total = self.loss_terms(h, layout, example, tgt)
-        return loss_sum, {"weight": float(wsum), "correct": correct.cpu(), "total": total.cpu(),
-                          "loss_sum": float(loss_sum.detach()), "num_tokens": layout.num_tokens}
+        return loss_sum, {
+            "weight": float(wsum),
+            "correct": correct.cpu(),
+            "total": total.cpu(),
+            "loss_sum": float(loss_sum.detach()),
+            "num_tokens": layout.num_tokens,
+        }
 
-    def forward_backward(self, example, layout: CodLayout | None = None, *, seed: int | None = None,
-                         segments: int = 1, loss_scale: float | None = None,
-                         autocast_dtype: torch.dtype | None = None) -> dict:
+    def forward_backward(
+        self,
+        example,
+        layout: CodLayout | None = None,
+        *,
+        seed: int | None = None,
+        segments: int = 1,
+        loss_scale: float | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> dict:
         """Forward + backward of `loss_sum * loss_scale` (default 1 / weight, i.e. the mean),
         accumulating into .grad. segments > 1 = sequence partition: the layout runs in that many
         anchor-range segments with exact gradients (module docstring). autocast_dtype: forward

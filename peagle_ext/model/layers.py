@@ -1,5 +1,6 @@
 """Building blocks of the drafter: RMSNorm, RoPE, and llama / qwen3 decoder layers (layer 0 is
 EAGLE-3's first layer on [embeds ; hidden])."""
+
 from __future__ import annotations
 
 import copy
@@ -36,6 +37,7 @@ def rope_inv_freq(tl: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, fl
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         return inv.float(), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     cfg = copy.deepcopy(tl)
     inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
     return inv.float(), float(scale)

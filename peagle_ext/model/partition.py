@@ -6,6 +6,7 @@ whose gradients are accumulated and pushed back through the stream once at the e
 summed gradient is exact (a symmetric query's keys are exactly "stream positions <= its anchor"
 plus its own chain, i.e. the cross rule).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,13 +18,19 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
     """forward_backward(segments > 1) of a PEagleDraftModel (module docstring)."""
     o = model.options
     if o.attention == "symmetric" and o.window is not None and o.window < model.num_depths:
-        raise ValueError(f"sequence partition in symmetric mode needs window >= num_depths "
-                         f"({model.num_depths}) so a chain's own depth-0 token stays in its window")
+        raise ValueError(
+            f"sequence partition in symmetric mode needs window >= num_depths "
+            f"({model.num_depths}) so a chain's own depth-0 token stays in its window"
+        )
     dev = model.fc.weight.device
     layout = layout.to(dev)
     tgt = model.target_normed(example)
     weight_all = example.loss_mask.to(dev)[(layout.anchor.long() + layout.depth.long())].float()
-    scale = loss_scale if loss_scale is not None else (1.0 / float(weight_all.sum()) if float(weight_all.sum()) > 0 else 0.0)
+    scale = (
+        loss_scale
+        if loss_scale is not None
+        else (1.0 / float(weight_all.sum()) if float(weight_all.sum()) > 0 else 0.0)
+    )
     stream = model.stream_tokens(example, dev)
     symmetric = o.attention == "symmetric"
     with model.amp():
@@ -65,8 +72,13 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
                 grads.append(leaf.grad)
     if roots:
         torch.autograd.backward(roots, [g if g is not None else torch.ones_like(r) for r, g in zip(roots, grads)])
-    return {"weight": wsum_all, "correct": correct, "total": total, "loss_sum": total_sum,
-            "num_tokens": layout.num_tokens}
+    return {
+        "weight": wsum_all,
+        "correct": correct,
+        "total": total,
+        "loss_sum": total_sum,
+        "num_tokens": layout.num_tokens,
+    }
 
 
 def segment_layouts(layout: CodLayout, keep: torch.Tensor, segments: int):

@@ -1,4 +1,5 @@
 """The draft vocabulary (d2t / t2d from token frequencies) and the choice of the MASK token id."""
+
 from __future__ import annotations
 
 import torch

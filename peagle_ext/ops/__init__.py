@@ -6,12 +6,22 @@ checks, autograd and a fake (meta) implementation:
 - `loss`: the chunked fused linear-KL / CE loss (`fused_linear_kl`).
 - `parallel_draft`: vLLM's parallel-drafting input step (`prepare_parallel_draft_inputs`).
 """
+
 from .attention import CodAttentionMetadata, cod_attention, cod_attention_metadata
 from .cod import CodLayout, cod_sample
 from .loss import ChunkPlan, chunk_plan, fused_linear_kl
 from .parallel_draft import PADDING_SLOT_ID, DraftBatch, prepare_parallel_draft_inputs
 
 __all__ = [
-    "CodAttentionMetadata", "cod_attention", "cod_attention_metadata", "CodLayout", "cod_sample", "ChunkPlan",
-    "chunk_plan", "fused_linear_kl", "PADDING_SLOT_ID", "DraftBatch", "prepare_parallel_draft_inputs",
+    "CodAttentionMetadata",
+    "cod_attention",
+    "cod_attention_metadata",
+    "CodLayout",
+    "cod_sample",
+    "ChunkPlan",
+    "chunk_plan",
+    "fused_linear_kl",
+    "PADDING_SLOT_ID",
+    "DraftBatch",
+    "prepare_parallel_draft_inputs",
 ]

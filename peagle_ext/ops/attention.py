@@ -1,4 +1,4 @@
-"""COD attention (DESIGN.md section 3): every draft token attends one contiguous range of the
+"""COD attention (docs/design.md section 3): every draft token attends one contiguous range of the
 depth-0 stream (or of the verifier context, cross mode) plus at most K tokens of its own chain.
 
 `cod_attention` builds the attention metadata from the layout (`cod_attention_metadata`, O(T),
@@ -22,6 +22,7 @@ ValueError.
 Set PEAGLE_ATTN_CHECK=1 to also validate the layout's contents (sorted anchors, depth segments,
 depth-0 rows, contiguous documents) on CUDA; this syncs with the host. The CPU path always does.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,9 @@ class CodAttentionMetadata:
     sink: int = 0
 
 
-def cod_attention_metadata(layout: CodLayout, *, cross: bool = False, window: int | None = None,
-                           sink: int = 0) -> CodAttentionMetadata:
+def cod_attention_metadata(
+    layout: CodLayout, *, cross: bool = False, window: int | None = None, sink: int = 0
+) -> CodAttentionMetadata:
     """Per-token key ranges and chain tables of `layout` (on the layout's device)."""
     _check_layout(layout)
     check_int("window", window, lo=1, allow_none=True)
@@ -62,22 +64,39 @@ def cod_attention_metadata(layout: CodLayout, *, cross: bool = False, window: in
     if not cross and layout.depth_offsets[1] != layout.seq_len:
         raise ValueError(
             "layout: symmetric mode (no context_k/context_v) needs depth 0 at every position "
-            f"(cod_sample depth0='all'); got {layout.depth_offsets[1]} depth-0 tokens for N={layout.seq_len}")
+            f"(cod_sample depth0='all'); got {layout.depth_offsets[1]} depth-0 tokens for N={layout.seq_len}"
+        )
     if layout.device.type == "cpu":
         _check_contiguous_documents(layout.document_ids)  # the CPU op checks the rest itself
     elif os.environ.get("PEAGLE_ATTN_CHECK", "0") not in ("", "0"):
         _check_layout_contents(layout, cross)
     ranges, chains = ops.cod_attention_metadata(
-        layout.anchor, layout.depth, layout.document_ids, list(layout.depth_offsets), bool(cross),
-        -1 if window is None else int(window), int(sink))
-    return CodAttentionMetadata(ranges, chains, list(layout.depth_offsets), bool(cross),
-                                window is not None and sink > 0, window, sink)
+        layout.anchor,
+        layout.depth,
+        layout.document_ids,
+        list(layout.depth_offsets),
+        bool(cross),
+        -1 if window is None else int(window),
+        int(sink),
+    )
+    return CodAttentionMetadata(
+        ranges, chains, list(layout.depth_offsets), bool(cross), window is not None and sink > 0, window, sink
+    )
 
 
-def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CodLayout, *,
-                  context_k: torch.Tensor | None = None, context_v: torch.Tensor | None = None,
-                  window: int | None = None, sink: int = 0, scale: float | None = None,
-                  metadata: CodAttentionMetadata | None = None) -> torch.Tensor:
+def cod_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: CodLayout,
+    *,
+    context_k: torch.Tensor | None = None,
+    context_v: torch.Tensor | None = None,
+    window: int | None = None,
+    sink: int = 0,
+    scale: float | None = None,
+    metadata: CodAttentionMetadata | None = None,
+) -> torch.Tensor:
     """COD attention over the layout's tokens. q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0);
     cross mode: context_k/context_v [N, Hkv, D]. Returns [T, Hq, D]; rows without keys are 0.
 
@@ -97,13 +116,27 @@ def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Cod
         check_int("sink", sink, lo=0)
         if not isinstance(metadata, CodAttentionMetadata):
             raise TypeError(f"metadata must be a CodAttentionMetadata, got {type(metadata).__name__}")
-        if (metadata.cross, metadata.window, metadata.sink, metadata.depth_offsets) != \
-                (cross, window, sink, list(layout.depth_offsets)) or metadata.ranges.shape[1] != layout.num_tokens:
+        if (metadata.cross, metadata.window, metadata.sink, metadata.depth_offsets) != (
+            cross,
+            window,
+            sink,
+            list(layout.depth_offsets),
+        ) or metadata.ranges.shape[1] != layout.num_tokens:
             raise ValueError("metadata was built for another layout or mode (cross/window/sink/depth_offsets)")
     ck = _dense(context_k) if cross else None
     cv = _dense(context_v) if cross else None
-    out, _ = ops.cod_attention_fwd(_dense(q), _dense(k), _dense(v), ck, cv, metadata.ranges,
-                                   metadata.chains, metadata.depth_offsets, float(scale), metadata.use_sink)
+    out, _ = ops.cod_attention_fwd(
+        _dense(q),
+        _dense(k),
+        _dense(v),
+        ck,
+        cv,
+        metadata.ranges,
+        metadata.chains,
+        metadata.depth_offsets,
+        float(scale),
+        metadata.use_sink,
+    )
     return out
 
 
@@ -139,8 +172,10 @@ def _check_layout_contents(layout: CodLayout, cross: bool):
         if int(a.min()) < 0 or int(a.max()) >= n:
             raise ValueError("layout.anchor must lie in [0, N)")
         o = layout.depth_offsets
-        want = torch.repeat_interleave(torch.arange(len(o) - 1, device=a.device),
-                                       torch.tensor([o[i + 1] - o[i] for i in range(len(o) - 1)], device=a.device))
+        want = torch.repeat_interleave(
+            torch.arange(len(o) - 1, device=a.device),
+            torch.tensor([o[i + 1] - o[i] for i in range(len(o) - 1)], device=a.device),
+        )
         if not torch.equal(d, want):
             raise ValueError("layout.depth must match layout.depth_offsets (depth-major order)")
         seg_start = torch.zeros_like(a, dtype=torch.bool)
@@ -224,8 +259,20 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, context_k, context_v, ranges, chains, out, lse = ctx.saved_tensors
     dq, dk, dv, dck, dcv = ops.cod_attention_bwd(
-        _dense(grad_out), q, k, v, context_k, context_v, out, lse, ranges, chains, ctx.depth_offsets,
-        ctx.scale, ctx.use_sink)
+        _dense(grad_out),
+        q,
+        k,
+        v,
+        context_k,
+        context_v,
+        out,
+        lse,
+        ranges,
+        chains,
+        ctx.depth_offsets,
+        ctx.scale,
+        ctx.use_sink,
+    )
     cross = context_k is not None
     return dq, dk, dv, (dck if cross else None), (dcv if cross else None), None, None, None, None, None
 

@@ -1,8 +1,9 @@
 """COD (conditional drop-token) sampling: which draft tokens a packed sequence trains on.
 
-DESIGN.md section 2. `cod_sample` runs the native op (CPU or CUDA, same draw for a seed)
+docs/design.md section 2. `cod_sample` runs the native op (CPU or CUDA, same draw for a seed)
 and returns a CodLayout: tokens in depth-major order, anchors sorted within each depth.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,18 @@ from .._native import ops
 
 MAX_DEPTHS = 64
 _INT_TYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
-_MASK_TYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-               torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MASK_TYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
 
 
 @dataclass
@@ -58,9 +69,14 @@ class CodLayout:
         o = self.depth_offsets
         return [o[d + 1] - o[d] for d in range(len(o) - 1)]
 
-    def to(self, device) -> "CodLayout":
-        return CodLayout(self.anchor.to(device), self.depth.to(device), list(self.depth_offsets),
-                         self.document_ids.to(device), self.depth0_all)
+    def to(self, device) -> CodLayout:
+        return CodLayout(
+            self.anchor.to(device),
+            self.depth.to(device),
+            list(self.depth_offsets),
+            self.document_ids.to(device),
+            self.depth0_all,
+        )
 
 
 def _as_document_ids(document_ids) -> torch.Tensor:
@@ -88,10 +104,18 @@ def _as_loss_mask(loss_mask, n: int, device) -> torch.Tensor:
     return loss_mask.contiguous()
 
 
-def cod_sample(document_ids: torch.Tensor, loss_mask: torch.Tensor, *, num_depths: int = 8,
-               down_sample_ratio: float = 0.7, down_sample_ratio_min: float = 0.2,
-               max_anchors: int | None = None, depth0: str = "all", seed: int | None = None) -> CodLayout:
-    """COD-sample the draft tokens of one packed sequence (DESIGN.md section 2).
+def cod_sample(
+    document_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    num_depths: int = 8,
+    down_sample_ratio: float = 0.7,
+    down_sample_ratio_min: float = 0.2,
+    max_anchors: int | None = None,
+    depth0: str = "all",
+    seed: int | None = None,
+) -> CodLayout:
+    """COD-sample the draft tokens of one packed sequence (docs/design.md section 2).
 
     Seeds are positions p >= 1 with loss_mask[p] == 1 whose predecessor p-1 is in the same
     document; depth d >= 1 keeps floor((S - d) * max(r^d, r_min)) tokens drawn uniformly from
@@ -110,8 +134,15 @@ def cod_sample(document_ids: torch.Tensor, loss_mask: torch.Tensor, *, num_depth
         seed = int(torch.randint(0, 2**62, (1,)).item())
     check_int("seed", seed, lo=-(2**63), hi=2**63 - 1)
     anchor, depth, offsets = ops.cod_sample(
-        document_ids, loss_mask, num_depths, float(down_sample_ratio), float(down_sample_ratio_min),
-        -1 if max_anchors is None else max_anchors, depth0 == "all", seed)
+        document_ids,
+        loss_mask,
+        num_depths,
+        float(down_sample_ratio),
+        float(down_sample_ratio_min),
+        -1 if max_anchors is None else max_anchors,
+        depth0 == "all",
+        seed,
+    )
     return CodLayout(anchor, depth, [int(x) for x in offsets.tolist()], document_ids, depth0 == "all")
 
 

@@ -1,6 +1,6 @@
 """Chunked fused linear-KL loss: draft vs verifier distributions without [T, V] logits.
 
-DESIGN.md section 4. `fused_linear_kl` computes, per token t,
+docs/design.md section 4. `fused_linear_kl` computes, per token t,
     KL(p_t || q_t),  p_t = softmax(target_hidden[t] @ target_head.T)  (restricted to the
                             draft vocab through d2t and renormalised there)
                      q_t = softmax(draft_hidden[t] @ draft_head.T)
@@ -13,6 +13,7 @@ and overwrites the draft logits with the logit gradient, and two more GEMMs fold
 gradient into grad_hidden[rows] and grad_head. The gradients are thus complete when the forward
 returns (Liger-Kernel style); backward only scales them by the incoming gradient.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,8 +86,7 @@ def chunk_plan(num_tokens: int, vocab: int, dtype: torch.dtype, chunk_size="auto
     return ChunkPlan(num_tokens, vocab, rows, num_chunks, rows * vocab * elem)
 
 
-def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, num_depths, d2t,
-                  kind, validate):
+def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, num_depths, d2t, kind, validate):
     check_tensor("draft_hidden", draft_hidden, dim=2, dtypes=_FLOAT_TYPES)
     dtype, device = draft_hidden.dtype, draft_hidden.device
     t, h = draft_hidden.shape
@@ -95,8 +95,10 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
     check_tensor("target_head", target_head, dim=2, dtypes=_FLOAT_TYPES)
     for name, x in (("draft_head", draft_head), ("target_hidden", target_hidden), ("target_head", target_head)):
         if x.dtype != dtype:
-            raise TypeError(f"{name} must have the dtype of draft_hidden ({str(dtype).replace('torch.', '')}), "
-                            f"got {str(x.dtype).replace('torch.', '')}")
+            raise TypeError(
+                f"{name} must have the dtype of draft_hidden ({str(dtype).replace('torch.', '')}), "
+                f"got {str(x.dtype).replace('torch.', '')}"
+            )
         if x.device != device:
             raise ValueError(f"{name} must be on draft_hidden's device ({device}), got {x.device}")
     if device.type == "cuda" and dtype == torch.float64:
@@ -104,18 +106,20 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
     if draft_head.shape[1] != h:
         raise ValueError(f"draft_head must have shape (Vd, {h}) (H of draft_hidden), got {tuple(draft_head.shape)}")
     if target_hidden.shape[0] != t:
-        raise ValueError(f"target_hidden must have {t} rows (T of draft_hidden), got shape "
-                         f"{tuple(target_hidden.shape)}")
+        raise ValueError(
+            f"target_hidden must have {t} rows (T of draft_hidden), got shape {tuple(target_hidden.shape)}"
+        )
     ht = target_hidden.shape[1]
     if target_head.shape[1] != ht:
-        raise ValueError(f"target_head must have shape (V, {ht}) (H of target_hidden), got "
-                         f"{tuple(target_head.shape)}")
+        raise ValueError(f"target_head must have shape (V, {ht}) (H of target_hidden), got {tuple(target_head.shape)}")
     vd, v = draft_head.shape[0], target_head.shape[0]
     if vd < 1:
         raise ValueError("draft_head must have at least one row (the draft vocab is empty)")
     if vd > v:
-        raise ValueError(f"draft_head has more rows ({vd}) than target_head ({v}): the draft vocab must be a "
-                         f"subset of the target vocab")
+        raise ValueError(
+            f"draft_head has more rows ({vd}) than target_head ({v}): the draft vocab must be a "
+            f"subset of the target vocab"
+        )
     check_tensor("weight", weight, dim=1, dtypes=_WEIGHT_TYPES, shape=(t,))
     check_tensor("depth", depth, dim=1, dtypes=_INT_TYPES, shape=(t,))
     check_int("num_depths", num_depths, lo=1, hi=2**30)
@@ -126,8 +130,10 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
         raise ValueError(f"kind must be 'kl' or 'ce', got {kind!r}")
     if d2t is None:
         if vd != v:
-            raise ValueError(f"d2t is required when the draft vocab ({vd}) is smaller than the target vocab ({v}): "
-                             f"draft id i corresponds to target id i + d2t[i]")
+            raise ValueError(
+                f"d2t is required when the draft vocab ({vd}) is smaller than the target vocab ({v}): "
+                f"draft id i corresponds to target id i + d2t[i]"
+            )
     else:
         check_tensor("d2t", d2t, dim=1, dtypes=(torch.int32, torch.int64), shape=(vd,))
         if d2t.device != device:
@@ -138,8 +144,12 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
     flags = []
     if t:
         wf = weight if weight.dtype.is_floating_point else None
-        flags += [(~torch.isfinite(wf)).any() if wf is not None else torch.zeros((), dtype=torch.bool, device=device),
-                  (weight < 0).any(), depth.min().long() < 0, depth.max().long() >= num_depths]
+        flags += [
+            (~torch.isfinite(wf)).any() if wf is not None else torch.zeros((), dtype=torch.bool, device=device),
+            (weight < 0).any(),
+            depth.min().long() < 0,
+            depth.max().long() >= num_depths,
+        ]
     if d2t is not None:
         ids = torch.arange(vd, device=device, dtype=torch.int64) + d2t.to(torch.int64)
         sorted_ids = ids.sort().values
@@ -159,8 +169,9 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
     bad = torch.nonzero((ids < 0) | (ids >= v))
     if bad.numel():
         i = int(bad[0, 0])
-        raise ValueError(f"d2t maps draft id {i} to target id {int(ids[i])}, outside [0, {v}) "
-                         f"(draft id i -> target id i + d2t[i])")
+        raise ValueError(
+            f"d2t maps draft id {i} to target id {int(ids[i])}, outside [0, {v}) (draft id i -> target id i + d2t[i])"
+        )
     raise ValueError("d2t maps two draft ids to the same target id (i + d2t[i] must be distinct)")
 
 
@@ -169,11 +180,35 @@ class _FusedLinearKL(torch.autograd.Function):
     and d loss / d draft_head; backward scales them by the incoming gradient. Target side: no grad."""
 
     @staticmethod
-    def forward(ctx, draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t, num_depths,
-                chunk_rows, kind, need_grad_hidden, need_grad_head):
+    def forward(
+        ctx,
+        draft_hidden,
+        draft_head,
+        target_hidden,
+        target_head,
+        weight,
+        depth,
+        d2t,
+        num_depths,
+        chunk_rows,
+        kind,
+        need_grad_hidden,
+        need_grad_head,
+    ):
         loss, correct, total, grad_hidden, grad_head = torch.ops.peagle.fused_linear_kl(
-            draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t, num_depths, chunk_rows, kind,
-            need_grad_hidden, need_grad_head)
+            draft_hidden,
+            draft_head,
+            target_hidden,
+            target_head,
+            weight,
+            depth,
+            d2t,
+            num_depths,
+            chunk_rows,
+            kind,
+            need_grad_hidden,
+            need_grad_head,
+        )
         ctx.save_for_backward(grad_hidden, grad_head)
         ctx.need_grads = (need_grad_hidden, need_grad_head)
         ctx.mark_non_differentiable(correct, total)
@@ -190,10 +225,20 @@ class _FusedLinearKL(torch.autograd.Function):
         return gh, gw, None, None, None, None, None, None, None, None, None, None
 
 
-def fused_linear_kl(draft_hidden: torch.Tensor, draft_head: torch.Tensor, target_hidden: torch.Tensor,
-                    target_head: torch.Tensor, weight: torch.Tensor, depth: torch.Tensor, *, num_depths: int,
-                    d2t: torch.Tensor | None = None, chunk_size="auto", kind: str = "kl",
-                    validate: bool = True):
+def fused_linear_kl(
+    draft_hidden: torch.Tensor,
+    draft_head: torch.Tensor,
+    target_hidden: torch.Tensor,
+    target_head: torch.Tensor,
+    weight: torch.Tensor,
+    depth: torch.Tensor,
+    *,
+    num_depths: int,
+    d2t: torch.Tensor | None = None,
+    chunk_size="auto",
+    kind: str = "kl",
+    validate: bool = True,
+):
     """Weighted mean KL(target || draft) (or CE to the target argmax) without [T, V] logits.
 
     draft_hidden [T, H] (already normed), draft_head [Vd, H], target_hidden [T, Ht] (already
@@ -212,16 +257,22 @@ def fused_linear_kl(draft_hidden: torch.Tensor, draft_head: torch.Tensor, target
     (both over the draft vocab; first index on ties). loss is a 0-dim float32 tensor (float64
     for float64 inputs). Gradients flow to draft_hidden and draft_head only.
     """
-    _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, num_depths, d2t, kind,
-                  validate)
+    _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, num_depths, d2t, kind, validate)
     dtype = draft_hidden.dtype
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     plan = chunk_plan(draft_hidden.shape[0], draft_head.shape[0], dtype, chunk_size)
-    args = (draft_hidden.contiguous(), draft_head.contiguous(), target_hidden.detach().contiguous(),
-            target_head.detach().contiguous(), weight.detach().to(acc).contiguous(),
-            depth.detach().to(torch.int32).contiguous(),
-            None if d2t is None else d2t.detach().to(torch.int64).contiguous(), num_depths, plan.rows_per_chunk,
-            kind)
+    args = (
+        draft_hidden.contiguous(),
+        draft_head.contiguous(),
+        target_hidden.detach().contiguous(),
+        target_head.detach().contiguous(),
+        weight.detach().to(acc).contiguous(),
+        depth.detach().to(torch.int32).contiguous(),
+        None if d2t is None else d2t.detach().to(torch.int64).contiguous(),
+        num_depths,
+        plan.rows_per_chunk,
+        kind,
+    )
     grad_on = torch.is_grad_enabled()
     need_hidden = grad_on and draft_hidden.requires_grad
     need_head = grad_on and draft_head.requires_grad
@@ -233,8 +284,20 @@ def fused_linear_kl(draft_hidden: torch.Tensor, draft_head: torch.Tensor, target
 
 
 @torch.library.register_fake("peagle::fused_linear_kl")
-def _fused_linear_kl_fake(draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t, num_depths,
-                          chunk_rows, kind, compute_grad_hidden, compute_grad_head):
+def _fused_linear_kl_fake(
+    draft_hidden,
+    draft_head,
+    target_hidden,
+    target_head,
+    weight,
+    depth,
+    d2t,
+    num_depths,
+    chunk_rows,
+    kind,
+    compute_grad_hidden,
+    compute_grad_head,
+):
     acc = torch.float64 if draft_hidden.dtype == torch.float64 else torch.float32
     loss = draft_hidden.new_empty((), dtype=acc)
     correct = draft_hidden.new_empty((num_depths,), dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""vLLM's parallel-drafting batch step as one op (docs/design.md, "Parallel-drafting step").
+"""vLLM's parallel-drafting batch step as one op (docs/design.md section 6).
 
 `prepare_parallel_draft_inputs` builds the first (and, with parallel drafting, only) draft
 forward's inputs from the verifier's batch in ONE op (one CUDA launch), doing what vLLM 0.33's
@@ -9,6 +9,7 @@ the ops of `compute_new_slot_mapping` + `extend_all_queries_by_N`'s query_start_
 
 The vLLM plugin that routes vLLM's proposer through this op is peagle_ext.serving.vllm_plugin.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -48,8 +49,16 @@ class DraftBatch:
     query_start_loc: torch.Tensor
 
     @classmethod
-    def empty(cls, num_input_tokens: int, batch_size: int, num_spec_tokens: int, hidden_size: int, *,
-              dtype: torch.dtype = torch.bfloat16, device="cpu") -> "DraftBatch":
+    def empty(
+        cls,
+        num_input_tokens: int,
+        batch_size: int,
+        num_spec_tokens: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device="cpu",
+    ) -> DraftBatch:
         """Preallocated (uninitialised) outputs for the out= form, e.g. before CUDA graph capture."""
         t_out = num_input_tokens + (num_spec_tokens - 1) * batch_size
         kw = dict(device=device)
@@ -77,10 +86,21 @@ _FIELDS = tuple(f.name for f in fields(DraftBatch))
 
 
 def prepare_parallel_draft_inputs(
-    target_token_ids: torch.Tensor, target_positions: torch.Tensor, next_token_ids: torch.Tensor,
-    query_start_loc: torch.Tensor, num_rejected_tokens: torch.Tensor | None, target_hidden: torch.Tensor,
-    mask_hidden: torch.Tensor, block_table: torch.Tensor, *, num_spec_tokens: int, mask_token_id: int,
-    block_size: int, max_model_len: int, out: DraftBatch | None = None, validate: bool = False,
+    target_token_ids: torch.Tensor,
+    target_positions: torch.Tensor,
+    next_token_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_rejected_tokens: torch.Tensor | None,
+    target_hidden: torch.Tensor,
+    mask_hidden: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_spec_tokens: int,
+    mask_token_id: int,
+    block_size: int,
+    max_model_len: int,
+    out: DraftBatch | None = None,
+    validate: bool = False,
 ) -> DraftBatch:
     """vLLM's parallel-drafting input step (P-EAGLE) in one op.
 
@@ -120,8 +140,16 @@ def prepare_parallel_draft_inputs(
     host sync, so it happens only with validate=True (the kernel itself never reads or writes
     out of bounds, whatever the values).
     """
-    device = _check_inputs(target_token_ids, target_positions, next_token_ids, query_start_loc,
-                           num_rejected_tokens, target_hidden, mask_hidden, block_table)
+    device = _check_inputs(
+        target_token_ids,
+        target_positions,
+        next_token_ids,
+        query_start_loc,
+        num_rejected_tokens,
+        target_hidden,
+        mask_hidden,
+        block_table,
+    )
     check_int("num_spec_tokens", num_spec_tokens, lo=1)
     check_int("mask_token_id", mask_token_id, lo=0, hi=_INT32_MAX)
     check_int("block_size", block_size, lo=1)
@@ -129,16 +157,28 @@ def prepare_parallel_draft_inputs(
     if block_table.shape[1] * block_size < max_model_len:
         raise ValueError(
             f"block_table has {block_table.shape[1]} blocks per request of block_size {block_size} = "
-            f"{block_table.shape[1] * block_size} tokens, fewer than max_model_len = {max_model_len}")
+            f"{block_table.shape[1] * block_size} tokens, fewer than max_model_len = {max_model_len}"
+        )
     t_in = int(target_token_ids.shape[0])
     b = int(query_start_loc.shape[0]) - 1
     if b * num_spec_tokens > _INT32_MAX or t_in + (num_spec_tokens - 1) * b > _INT32_MAX:
         raise ValueError("T_out = T_in + (K-1)*B and B*K must fit in int32")
     if validate and device.type != "cpu":
         _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_in)
-    args = (target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected_tokens,
-            target_hidden, mask_hidden, block_table, int(num_spec_tokens), int(mask_token_id), int(block_size),
-            int(max_model_len))
+    args = (
+        target_token_ids,
+        target_positions,
+        next_token_ids,
+        query_start_loc,
+        num_rejected_tokens,
+        target_hidden,
+        mask_hidden,
+        block_table,
+        int(num_spec_tokens),
+        int(mask_token_id),
+        int(block_size),
+        int(max_model_len),
+    )
     if out is None:
         return DraftBatch(*ops.prepare_parallel_draft_inputs(*args))
     _check_out(out, t_in, b, num_spec_tokens, target_hidden, device)
@@ -150,8 +190,16 @@ def prepare_parallel_draft_inputs(
 _OUT_ARG = {"query_start_loc": "new_query_start_loc"}
 
 
-def _check_inputs(target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected_tokens,
-                  target_hidden, mask_hidden, block_table) -> torch.device:
+def _check_inputs(
+    target_token_ids,
+    target_positions,
+    next_token_ids,
+    query_start_loc,
+    num_rejected_tokens,
+    target_hidden,
+    mask_hidden,
+    block_table,
+) -> torch.device:
     check_tensor("target_token_ids", target_token_ids, dim=1, dtypes=(torch.int32,))
     device = target_token_ids.device
     t_in = target_token_ids.shape[0]
@@ -165,27 +213,37 @@ def _check_inputs(target_token_ids, target_positions, next_token_ids, query_star
         check_tensor("num_rejected_tokens", num_rejected_tokens, dtypes=(torch.int32,), shape=(b,), device=device)
     check_tensor("target_hidden", target_hidden, dim=2, dtypes=HIDDEN_DTYPES, device=device)
     if target_hidden.shape[0] != t_in:
-        raise ValueError(f"target_hidden must have shape (T_in, H) with T_in = {t_in} (len of target_token_ids), "
-                         f"got {tuple(target_hidden.shape)}")
+        raise ValueError(
+            f"target_hidden must have shape (T_in, H) with T_in = {t_in} (len of target_token_ids), "
+            f"got {tuple(target_hidden.shape)}"
+        )
     h = target_hidden.shape[1]
     if h < 1:
         raise ValueError(f"target_hidden must have H >= 1 columns, got shape {tuple(target_hidden.shape)}")
     check_tensor("mask_hidden", mask_hidden, device=device)
     if mask_hidden.dtype != target_hidden.dtype:
-        raise TypeError(f"mask_hidden must have the dtype of target_hidden ({target_hidden.dtype}), "
-                        f"got {mask_hidden.dtype}")
+        raise TypeError(
+            f"mask_hidden must have the dtype of target_hidden ({target_hidden.dtype}), got {mask_hidden.dtype}"
+        )
     if tuple(mask_hidden.shape) != (h,):
         raise ValueError(f"mask_hidden must have shape ({h},) (H of target_hidden), got {tuple(mask_hidden.shape)}")
     check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32,), device=device)
     if block_table.shape[0] < b or block_table.shape[1] < 1:
-        raise ValueError(f"block_table must have shape (B, max_blocks) with B = {b} rows and max_blocks >= 1, "
-                         f"got {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must have shape (B, max_blocks) with B = {b} rows and max_blocks >= 1, "
+            f"got {tuple(block_table.shape)}"
+        )
     if block_table.stride(1) != 1:
         raise ValueError(f"block_table rows must be contiguous (stride(1) == 1), got strides {block_table.stride()}")
-    for name, t in (("target_token_ids", target_token_ids), ("target_positions", target_positions),
-                    ("next_token_ids", next_token_ids), ("query_start_loc", query_start_loc),
-                    ("num_rejected_tokens", num_rejected_tokens), ("target_hidden", target_hidden),
-                    ("mask_hidden", mask_hidden)):
+    for name, t in (
+        ("target_token_ids", target_token_ids),
+        ("target_positions", target_positions),
+        ("next_token_ids", next_token_ids),
+        ("query_start_loc", query_start_loc),
+        ("num_rejected_tokens", num_rejected_tokens),
+        ("target_hidden", target_hidden),
+        ("mask_hidden", mask_hidden),
+    ):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
     return device
@@ -196,11 +254,15 @@ def _check_out(out, t_in, b, k, target_hidden, device):
         raise TypeError(f"out must be a DraftBatch (see DraftBatch.empty), got {type(out).__name__}")
     t_out = t_in + (k - 1) * b
     want = {
-        "input_ids": (torch.int32, (t_out,)), "positions": (torch.int64, (t_out,)),
+        "input_ids": (torch.int32, (t_out,)),
+        "positions": (torch.int64, (t_out,)),
         "hidden": (target_hidden.dtype, (t_out, target_hidden.shape[1])),
-        "is_rejected": (torch.bool, (t_out,)), "is_masked": (torch.bool, (t_out,)),
-        "token_indices_to_sample": (torch.int32, (b * k,)), "hidden_state_mapping": (torch.int32, (t_in,)),
-        "slot_mapping": (torch.int64, (t_out,)), "query_start_loc": (torch.int32, (b + 1,)),
+        "is_rejected": (torch.bool, (t_out,)),
+        "is_masked": (torch.bool, (t_out,)),
+        "token_indices_to_sample": (torch.int32, (b * k,)),
+        "hidden_state_mapping": (torch.int32, (t_in,)),
+        "slot_mapping": (torch.int64, (t_out,)),
+        "query_start_loc": (torch.int32, (b + 1,)),
     }
     for name, (dtype, shape) in want.items():
         t = getattr(out, name)
@@ -226,7 +288,7 @@ def _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_i
         raise ValueError(f"query_start_loc[0] must be 0, got {int(q[0])}")
     if int(q[-1]) != t_in:
         raise ValueError(f"query_start_loc[B] must equal T_in = {t_in}, got {int(q[-1])}")
-    ln = (q[1:] - q[:-1])
+    ln = q[1:] - q[:-1]
     if bool((ln < 1).any()):
         r = int((ln < 1).nonzero()[0])
         raise ValueError(f"every request needs at least one input token: request {r} has {int(ln[r])}")
@@ -235,23 +297,42 @@ def _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_i
         badr = (n < 0) | (n > ln - 1)
         if bool(badr.any()):
             r = int(badr.nonzero()[0])
-            raise ValueError(f"num_rejected_tokens[{r}] = {int(n[r])} must be in [0, query_len - 1] = "
-                             f"[0, {int(ln[r]) - 1}]")
+            raise ValueError(
+                f"num_rejected_tokens[{r}] = {int(n[r])} must be in [0, query_len - 1] = [0, {int(ln[r]) - 1}]"
+            )
     raise ValueError("target_positions at the start of every request must be >= 0")
 
 
 @torch.library.register_fake("peagle::prepare_parallel_draft_inputs")
-def _prepare_parallel_draft_inputs_fake(target_token_ids, target_positions, next_token_ids, query_start_loc,
-                                        num_rejected_tokens, target_hidden, mask_hidden, block_table,
-                                        num_spec_tokens, mask_token_id, block_size, max_model_len):
+def _prepare_parallel_draft_inputs_fake(
+    target_token_ids,
+    target_positions,
+    next_token_ids,
+    query_start_loc,
+    num_rejected_tokens,
+    target_hidden,
+    mask_hidden,
+    block_table,
+    num_spec_tokens,
+    mask_token_id,
+    block_size,
+    max_model_len,
+):
     t_in = target_token_ids.shape[0]
     b = query_start_loc.shape[0] - 1
     t_out = t_in + (num_spec_tokens - 1) * b
     new = target_hidden.new_empty
-    return (new((t_out,), dtype=torch.int32), new((t_out,), dtype=torch.int64),
-            new((t_out, target_hidden.shape[1])), new((t_out,), dtype=torch.bool),
-            new((t_out,), dtype=torch.bool), new((b * num_spec_tokens,), dtype=torch.int32),
-            new((t_in,), dtype=torch.int32), new((t_out,), dtype=torch.int64), new((b + 1,), dtype=torch.int32))
+    return (
+        new((t_out,), dtype=torch.int32),
+        new((t_out,), dtype=torch.int64),
+        new((t_out, target_hidden.shape[1])),
+        new((t_out,), dtype=torch.bool),
+        new((t_out,), dtype=torch.bool),
+        new((b * num_spec_tokens,), dtype=torch.int32),
+        new((t_in,), dtype=torch.int32),
+        new((t_out,), dtype=torch.int64),
+        new((b + 1,), dtype=torch.int32),
+    )
 
 
 @torch.library.register_fake("peagle::prepare_parallel_draft_inputs_out")

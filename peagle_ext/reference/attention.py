@@ -1,6 +1,7 @@
-"""COD attention restated in plain PyTorch (docs/design.md, "COD attention"): the dense mask of
+"""COD attention restated in plain PyTorch (docs/design.md section 3): the dense mask of
 the attention rules and SDPA over it. Slow and O(T^2) on purpose: the kernels are tested
 against it, and nothing on a fast path calls it."""
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,7 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.cummax(starts, 0).values
 
 
-def dense_cod_mask(layout: CodLayout, *, cross: bool = False, window: int | None = None,
-                   sink: int = 0) -> torch.Tensor:
+def dense_cod_mask(layout: CodLayout, *, cross: bool = False, window: int | None = None, sink: int = 0) -> torch.Tensor:
     """Boolean mask of which key each layout token attends.
 
     Symmetric: [T, T] over the layout tokens. Cross: [T, N + T], the first N columns being
@@ -53,8 +53,18 @@ def dense_cod_mask(layout: CodLayout, *, cross: bool = False, window: int | None
     return torch.cat([ctx, same_chain], dim=1)
 
 
-def reference_cod_attention(q, k, v, layout: CodLayout, *, context_k=None, context_v=None,
-                            window: int | None = None, sink: int = 0, scale: float | None = None):
+def reference_cod_attention(
+    q,
+    k,
+    v,
+    layout: CodLayout,
+    *,
+    context_k=None,
+    context_v=None,
+    window: int | None = None,
+    sink: int = 0,
+    scale: float | None = None,
+):
     """SDPA with the dense mask. q [T, Hq, D], k/v [T, Hkv, D] (+ context [N, Hkv, D]).
     Rows with no allowed key give 0 (and zero gradient)."""
     cross = context_k is not None
@@ -68,6 +78,7 @@ def reference_cod_attention(q, k, v, layout: CodLayout, *, context_k=None, conte
         v = v.repeat_interleave(hq // hkv, dim=1)
     has_key = mask.any(dim=1)
     safe = mask | ~has_key[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=safe, scale=scale).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=safe, scale=scale
+    ).transpose(0, 1)
     return torch.where(has_key[:, None, None], out, torch.zeros_like(out))

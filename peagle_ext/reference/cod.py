@@ -1,5 +1,6 @@
-"""COD sampling restated in plain PyTorch (docs/design.md, "COD sampling"): speculators' sampling
+"""COD sampling restated in plain PyTorch (docs/design.md section 2): speculators' sampling
 loop with the documented Philox key draw, so it must equal the op exactly."""
+
 from __future__ import annotations
 
 import math
@@ -38,10 +39,19 @@ def philox_u32(seed: int, c0: torch.Tensor, c1: int, c2: int, c3: int) -> torch.
     return x0
 
 
-def reference_cod_sample(document_ids, loss_mask, *, num_depths=8, down_sample_ratio=0.7,
-                         down_sample_ratio_min=0.2, max_anchors=None, depth0="all", seed=0):
+def reference_cod_sample(
+    document_ids,
+    loss_mask,
+    *,
+    num_depths=8,
+    down_sample_ratio=0.7,
+    down_sample_ratio_min=0.2,
+    max_anchors=None,
+    depth0="all",
+    seed=0,
+):
     """speculators' generate_cod_sample_indices loop (randperm per depth replaced by the
-    documented key draw, so it must equal the op exactly) plus the two fixes of DESIGN.md.
+    documented key draw, so it must equal the op exactly) plus the two fixes of docs/design.md.
     Returns (anchor, depth, depth_offsets) as int64 tensors / list."""
     doc = document_ids.long().cpu()
     lm = loss_mask.bool().cpu()
@@ -63,7 +73,7 @@ def reference_cod_sample(document_ids, loss_mask, *, num_depths=8, down_sample_r
     anchors = [torch.arange(n) if depth0 == "all" else seeds - 1]
     pool = seeds
     for d in range(1, num_depths):
-        ratio = max(down_sample_ratio ** d, down_sample_ratio_min)
+        ratio = max(down_sample_ratio**d, down_sample_ratio_min)
         size = int(math.floor(max(0, s - d) * ratio))
         if size <= 0:
             break

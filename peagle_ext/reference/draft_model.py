@@ -1,6 +1,7 @@
 """The draft model with its two fused ops restated in plain PyTorch: SDPA over the dense COD
 mask and the full [T, V] logits. The "no kernels" baseline of the benchmarks and a reference
 for the fused model's loss and gradients."""
+
 from __future__ import annotations
 
 import torch
@@ -14,21 +15,23 @@ def plain_model_class():
     (reference_cod_attention: [T, T] mask, GQA by repeat_interleave) and
     whose loss holds the full [T, V] draft and target logits (log_softmax KL in fp32).
     Layers, RoPE, COD sampling and the optimizer are shared with the fused model."""
+
     class PlainTorch(PEagleDraftModel):
         def attend(self, q, k, v, tok, context=None):
             o = self.options
             dt = self.compute_dtype(q)
             ck = None if context is None else context[0].to(dt)
             cv = None if context is None else context[1].to(dt)
-            return reference_cod_attention(q.to(dt), k.to(dt), v.to(dt), tok.layout, context_k=ck, context_v=cv,
-                                           window=o.window, sink=o.sink)
+            return reference_cod_attention(
+                q.to(dt), k.to(dt), v.to(dt), tok.layout, context_k=ck, context_v=cv, window=o.window, sink=o.sink
+            )
 
         def loss_terms(self, h, layout, example, target_normed):
             pos = layout.anchor.long() + layout.depth.long()
             weight = example.loss_mask.to(pos.device)[pos].float()
             hn = self.norm(h)
             dt = self.compute_dtype(hn)
-            logits = hn.to(dt) @ self.lm_head.weight.to(dt).t()                               # [T, V]
+            logits = hn.to(dt) @ self.lm_head.weight.to(dt).t()  # [T, V]
             with torch.no_grad():
                 tlogits = target_normed[pos].to(dt) @ self.verifier_lm_head_weight.to(dt).t()  # [T, V]
                 tlogp = torch.log_softmax(tlogits.float(), -1)

@@ -1,4 +1,4 @@
-"""Plain-PyTorch references of vLLM's parallel-drafting input step (DESIGN.md section 6).
+"""Plain-PyTorch references of vLLM's parallel-drafting input step (docs/design.md section 6).
 
 Written from vLLM 0.33's semantics (llm_base_proposer.set_inputs_first_pass with
 copy_and_expand_eagle_inputs_kernel, shift_input_ids=True, then the hidden index_put + where,
@@ -12,6 +12,7 @@ compute_new_slot_mapping and extend_all_queries_by_N), independently of the op:
 Both start the hidden output from zeros where vLLM reuses a persistent buffer, so the rows
 vLLM leaves untouched (rejected rows past the request's input length) are zero, as in the op.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,21 @@ from ..ops.parallel_draft import PADDING_SLOT_ID, DraftBatch
 PADDING_TOKEN_ID = 0  # vLLM passes padding_token_id=0 for rejected slots
 
 
-def parallel_draft_loop(target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected_tokens,
-                        target_hidden, mask_hidden, block_table, *, num_spec_tokens, mask_token_id, block_size,
-                        max_model_len) -> DraftBatch:
+def parallel_draft_loop(
+    target_token_ids,
+    target_positions,
+    next_token_ids,
+    query_start_loc,
+    num_rejected_tokens,
+    target_hidden,
+    mask_hidden,
+    block_table,
+    *,
+    num_spec_tokens,
+    mask_token_id,
+    block_size,
+    max_model_len,
+) -> DraftBatch:
     """One request at a time, one output slot at a time, as the Triton kernel's program does."""
     K = num_spec_tokens
     qsl = [int(x) for x in query_start_loc.cpu()]
@@ -44,10 +57,10 @@ def parallel_draft_loop(target_token_ids, target_positions, next_token_ids, quer
     mapping = [0] * t_in
     for r in range(B):
         qs, qe = qsl[r], qsl[r + 1]
-        query_end = qe - 1 - nrej_all[r]          # last accepted input token
-        num_valid = query_end - qs                # shifted tokens copied from the input
+        query_end = qe - 1 - nrej_all[r]  # last accepted input token
+        num_valid = query_end - qs  # shifted tokens copied from the input
         num_rejected = qe - query_end - 1
-        out_start = qs + r * (K - 1)              # each earlier request grew by K-1 rows
+        out_start = qs + r * (K - 1)  # each earlier request grew by K-1 rows
         start_pos = pos_in[qs]
         for j in range(num_valid + K + num_rejected):
             o = out_start + j
@@ -96,15 +109,35 @@ def parallel_draft_loop(target_token_ids, target_positions, next_token_ids, quer
                 slot = PADDING_SLOT_ID
             slots.append(slot)
     new_qsl = [qsl[i] + i * (K - 1) for i in range(B + 1)]
-    return DraftBatch(out_ids.to(dev), out_pos.to(dev), hidden.to(dev), out_rej.to(dev), out_msk.to(dev),
-                      torch.tensor(sample, dtype=torch.int32, device=dev), out_map.to(dev),
-                      torch.tensor(slots, dtype=torch.int64, device=dev),
-                      torch.tensor(new_qsl, dtype=torch.int32, device=dev))
+    return DraftBatch(
+        out_ids.to(dev),
+        out_pos.to(dev),
+        hidden.to(dev),
+        out_rej.to(dev),
+        out_msk.to(dev),
+        torch.tensor(sample, dtype=torch.int32, device=dev),
+        out_map.to(dev),
+        torch.tensor(slots, dtype=torch.int64, device=dev),
+        torch.tensor(new_qsl, dtype=torch.int32, device=dev),
+    )
 
 
-def parallel_draft_torch(target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected_tokens,
-                         target_hidden, mask_hidden, block_table, *, num_spec_tokens, mask_token_id, block_size,
-                         max_model_len, hidden_out: torch.Tensor | None = None) -> DraftBatch:
+def parallel_draft_torch(
+    target_token_ids,
+    target_positions,
+    next_token_ids,
+    query_start_loc,
+    num_rejected_tokens,
+    target_hidden,
+    mask_hidden,
+    block_table,
+    *,
+    num_spec_tokens,
+    mask_token_id,
+    block_size,
+    max_model_len,
+    hidden_out: torch.Tensor | None = None,
+) -> DraftBatch:
     """The same step as vLLM's sequence of device ops, vectorised and without host syncs.
 
     hidden_out: a persistent [>= T_out, H] buffer as vLLM keeps (rows past a request's input
@@ -145,8 +178,11 @@ def parallel_draft_torch(target_token_ids, target_positions, next_token_ids, que
     mapping = (torch.arange(t_in, device=dev) + in_req * (K - 1)).to(torch.int32)
 
     # index_put of the hidden states, then where() with mask_hidden.
-    hidden = torch.zeros(t_out, target_hidden.shape[1], dtype=target_hidden.dtype, device=dev) \
-        if hidden_out is None else hidden_out[:t_out]
+    hidden = (
+        torch.zeros(t_out, target_hidden.shape[1], dtype=target_hidden.dtype, device=dev)
+        if hidden_out is None
+        else hidden_out[:t_out]
+    )
     hidden[mapping.long()] = target_hidden
     torch.where(is_masked.unsqueeze(1), mask_hidden, hidden, out=hidden)
 
@@ -157,4 +193,4 @@ def parallel_draft_torch(target_token_ids, target_positions, next_token_ids, que
     slots.masked_fill_(positions >= max_model_len, PADDING_SLOT_ID)
     slots.masked_fill_(is_rejected, PADDING_SLOT_ID)
     new_qsl = (query_start_loc + torch.arange(B + 1, device=dev, dtype=torch.int32) * (K - 1)).to(torch.int32)
-    return DraftBatch(ids, positions, hidden, is_rejected, is_masked, sample_buf[:B * K], mapping, slots, new_qsl)
+    return DraftBatch(ids, positions, hidden, is_rejected, is_masked, sample_buf[: B * K], mapping, slots, new_qsl)

@@ -6,6 +6,7 @@ evaluation path of `peagle eval`) and the vLLM plugin.
 - `decode`: greedy_generate, speculative_generate and the acceptance statistics.
 - `vllm_plugin`: routes vLLM's parallel-drafting input step through peagle_ext's op.
 """
+
 from .decode import (
     BLOCK_SIZE,
     GreedyResult,
@@ -19,6 +20,14 @@ from .drafter import Drafter, PEagleDrafter
 from .verifier import Verifier
 
 __all__ = [
-    "BLOCK_SIZE", "GreedyResult", "SpecResult", "acceptance_stats", "first_mismatch", "greedy_generate",
-    "speculative_generate", "Drafter", "PEagleDrafter", "Verifier",
+    "BLOCK_SIZE",
+    "GreedyResult",
+    "SpecResult",
+    "acceptance_stats",
+    "first_mismatch",
+    "greedy_generate",
+    "speculative_generate",
+    "Drafter",
+    "PEagleDrafter",
+    "Verifier",
 ]

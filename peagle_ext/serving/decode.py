@@ -14,7 +14,7 @@ which only matter at near-ties of the verifier's top-2 logits; fp32 tests are ex
                a = longest prefix with d_{i+1} == g_i; emit d_1..d_a, g_a; crop the verifier
                cache to the accepted tokens; b = g_a.
 
-Draft rows (DESIGN section 1, vLLM parallel drafting): a depth-0 row at position p carries token
+Draft rows (docs/design.md section 1, vLLM parallel drafting): a depth-0 row at position p carries token
 p+1 and the verifier's hidden state of p; the bonus row sits at the last accepted position m;
 MASK rows at m+1..m+K-1 carry the MASK token and mask_hidden; the bonus row's logits give draft 1,
 MASK row k's give draft k+1.
@@ -29,6 +29,7 @@ What each row sees is exactly the P-EAGLE symmetric rule with the round's anchor
 position (depth-0: earlier depth-0 rows; MASK row d: the context up to the anchor and MASK rows
 1..d of its round), with full attention (no window: vLLM serves without one).
 """
+
 from __future__ import annotations
 
 import time
@@ -89,9 +90,11 @@ def _check_budget(verifier: Verifier, n: int, max_new_tokens: int, extra: int = 
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     need = n + max_new_tokens + extra
     if verifier.max_positions is not None and need > verifier.max_positions:
-        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens})"
-                         + (f" + {extra} draft positions" if extra else "")
-                         + f" = {need} exceeds the verifier's max_position_embeddings {verifier.max_positions}")
+        raise ValueError(
+            f"prompt ({n} tokens) + max_new_tokens ({max_new_tokens})"
+            + (f" + {extra} draft positions" if extra else "")
+            + f" = {need} exceeds the verifier's max_position_embeddings {verifier.max_positions}"
+        )
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos: frozenset) -> tuple[list[int], bool]:
@@ -126,8 +129,9 @@ def greedy_generate(verifier: Verifier, prompt_ids, max_new_tokens: int, *, eos_
     tok = int(logits[-1].argmax())
     out = [tok]
     while len(out) < max_new_tokens and tok not in eos:
-        logits, _ = verifier.forward(torch.tensor([tok], device=verifier.device), cache, n + len(out) - 1,
-                                     last_only=True)
+        logits, _ = verifier.forward(
+            torch.tensor([tok], device=verifier.device), cache, n + len(out) - 1, last_only=True
+        )
         tok = int(logits[-1].argmax())
         out.append(tok)
     _sync(verifier.device)
@@ -135,8 +139,16 @@ def greedy_generate(verifier: Verifier, prompt_ids, max_new_tokens: int, *, eos_
 
 
 @torch.inference_mode()
-def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_spec_tokens: int,
-                         max_new_tokens: int, *, eos_token_id=None, profile: bool = False) -> SpecResult:
+def speculative_generate(
+    verifier: Verifier,
+    drafter: Drafter,
+    prompt_ids,
+    num_spec_tokens: int,
+    max_new_tokens: int,
+    *,
+    eos_token_id=None,
+    profile: bool = False,
+) -> SpecResult:
     """Greedy speculative decoding (module docstring); the tokens equal greedy_generate's.
     profile=True also times the draft step and the verifier forwards (synchronising the device
     around them, which costs a little on CUDA)."""
@@ -144,11 +156,14 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_spec_tokens must be an int >= 1, got {k!r}")
     if k > drafter.num_depths:
-        raise ValueError(f"num_spec_tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
-                         "(it was trained to draft at most that many tokens in parallel)")
+        raise ValueError(
+            f"num_spec_tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
+            "(it was trained to draft at most that many tokens in parallel)"
+        )
     if verifier.aux_layer_ids is None or list(verifier.aux_layer_ids) != list(drafter.aux_layer_ids):
-        raise ValueError(f"the verifier must capture the drafter's aux layers {drafter.aux_layer_ids}, "
-                         f"got {verifier.aux_layer_ids}")
+        raise ValueError(
+            f"the verifier must capture the drafter's aux layers {drafter.aux_layer_ids}, got {verifier.aux_layer_ids}"
+        )
     dev = verifier.device
     prompt = _as_prompt(prompt_ids, dev)
     n = prompt.shape[0]
@@ -190,10 +205,19 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
             t_in = tgt_ids.shape[0]
             qsl[1] = t_in
             batch = prepare_parallel_draft_inputs(
-                tgt_ids.to(torch.int32), tgt_pos, bonus.to(torch.int32), qsl,
-                torch.tensor([n_rej], dtype=torch.int32, device=dev), tgt_hidden.to(mask_hidden.dtype).contiguous(),
-                mask_hidden, block_table, num_spec_tokens=k, mask_token_id=drafter.mask_token_id,
-                block_size=BLOCK_SIZE, max_model_len=capacity)
+                tgt_ids.to(torch.int32),
+                tgt_pos,
+                bonus.to(torch.int32),
+                qsl,
+                torch.tensor([n_rej], dtype=torch.int32, device=dev),
+                tgt_hidden.to(mask_hidden.dtype).contiguous(),
+                mask_hidden,
+                block_table,
+                num_spec_tokens=k,
+                mask_token_id=drafter.mask_token_id,
+                block_size=BLOCK_SIZE,
+                max_model_len=capacity,
+            )
             num_rows = t_in + k - 1 - n_rej
             drafts = drafter.propose(batch, k, num_rows, seq_len - 1 + k).to(dev)
             t = tick(0, t)
@@ -206,7 +230,7 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
             host = torch.cat([n_match.reshape(1).to(greedy.dtype), verify_ids, greedy]).tolist()
             a = host[0]
             accepted.append(a)
-            new = host[2:a + 2] + [host[k + 2 + a]]
+            new = host[2 : a + 2] + [host[k + 2 + a]]
             Verifier.crop(cache, seq_len + 1 + a)
             tgt_ids, tgt_pos = verify_ids, torch.arange(seq_len, seq_len + k + 1, device=dev)
             tgt_hidden = drafter.combine_hidden(aux)
@@ -215,8 +239,9 @@ def speculative_generate(verifier: Verifier, drafter: Drafter, prompt_ids, num_s
             bonus = greedy[a].reshape(1)
             out, done = _finish(out + new, max_new_tokens, eos)
     _sync(dev)
-    return SpecResult(out, n, time.perf_counter() - t0, k, accepted,
-                      clock[0] if profile else None, clock[1] if profile else None)
+    return SpecResult(
+        out, n, time.perf_counter() - t0, k, accepted, clock[0] if profile else None, clock[1] if profile else None
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,8 +256,8 @@ def acceptance_stats(accepted_per_round, num_spec_tokens: int) -> dict:
     if any(a < 0 or a > k for a in acc):
         raise ValueError(f"accepted counts must be in [0, {k}]")
     rounds = len(acc)
-    reached = [sum(1 for a in acc if a >= j) for j in range(k)]      # drafts < j+1 all accepted
-    hit = [sum(1 for a in acc if a >= j + 1) for j in range(k)]      # draft j+1 accepted
+    reached = [sum(1 for a in acc if a >= j) for j in range(k)]  # drafts < j+1 all accepted
+    hit = [sum(1 for a in acc if a >= j + 1) for j in range(k)]  # draft j+1 accepted
     return {
         "rounds": rounds,
         "acceptance_length": (sum(acc) + rounds) / rounds if rounds else None,

@@ -1,6 +1,7 @@
 """Drafters for speculative decoding: the interface the decoding loop needs, and PEagleDrafter,
 which runs a PEagleDraftModel over vLLM-style parallel-drafting batches with a one-slot-per-position
 KV cache (see serving/decode.py for the cache's invariant)."""
+
 from __future__ import annotations
 
 import torch
@@ -95,11 +96,14 @@ class PEagleDrafter(Drafter):
     def _rope(self, pos: torch.Tensor):
         freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat([freqs, freqs], -1)
-        return ((emb.cos() * self._rope_scale)[:, None, :].to(self.dtype),
-                (emb.sin() * self._rope_scale)[:, None, :].to(self.dtype))
+        return (
+            (emb.cos() * self._rope_scale)[:, None, :].to(self.dtype),
+            (emb.sin() * self._rope_scale)[:, None, :].to(self.dtype),
+        )
 
-    def forward_rows(self, batch: DraftBatch, num_rows: int, context_len: int,
-                     out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_rows(
+        self, batch: DraftBatch, num_rows: int, context_len: int, out_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Final hidden states (before the final norm) of the batch's rows `out_rows` (default
         all num_rows rows), after writing every row's K/V into the cache."""
         m = self.model
@@ -133,9 +137,12 @@ class PEagleDrafter(Drafter):
             q = apply_rope(attn.q(q_in), q_cos, q_sin)
             allowed = key_pos[None, :] <= q_pos[:, None]  # causal by position over the cache
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self._k_cache[li][:context_len].transpose(0, 1)[None],
-                self._v_cache[li][:context_len].transpose(0, 1)[None], attn_mask=allowed,
-                enable_gqa=attn.num_heads != attn.num_kv_heads)
+                q.transpose(0, 1)[None],
+                self._k_cache[li][:context_len].transpose(0, 1)[None],
+                self._v_cache[li][:context_len].transpose(0, 1)[None],
+                attn_mask=allowed,
+                enable_gqa=attn.num_heads != attn.num_kv_heads,
+            )
             x = layer.post_attention(o[0].transpose(0, 1), res)
         return x
 

@@ -1,6 +1,7 @@
 """A transformers causal LM run step by step on one sequence with a KV cache, optionally
 capturing the aux hidden states the drafter reads (the training convention of
 peagle_ext.data.hidden_states)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +38,7 @@ class Verifier:
 
     def new_cache(self):
         from transformers import DynamicCache
+
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:
@@ -63,11 +65,15 @@ class Verifier:
         def hook(key):
             def fn(module, args, kwargs):
                 captured[key] = args[0] if args else kwargs["hidden_states"]
+
             return fn
 
         L = self.num_layers
-        handles = [self._layers[k].register_forward_pre_hook(hook(k), with_kwargs=True)
-                   for k in sorted(set(self.aux_layer_ids)) if k < L]
+        handles = [
+            self._layers[k].register_forward_pre_hook(hook(k), with_kwargs=True)
+            for k in sorted(set(self.aux_layer_ids))
+            if k < L
+        ]
         if L in self.aux_layer_ids:
             handles.append(self._norm.register_forward_pre_hook(hook(L), with_kwargs=True))
         self._capturing = True
@@ -85,8 +91,13 @@ class Verifier:
         t = ids.shape[0]
         pos = torch.arange(start, start + t, device=self.device)[None]
         self._captured.clear()
-        out = self.model(input_ids=ids[None].to(self.device), position_ids=pos, use_cache=True,
-                         logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
+        out = self.model(
+            input_ids=ids[None].to(self.device),
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            **{self._cache_kw: cache},
+        )
         aux = None
         if self._capturing:
             aux = torch.cat([self._captured[k][0] for k in self.aux_layer_ids], dim=-1)

@@ -19,6 +19,7 @@ vLLM's original method unchanged, logging the reason once.
 Environment: PEAGLE_EXT_VLLM_PLUGIN=0 disables the patch; PEAGLE_EXT_VLLM_ALLOW_UNTESTED=1
 patches a vLLM version outside the supported list (when its method signature matches).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,16 @@ logger = logging.getLogger("peagle_ext")
 SUPPORTED_VLLM_MINOR_VERSIONS = ((0, 33),)
 """(major, minor) of the vLLM releases whose proposer code this patch was written against."""
 
-_EXPECTED_PARAMS = ("self", "target_token_ids", "next_token_ids", "target_positions", "target_hidden_states",
-                    "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")
+_EXPECTED_PARAMS = (
+    "self",
+    "target_token_ids",
+    "next_token_ids",
+    "target_positions",
+    "target_hidden_states",
+    "token_indices_to_sample",
+    "cad",
+    "num_rejected_tokens_gpu",
+)
 _PATCH_ATTR = "_peagle_ext_original"
 _logged_reasons: set[str] = set()
 
@@ -68,19 +77,30 @@ def register() -> bool:
     supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM_MINOR_VERSIONS)
     if not is_supported_version(version):
         if os.environ.get("PEAGLE_EXT_VLLM_ALLOW_UNTESTED", "") != "1":
-            logger.warning("peagle_ext: vLLM %s is not a supported version (supported: %s); vLLM's own "
-                           "parallel-drafting step stays in use (PEAGLE_EXT_VLLM_ALLOW_UNTESTED=1 to try anyway)",
-                           version, supported)
+            logger.warning(
+                "peagle_ext: vLLM %s is not a supported version (supported: %s); vLLM's own "
+                "parallel-drafting step stays in use (PEAGLE_EXT_VLLM_ALLOW_UNTESTED=1 to try anyway)",
+                version,
+                supported,
+            )
             return False
-        logger.warning("peagle_ext: vLLM %s is untested (supported: %s); patching because "
-                       "PEAGLE_EXT_VLLM_ALLOW_UNTESTED=1", version, supported)
+        logger.warning(
+            "peagle_ext: vLLM %s is untested (supported: %s); patching because PEAGLE_EXT_VLLM_ALLOW_UNTESTED=1",
+            version,
+            supported,
+        )
     try:
         from vllm.v1.spec_decode import utils as spec_utils
         from vllm.v1.spec_decode.eagle import EagleProposer
+
         extend = spec_utils.extend_all_queries_by_N
     except Exception as e:
-        logger.warning("peagle_ext: vLLM %s has no EagleProposer / extend_all_queries_by_N where expected (%r); "
-                       "the parallel-drafting plugin does nothing", version, e)
+        logger.warning(
+            "peagle_ext: vLLM %s has no EagleProposer / extend_all_queries_by_N where expected (%r); "
+            "the parallel-drafting plugin does nothing",
+            version,
+            e,
+        )
         return False
     try:
         return install(EagleProposer, extend_all_queries_by_N=extend)
@@ -99,28 +119,60 @@ def install(proposer_cls, *, extend_all_queries_by_N) -> bool:
         return True
     params = tuple(inspect.signature(current).parameters)
     if params != _EXPECTED_PARAMS:
-        logger.warning("peagle_ext: %s.set_inputs_first_pass has parameters %s, expected %s; not patched",
-                       proposer_cls.__name__, params, _EXPECTED_PARAMS)
+        logger.warning(
+            "peagle_ext: %s.set_inputs_first_pass has parameters %s, expected %s; not patched",
+            proposer_cls.__name__,
+            params,
+            _EXPECTED_PARAMS,
+        )
         return False
     original = current
     had_own = "set_inputs_first_pass" in proposer_cls.__dict__
 
     @functools.wraps(original)
-    def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
-                              token_indices_to_sample, cad, num_rejected_tokens_gpu):
-        reason = unsupported_reason(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
-                                    cad, num_rejected_tokens_gpu)
+    def set_inputs_first_pass(
+        self,
+        target_token_ids,
+        next_token_ids,
+        target_positions,
+        target_hidden_states,
+        token_indices_to_sample,
+        cad,
+        num_rejected_tokens_gpu,
+    ):
+        reason = unsupported_reason(
+            self, target_token_ids, next_token_ids, target_positions, target_hidden_states, cad, num_rejected_tokens_gpu
+        )
         if reason is not None:
             _log_once(reason)
-            return original(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
-                            token_indices_to_sample, cad, num_rejected_tokens_gpu)
-        return fused_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states, cad,
-                                num_rejected_tokens_gpu, extend_all_queries_by_N)
+            return original(
+                self,
+                target_token_ids,
+                next_token_ids,
+                target_positions,
+                target_hidden_states,
+                token_indices_to_sample,
+                cad,
+                num_rejected_tokens_gpu,
+            )
+        return fused_first_pass(
+            self,
+            target_token_ids,
+            next_token_ids,
+            target_positions,
+            target_hidden_states,
+            cad,
+            num_rejected_tokens_gpu,
+            extend_all_queries_by_N,
+        )
 
     setattr(set_inputs_first_pass, _PATCH_ATTR, (original, had_own))
     proposer_cls.set_inputs_first_pass = set_inputs_first_pass
-    logger.info("peagle_ext: %s.set_inputs_first_pass now builds parallel-drafting (P-EAGLE) inputs with "
-                "peagle_ext.vllm.prepare_parallel_draft_inputs (one kernel)", proposer_cls.__name__)
+    logger.info(
+        "peagle_ext: %s.set_inputs_first_pass now builds parallel-drafting (P-EAGLE) inputs with "
+        "peagle_ext.vllm.prepare_parallel_draft_inputs (one kernel)",
+        proposer_cls.__name__,
+    )
     return True
 
 
@@ -141,6 +193,7 @@ def uninstall(proposer_cls) -> bool:
 @functools.lru_cache(maxsize=1)
 def _has_cuda_kernels() -> bool:
     from .._native import has_cuda_kernels
+
     return has_cuda_kernels()
 
 
@@ -150,8 +203,9 @@ def _log_once(reason: str) -> None:
         logger.info("peagle_ext: vLLM's own set_inputs_first_pass used: %s", reason)
 
 
-def unsupported_reason(self, target_token_ids, next_token_ids, target_positions, target_hidden_states, cad,
-                       num_rejected_tokens_gpu) -> str | None:
+def unsupported_reason(
+    self, target_token_ids, next_token_ids, target_positions, target_hidden_states, cad, num_rejected_tokens_gpu
+) -> str | None:
     """Why the fused step cannot stand in for vLLM's here, or None when it can."""
     from ..ops.parallel_draft import HIDDEN_DTYPES
 
@@ -184,33 +238,70 @@ def unsupported_reason(self, target_token_ids, next_token_ids, target_positions,
     t_out = t_in + (k - 1) * b
     qsl = cad.query_start_loc
     bt = cad.block_table_tensor
-    if (target_token_ids.dtype != torch.int32 or next_token_ids.dtype != torch.int32
-            or target_positions.dtype != torch.int64 or qsl.dtype != torch.int32 or bt.dtype != torch.int32
-            or (num_rejected_tokens_gpu is not None and num_rejected_tokens_gpu.dtype != torch.int32)):
+    if (
+        target_token_ids.dtype != torch.int32
+        or next_token_ids.dtype != torch.int32
+        or target_positions.dtype != torch.int64
+        or qsl.dtype != torch.int32
+        or bt.dtype != torch.int32
+        or (num_rejected_tokens_gpu is not None and num_rejected_tokens_gpu.dtype != torch.int32)
+    ):
         return "unexpected index dtypes"
-    if target_hidden_states.dtype not in HIDDEN_DTYPES or target_hidden_states.dtype != self.hidden_states.dtype \
-            or mask_hidden.dtype != target_hidden_states.dtype:
+    if (
+        target_hidden_states.dtype not in HIDDEN_DTYPES
+        or target_hidden_states.dtype != self.hidden_states.dtype
+        or mask_hidden.dtype != target_hidden_states.dtype
+    ):
         return f"hidden dtype {target_hidden_states.dtype} (buffer {self.hidden_states.dtype})"
-    if target_hidden_states.dim() != 2 or target_hidden_states.shape[1] != self.hidden_states.shape[1] \
-            or mask_hidden.shape != (self.hidden_states.shape[1],):
+    if (
+        target_hidden_states.dim() != 2
+        or target_hidden_states.shape[1] != self.hidden_states.shape[1]
+        or mask_hidden.shape != (self.hidden_states.shape[1],)
+    ):
         return "hidden size mismatch"
-    if not all(t.is_contiguous() for t in (target_token_ids, target_positions, target_hidden_states, qsl,
-                                           next_token_ids, mask_hidden, self.hidden_states)) \
-            or (num_rejected_tokens_gpu is not None and not num_rejected_tokens_gpu.is_contiguous()):
+    if not all(
+        t.is_contiguous()
+        for t in (
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            qsl,
+            next_token_ids,
+            mask_hidden,
+            self.hidden_states,
+        )
+    ) or (num_rejected_tokens_gpu is not None and not num_rejected_tokens_gpu.is_contiguous()):
         return "non-contiguous inputs"
-    if qsl.shape[0] < b + 1 or next_token_ids.shape[0] < b or bt.dim() != 2 or bt.shape[0] < b \
-            or (num_rejected_tokens_gpu is not None and num_rejected_tokens_gpu.shape[0] < b):
+    if (
+        qsl.shape[0] < b + 1
+        or next_token_ids.shape[0] < b
+        or bt.dim() != 2
+        or bt.shape[0] < b
+        or (num_rejected_tokens_gpu is not None and num_rejected_tokens_gpu.shape[0] < b)
+    ):
         return "batch metadata shorter than the batch"
     if bt.stride(1) != 1 or bt.shape[1] * self.block_size < self.max_model_len:
         return "block table does not cover max_model_len"
-    if t_out > min(self.input_ids.shape[0], self.positions.shape[0], self.hidden_states.shape[0],
-                   self.is_rejected_token_mask.shape[0]):
+    if t_out > min(
+        self.input_ids.shape[0],
+        self.positions.shape[0],
+        self.hidden_states.shape[0],
+        self.is_rejected_token_mask.shape[0],
+    ):
         return "draft buffers smaller than the expanded batch"
     return None
 
 
-def fused_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states, cad,
-                     num_rejected_tokens_gpu, extend_all_queries_by_N):
+def fused_first_pass(
+    self,
+    target_token_ids,
+    next_token_ids,
+    target_positions,
+    target_hidden_states,
+    cad,
+    num_rejected_tokens_gpu,
+    extend_all_queries_by_N,
+):
     """The parallel-drafting branch of vLLM's set_inputs_first_pass with one op; returns what
     it returns: (num draft tokens, token_indices_to_sample, new CommonAttentionMetadata)."""
     from .._native import ops
@@ -225,15 +316,29 @@ def fused_first_pass(self, target_token_ids, next_token_ids, target_positions, t
     # The op itself (not the Python wrapper): unsupported_reason() has checked what the
     # wrapper would, the C++ op checks again, and this runs on every decoding step.
     ops.prepare_parallel_draft_inputs_out(
-        target_token_ids, target_positions, next_token_ids[:b], cad.query_start_loc[:b + 1],
-        None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:b], target_hidden_states,
-        self.parallel_drafting_hidden_state_tensor, cad.block_table_tensor, k, int(self.parallel_drafting_token_id),
-        int(self.block_size), int(self.max_model_len),
-        input_ids=self.input_ids[:t_out], positions=self.positions[:t_out], hidden=self.hidden_states[:t_out],
-        is_rejected=self.is_rejected_token_mask[:t_out], is_masked=self.is_masked_token_mask[:t_out],
+        target_token_ids,
+        target_positions,
+        next_token_ids[:b],
+        cad.query_start_loc[: b + 1],
+        None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:b],
+        target_hidden_states,
+        self.parallel_drafting_hidden_state_tensor,
+        cad.block_table_tensor,
+        k,
+        int(self.parallel_drafting_token_id),
+        int(self.block_size),
+        int(self.max_model_len),
+        input_ids=self.input_ids[:t_out],
+        positions=self.positions[:t_out],
+        hidden=self.hidden_states[:t_out],
+        is_rejected=self.is_rejected_token_mask[:t_out],
+        is_masked=self.is_masked_token_mask[:t_out],
         token_indices_to_sample=token_indices_to_sample,
-        hidden_state_mapping=torch.empty(t_in, dtype=torch.int32, device=dev), slot_mapping=slot_mapping,
-        new_query_start_loc=torch.empty(b + 1, dtype=torch.int32, device=dev))
-    new_cad = extend_all_queries_by_N(cad, N=self.net_num_new_slots_per_request, arange=self.arange,
-                                      new_slot_mapping=slot_mapping)
+        hidden_state_mapping=torch.empty(t_in, dtype=torch.int32, device=dev),
+        slot_mapping=slot_mapping,
+        new_query_start_loc=torch.empty(b + 1, dtype=torch.int32, device=dev),
+    )
+    new_cad = extend_all_queries_by_N(
+        cad, N=self.net_num_new_slots_per_request, arange=self.arange, new_slot_mapping=slot_mapping
+    )
     return t_out, token_indices_to_sample, new_cad

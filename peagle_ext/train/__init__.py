@@ -1,4 +1,4 @@
-"""`peagle train`: training a P-EAGLE drafter for a verifier (docs/design.md, "Training").
+"""`peagle train`: training a P-EAGLE drafter for a verifier (docs/design.md section 7).
 
 - `settings`: TrainSettings (defaults < --config file < flags) and TrainError.
 - `build`: the verifier, the data and the drafter a run starts from.
@@ -8,6 +8,7 @@
 - `distributed`: DDP / FSDP2 under torchrun.
 - `metrics`, `optim`, `run_log`, `plots`: what a run measures and reports.
 """
+
 from .checkpoint import CHECKPOINT_PREFIX, COMPLETE_MARKER, TRAINER_STATE, list_checkpoints, save_checkpoint
 from .dataset import prepare_data
 from .export import export
@@ -18,7 +19,22 @@ from .run_log import RunLog
 from .settings import TrainError, TrainSettings, load_config_file, settings_from
 
 __all__ = [
-    "CHECKPOINT_PREFIX", "COMPLETE_MARKER", "TRAINER_STATE", "list_checkpoints", "save_checkpoint", "prepare_data",
-    "export", "TrainResult", "evaluate", "train", "Meter", "acceptance_length", "lr_lambda", "RunLog", "TrainError",
-    "TrainSettings", "load_config_file", "settings_from",
+    "CHECKPOINT_PREFIX",
+    "COMPLETE_MARKER",
+    "TRAINER_STATE",
+    "list_checkpoints",
+    "save_checkpoint",
+    "prepare_data",
+    "export",
+    "TrainResult",
+    "evaluate",
+    "train",
+    "Meter",
+    "acceptance_length",
+    "lr_lambda",
+    "RunLog",
+    "TrainError",
+    "TrainSettings",
+    "load_config_file",
+    "settings_from",
 ]

@@ -1,5 +1,6 @@
 """What a run builds before its first step: the verifier and the data, the drafter attached to
 the verifier's head, and the source of the verifier hidden states."""
+
 from __future__ import annotations
 
 import time
@@ -36,19 +37,27 @@ def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> Run
     vcfg = getattr(verifier.config, "text_config", None) or verifier.config
     vocab = int(vcfg.vocab_size)
     aux_ids = list(s.aux_layer_ids) if s.aux_layer_ids else D.default_aux_layer_ids(int(vcfg.num_hidden_layers))
-    log.event("verifier", f"verifier {s.verifier}: {vcfg.model_type}, {vcfg.num_hidden_layers} layers, hidden "
-              f"{vcfg.hidden_size}, vocab {vocab}, aux layers {aux_ids} ({time.time() - t0:.1f}s)")
+    log.event(
+        "verifier",
+        f"verifier {s.verifier}: {vcfg.model_type}, {vcfg.num_hidden_layers} layers, hidden "
+        f"{vcfg.hidden_size}, vocab {vocab}, aux layers {aux_ids} ({time.time() - t0:.1f}s)",
+    )
     ds = prepare_data(s, tokenizer, vocab, log)
     mask_id, how = resolve_mask_token_id(tokenizer, vocab, s.mask_token_id)
     for rows, where in ((ds.train_rows, "the training data"), (ds.val_rows, "the validation data")):
         for r in rows:
             if bool((r.input_ids[r.document_ids >= 0] == mask_id).any()):
-                raise TrainError(f"mask_token_id {mask_id} ({how}) occurs as a real token in {where}; "
-                                 "pick an id the data never uses (--mask-token-id)")
+                raise TrainError(
+                    f"mask_token_id {mask_id} ({how}) occurs as a real token in {where}; "
+                    "pick an id the data never uses (--mask-token-id)"
+                )
     ntok = sum(int((r.document_ids >= 0).sum()) for r in ds.train_rows)
-    log.event("data", f"data {s.data}: {ds.num_train_conversations} train / {ds.num_val_conversations} val conversations "
-              f"-> {len(ds.train_rows)} train / {len(ds.val_rows)} val rows of {s.seq_len} tokens "
-              f"({ntok} train tokens, {int(ds.token_counts.sum())} assistant tokens); mask token {mask_id} ({how})")
+    log.event(
+        "data",
+        f"data {s.data}: {ds.num_train_conversations} train / {ds.num_val_conversations} val conversations "
+        f"-> {len(ds.train_rows)} train / {len(ds.val_rows)} val rows of {s.seq_len} tokens "
+        f"({ntok} train tokens, {int(ds.token_counts.sum())} assistant tokens); mask token {mask_id} ({how})",
+    )
     return RunInputs(verifier, tokenizer, vcfg, aux_ids, ds, mask_id, ntok)
 
 
@@ -64,32 +73,61 @@ def build_model(s: TrainSettings, inp: RunInputs, device: torch.device, log: Run
     if dv is not None:
         d2t, t2d = build_vocab_mapping(ds.token_counts, dv)
         cover = float(ds.token_counts[t2d].sum()) / max(1.0, float(ds.token_counts.sum()))
-        log.event("vocab", f"draft vocab: the {dv} most frequent assistant tokens (cover {100 * cover:.1f}% of them)",
-                  coverage=cover)
+        log.event(
+            "vocab",
+            f"draft vocab: the {dv} most frequent assistant tokens (cover {100 * cover:.1f}% of them)",
+            coverage=cover,
+        )
     model = PEagleDraftModel.from_verifier(
-        vcfg, num_layers=s.num_layers, num_depths=s.num_depths, mask_token_id=inp.mask_token_id, draft_vocab_size=dv,
-        aux_layer_ids=inp.aux_layer_ids, layer_type=s.layer_type, d2t=d2t, verifier_name_or_path=s.verifier,
-        options=s.options(), norm_before_residual=s.norm_before_residual)
+        vcfg,
+        num_layers=s.num_layers,
+        num_depths=s.num_depths,
+        mask_token_id=inp.mask_token_id,
+        draft_vocab_size=dv,
+        aux_layer_ids=inp.aux_layer_ids,
+        layer_type=s.layer_type,
+        d2t=d2t,
+        verifier_name_or_path=s.verifier,
+        options=s.options(),
+        norm_before_residual=s.norm_before_residual,
+    )
     model.config.speculators_config["verifier"]["architectures"] = list(
-        getattr(verifier.config, "architectures", None) or [])
+        getattr(verifier.config, "architectures", None) or []
+    )
     _, _, norm = D.decoder_parts(verifier)
     if int(vcfg.hidden_size) != model.config.hidden_size:
-        raise TrainError(f"verifier/draft hidden size mismatch: verifier {vcfg.hidden_size}, draft {model.config.hidden_size}")
+        raise TrainError(
+            f"verifier/draft hidden size mismatch: verifier {vcfg.hidden_size}, draft {model.config.hidden_size}"
+        )
     head_dim = model.layers[0].self_attn.head_dim
     if device.type == "cuda" and head_dim not in (64, 128):
         # say it before the verifier pass, not from inside the first forward
-        raise TrainError(f"the drafter's attention head dim is {head_dim} (from the verifier config); the CUDA "
-                         f"COD attention kernels support 64 and 128: train on --device cpu, or use a verifier "
-                         f"with head dim 64/128")
-    model.attach_verifier(norm_weight=norm.weight.detach().float().cpu(),
-                          lm_head_weight=verifier.get_output_embeddings().weight.detach().float().cpu(),
-                          norm_eps=getattr(vcfg, "rms_norm_eps", 1e-6),
-                          embed_weight=verifier.get_input_embeddings().weight.detach().float().cpu())
+        raise TrainError(
+            f"the drafter's attention head dim is {head_dim} (from the verifier config); the CUDA "
+            f"COD attention kernels support 64 and 128: train on --device cpu, or use a verifier "
+            f"with head dim 64/128"
+        )
+    model.attach_verifier(
+        norm_weight=norm.weight.detach().float().cpu(),
+        lm_head_weight=verifier.get_output_embeddings().weight.detach().float().cpu(),
+        norm_eps=getattr(vcfg, "rms_norm_eps", 1e-6),
+        embed_weight=verifier.get_input_embeddings().weight.detach().float().cpu(),
+    )
     return model
 
 
-def build_hidden_states(s: TrainSettings, inp: RunInputs, device: torch.device, amp, ctx, log: RunLog, *,
-                        order: list[int], step: int, cursor: int) -> tuple[HiddenStates, HiddenStates]:
+def build_hidden_states(
+    s: TrainSettings,
+    inp: RunInputs,
+    device: torch.device,
+    amp,
+    ctx,
+    log: RunLog,
+    *,
+    order: list[int],
+    step: int,
+    cursor: int,
+) -> tuple[HiddenStates, HiddenStates]:
     """(train, val) hidden-state sources: in memory when they fit --hidden-cache-gb (on CPU computed on
     a background thread in the order training reads them), on disk with --hidden-cache-dir, else
     recomputed per step. Drops the verifier when every row is cached."""
@@ -100,15 +138,26 @@ def build_hidden_states(s: TrainSettings, inp: RunInputs, device: torch.device, 
     cache = per_row * (len(ds.train_rows) + len(ds.val_rows)) <= s.hidden_cache_gb * 2**30
     disks = (None, None)
     if s.hidden_cache_dir:
-        meta = {"verifier": s.verifier, "aux_layer_ids": aux_ids, "seq_len": s.seq_len, "dtype": str(store_dtype),
-                "data": s.data, "num_conversations": s.num_conversations, "val_fraction": s.val_fraction,
-                "seed": s.seed}
-        disks = tuple(D.HiddenStateCache(Path(s.hidden_cache_dir) / split, meta={**meta, "split": split})
-                      for split in ("train", "val"))
-    train_h = HiddenStates(inp.verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device,
-                           disk=disks[0])
-    val_h = HiddenStates(inp.verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device,
-                         disk=disks[1])
+        meta = {
+            "verifier": s.verifier,
+            "aux_layer_ids": aux_ids,
+            "seq_len": s.seq_len,
+            "dtype": str(store_dtype),
+            "data": s.data,
+            "num_conversations": s.num_conversations,
+            "val_fraction": s.val_fraction,
+            "seed": s.seed,
+        }
+        disks = tuple(
+            D.HiddenStateCache(Path(s.hidden_cache_dir) / split, meta={**meta, "split": split})
+            for split in ("train", "val")
+        )
+    train_h = HiddenStates(
+        inp.verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device, disk=disks[0]
+    )
+    val_h = HiddenStates(
+        inp.verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device, disk=disks[1]
+    )
     t0 = time.time()
     background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden and ctx.world == 1
     if ctx.world > 1:  # each rank: only the rows it trains on (train/distributed.py)
@@ -117,16 +166,23 @@ def build_hidden_states(s: TrainSettings, inp: RunInputs, device: torch.device, 
         # rows in the order this epoch consumes them; training starts as soon as the first is ready
         first_val = (s.val_every - step % s.val_every) * s.batch_size * s.grad_accum
         train_h.start_background(order[cursor:] + order[:cursor], then=val_h, then_after=first_val)
-        log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows: computed on a "
-                  "background thread while training runs (kept in memory)")
+        log.event(
+            "hidden",
+            f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows: computed on a "
+            "background thread while training runs (kept in memory)",
+        )
     else:
         train_h.warm("verifier hidden states (train)", s.progress)
         val_h.warm("verifier hidden states (val)", s.progress)
     if cache and not background and ctx.world == 1:
         ntok_all = inp.train_tokens + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
         dt_h = time.time() - t0
-        log.event("hidden", f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
-                  f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)", seconds=dt_h)
+        log.event(
+            "hidden",
+            f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
+            f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)",
+            seconds=dt_h,
+        )
     if (cache and not background and ctx.world == 1) or s.hidden_cache_dir:
         # every row is cached: the verifier itself is no longer needed
         train_h.verifier = val_h.verifier = None

@@ -1,6 +1,7 @@
 """Checkpoints of a run: DIR/checkpoint-<step>/ (the section-5 model plus the trainer state),
 written to a .tmp directory, marked complete and renamed into place, so a process killed at any
 moment leaves only complete checkpoints; listing, pruning and reading them back."""
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,7 @@ def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
         name = p.name
         if not p.is_dir() or not name.startswith(CHECKPOINT_PREFIX):
             continue
-        tail = name[len(CHECKPOINT_PREFIX):]
+        tail = name[len(CHECKPOINT_PREFIX) :]
         if not tail.isdigit():
             continue
         if not (p / COMPLETE_MARKER).is_file() or not (p / TRAINER_STATE).is_file():
@@ -63,8 +64,10 @@ def save_checkpoint(out: Path, step: int, model: PEagleDraftModel, opt, sched, s
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     test_pause("weights", step)
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), **state},
-               tmp / TRAINER_STATE)
+    torch.save(
+        {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), **state},
+        tmp / TRAINER_STATE,
+    )
     return publish_checkpoint(out, step, tmp, keep)
 
 
@@ -75,7 +78,7 @@ def publish_checkpoint(out: Path, step: int, tmp: Path, keep: int) -> Path:
     fsync_dir(tmp)
     test_pause("written", step)
     replace_dir(tmp, final)
-    for s, p in list_checkpoints(out)[:-keep]:
+    for _step, p in list_checkpoints(out)[:-keep]:
         remove_checkpoint(p)
     return final
 
@@ -128,13 +131,16 @@ def read_checkpoint_state(ck: Path) -> dict:
     (disk errors, manual edits): say which checkpoint, and how to go back to the one before."""
     try:
         from safetensors import safe_open
+
         with safe_open(str(ck / "model.safetensors"), "pt"):
             pass
         json.loads((ck / "config.json").read_text())
         return read_trainer_state(ck)
     except Exception as e:  # noqa: BLE001  (pickle, safetensors and OS errors alike)
-        raise TrainError(f"--resume: checkpoint {ck} is marked complete but cannot be read ({type(e).__name__}: "
-                         f"{e}); move it out of the output directory to resume from the checkpoint before it") from None
+        raise TrainError(
+            f"--resume: checkpoint {ck} is marked complete but cannot be read ({type(e).__name__}: "
+            f"{e}); move it out of the output directory to resume from the checkpoint before it"
+        ) from None
 
 
 def fsync_dir(d: Path):

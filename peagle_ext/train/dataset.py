@@ -1,5 +1,6 @@
 """The training data of a run: conversations -> tokenized, split, packed rows and token counts; the
 epoch order; the rows of one micro-batch side by side; the COD seed of each micro-batch."""
+
 from __future__ import annotations
 
 import random
@@ -43,14 +44,19 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
             dropped += 1
             continue
         if int(ids.max()) >= vocab_size or int(ids.min()) < 0:
-            raise TrainError(f"conversation {i}: token id {int(ids.max())} is outside the verifier vocab "
-                             f"({vocab_size}): tokenizer and verifier do not match")
+            raise TrainError(
+                f"conversation {i}: token id {int(ids.max())} is outside the verifier vocab "
+                f"({vocab_size}): tokenizer and verifier do not match"
+            )
         (tok_val if i in val_idx else tok_train).append((ids, mask))
         if i not in val_idx:
             counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     if truncated:
-        log.event("truncated", f"{truncated} conversation(s) longer than --seq-len {s.seq_len} were truncated "
-                  f"to {s.seq_len} tokens", count=truncated)
+        log.event(
+            "truncated",
+            f"{truncated} conversation(s) longer than --seq-len {s.seq_len} were truncated to {s.seq_len} tokens",
+            count=truncated,
+        )
     if dropped:
         log.event("dropped", f"{dropped} conversation(s) without assistant tokens were skipped", count=dropped)
     if not tok_train:
@@ -72,9 +78,12 @@ def concat_examples(examples):
         if bool((d >= 0).any()):
             off += int(d.max()) + 1
     return D.TrainingExample(
-        input_ids=torch.cat([e.input_ids for e in examples]), document_ids=torch.cat(docs),
-        loss_mask=torch.cat([e.loss_mask for e in examples]), hidden=torch.cat([e.hidden for e in examples]),
-        last_hidden=torch.cat([e.last_hidden for e in examples]))
+        input_ids=torch.cat([e.input_ids for e in examples]),
+        document_ids=torch.cat(docs),
+        loss_mask=torch.cat([e.loss_mask for e in examples]),
+        hidden=torch.cat([e.hidden for e in examples]),
+        last_hidden=torch.cat([e.last_hidden for e in examples]),
+    )
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:

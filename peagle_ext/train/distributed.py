@@ -37,6 +37,7 @@ What is global and what is per rank (N ranks, --batch-size B, --grad-accum G):
   count (DCP reshards), also into DDP or a single process. Tmp dir + rename by rank 0 after a
   barrier, as the single-process trainer does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +74,7 @@ def lpt_partition(costs, bins: int, per_bin: int | None = None) -> list[list[int
     load = [0] * bins
     members: list[list[int]] = [[] for _ in range(bins)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        b = min((b for b in range(bins) if per_bin is None or len(members[b]) < per_bin),
-                key=lambda b: (load[b], b))
+        b = min((b for b in range(bins) if per_bin is None or len(members[b]) < per_bin), key=lambda b: (load[b], b))
         members[b].append(i)
         load[b] += costs[i]
     return [sorted(m) for m in members]
@@ -117,6 +117,7 @@ def _allreduce_sum_hook(process_group, bucket):
     """DDP comm hook: SUM the gradients (DDP's default averages); the loss is already divided by
     the global token count."""
     import torch.distributed as dist
+
     fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
@@ -127,8 +128,16 @@ def _allreduce_sum_hook(process_group, bucket):
 class DistContext:
     """Rank, world and the wrapped model of one training process (see the module docstring)."""
 
-    def __init__(self, mode: str = "ddp", *, world: int = 1, rank: int = 0, local_rank: int = 0,
-                 device: torch.device | None = None, owns_group: bool = False):
+    def __init__(
+        self,
+        mode: str = "ddp",
+        *,
+        world: int = 1,
+        rank: int = 0,
+        local_rank: int = 0,
+        device: torch.device | None = None,
+        owns_group: bool = False,
+    ):
         if mode not in DIST_MODES:
             raise ValueError(f"--dist must be one of {DIST_MODES}, got {mode!r}")
         self.mode = mode
@@ -144,11 +153,12 @@ class DistContext:
 
     # -- setup ------------------------------------------------------------------------------
     @classmethod
-    def from_env(cls, mode: str, device: str, *, timeout_s: float = 1800.0) -> "DistContext":
+    def from_env(cls, mode: str, device: str, *, timeout_s: float = 1800.0) -> DistContext:
         """One process (WORLD_SIZE unset or 1): a trivial context on `device`. Under torchrun
         (WORLD_SIZE > 1): init the default process group (NCCL on cuda, gloo on cpu) unless one is
         already up, and pin this process to cuda:LOCAL_RANK."""
         import torch.distributed as dist
+
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1 and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return cls(mode, device=torch.device(device))
@@ -165,8 +175,9 @@ class DistContext:
             kw = {"device_id": dev} if cuda else {}
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kw)
             owns = True
-        return cls(mode, world=dist.get_world_size(), rank=dist.get_rank(), local_rank=local_rank, device=dev,
-                   owns_group=owns)
+        return cls(
+            mode, world=dist.get_world_size(), rank=dist.get_rank(), local_rank=local_rank, device=dev, owns_group=owns
+        )
 
     @property
     def is_main(self) -> bool:
@@ -178,6 +189,7 @@ class DistContext:
 
     def close(self):
         import torch.distributed as dist
+
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
@@ -185,15 +197,18 @@ class DistContext:
     def barrier(self):
         if self.world > 1:
             import torch.distributed as dist
+
             dist.barrier()
 
     def _comm_device(self) -> torch.device:
         import torch.distributed as dist
+
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     # -- wrapping ---------------------------------------------------------------------------
-    def wrap(self, model: nn.Module, autocast_dtype: torch.dtype | None = None, *,
-             fsdp_bf16_params: bool | None = None) -> None:
+    def wrap(
+        self, model: nn.Module, autocast_dtype: torch.dtype | None = None, *, fsdp_bf16_params: bool | None = None
+    ) -> None:
         """DDP or FSDP2 around `model` (already on self.device, identical on every rank). The
         optimizer must be built after this, from model.parameters() (FSDP2 swaps them for shards).
         fsdp_bf16_params: FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32);
@@ -203,20 +218,30 @@ class DistContext:
         if self.world == 1:
             return
         if self.mode == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
             # buffers (vocab maps, the verifier's frozen head) are identical on every rank and never
             # change: broadcasting them at every forward would move GBs for nothing
             import inspect
-            no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
-                              inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False})
+
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            no_buffer_sync = (
+                {"forward_sync_buffers": False}
+                if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                else {"broadcast_buffers": False}
+            )
             # gradient_as_bucket_view: .grad are views into the all-reduce buckets, so the trainable
             # gradients are held once, not twice (3.3 GiB for a Qwen3-8B-shaped drafter)
-            self._ddp = DDP(self.step_module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                            gradient_as_bucket_view=True, **no_buffer_sync)
+            self._ddp = DDP(
+                self.step_module,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+                **no_buffer_sync,
+            )
             self._ddp.register_comm_hook(None, _allreduce_sum_hook)
             return
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
         # a layer returns its (k, v) as views; nothing ever modifies them in place, which is
         # what this warning is about
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -263,6 +288,7 @@ class DistContext:
         if self.world == 1:
             return x
         import torch.distributed as dist
+
         t = torch.tensor([float(x)], dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
         return float(t.item())
@@ -271,17 +297,20 @@ class DistContext:
         if self.world == 1:
             return bool(flag)
         import torch.distributed as dist
+
         t = torch.tensor([1.0 if flag else 0.0], device=self._comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item() > 0)
 
-    def forward_backward(self, model, example, layout, *, segments: int, loss_scale: float,
-                         autocast_dtype, last: bool) -> dict:
+    def forward_backward(
+        self, model, example, layout, *, segments: int, loss_scale: float, autocast_dtype, last: bool
+    ) -> dict:
         """Forward + backward of one micro-step (loss SUM * loss_scale); gradients are synced
         across ranks by the backward of the step's last micro-step. Returns the metrics."""
         if self.world == 1:
-            return model.forward_backward(example, layout, segments=segments, loss_scale=loss_scale,
-                                          autocast_dtype=autocast_dtype)
+            return model.forward_backward(
+                example, layout, segments=segments, loss_scale=loss_scale, autocast_dtype=autocast_dtype
+            )
         if self._fsdp:
             self.step_module.set_requires_gradient_sync(last)
             if segments > 1:
@@ -290,8 +319,9 @@ class DistContext:
                 # FSDP2 sums those into the sharded gradients), and is resharded by hand afterwards
                 self.step_module.set_reshard_after_backward(False, recurse=False)
                 try:
-                    return self.step_module(example, layout,
-                                            partitioned={"segments": segments, "loss_scale": loss_scale})
+                    return self.step_module(
+                        example, layout, partitioned={"segments": segments, "loss_scale": loss_scale}
+                    )
                 finally:
                     self.step_module.reshard()
                     self.step_module.set_reshard_after_backward(True, recurse=False)
@@ -301,12 +331,13 @@ class DistContext:
         if segments > 1:
             # several backward passes: accumulate locally, then sync with one zero backward
             with self._ddp.no_sync():
-                m = model.forward_backward(example, layout, segments=segments, loss_scale=loss_scale,
-                                           autocast_dtype=autocast_dtype)
+                m = model.forward_backward(
+                    example, layout, segments=segments, loss_scale=loss_scale, autocast_dtype=autocast_dtype
+                )
             if last:
                 self._ddp(sync_only=True).backward()
             return m
-        with (contextlib.nullcontext() if last else self._ddp.no_sync()):
+        with contextlib.nullcontext() if last else self._ddp.no_sync():
             loss_sum, m = self._ddp(example, layout)
             (loss_sum * loss_scale).backward()
         return m
@@ -327,18 +358,27 @@ class DistContext:
         if self.world == 1:
             return [mine[i] for i in range(n_items)]
         import torch.distributed as dist
+
         table = torch.zeros(n_items, 3 + 2 * k, dtype=torch.float64)
         for i, m in mine.items():
             table[i, 0] = float(m["loss_sum"])
             table[i, 1] = float(m["weight"])
             table[i, 2] = float(m.get("num_tokens", 0))
-            table[i, 3:3 + k] = m["correct"].to(torch.float64).cpu()
-            table[i, 3 + k:] = m["total"].to(torch.float64).cpu()
+            table[i, 3 : 3 + k] = m["correct"].to(torch.float64).cpu()
+            table[i, 3 + k :] = m["total"].to(torch.float64).cpu()
         t = table.to(self._comm_device())
         dist.all_reduce(t)
         table = t.cpu()
-        return [{"loss_sum": float(r[0]), "weight": float(r[1]), "num_tokens": int(r[2]),
-                 "correct": r[3:3 + k].round().long(), "total": r[3 + k:].round().long()} for r in table]
+        return [
+            {
+                "loss_sum": float(r[0]),
+                "weight": float(r[1]),
+                "num_tokens": int(r[2]),
+                "correct": r[3 : 3 + k].round().long(),
+                "total": r[3 + k :].round().long(),
+            }
+            for r in table
+        ]
 
     # -- evaluation -------------------------------------------------------------------------
     def eval_rows(self, n_rows: int) -> list[int]:
@@ -359,12 +399,14 @@ class DistContext:
         parts: HiddenStates objects (train, val). Returns a sentence for the log."""
         disk = [h for h in parts if h.disk is not None and h.rows]
         if not disk:
-            return ("verifier hidden states: each rank computes those of the rows it trains on, on first use"
-                    + (" (kept in memory)" if parts[0].cache else ""))
+            return "verifier hidden states: each rank computes those of the rows it trains on, on first use" + (
+                " (kept in memory)" if parts[0].cache else ""
+            )
         if self.is_main:
             for h in disk:
-                h.disk.generate(h.verifier, h.rows, h.aux, rows_per_shard=h.ROWS_PER_SHARD, dtype=h.store_dtype,
-                                progress=progress)
+                h.disk.generate(
+                    h.verifier, h.rows, h.aux, rows_per_shard=h.ROWS_PER_SHARD, dtype=h.store_dtype, progress=progress
+                )
         else:
             # a file poll, not a barrier: filling a large cache can outlast any collective timeout
             for h in disk:
@@ -386,10 +428,11 @@ class DistContext:
         if not self._fsdp:
             return model if self.is_main else None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         sd = get_model_state_dict(self.step_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return None
-        full = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+        full = {k[len("model.") :]: v for k, v in sd.items() if k.startswith("model.")}
         with torch.device("meta"):
             shadow = type(model)(model.config, model.options)
         # strict: every persistent tensor must come from the gathered state (the non-persistent
@@ -425,16 +468,28 @@ class DistContext:
         if self._fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-            dcp.save({"optimizer": get_optimizer_state_dict(self.step_module, opt)},
-                     checkpoint_id=str(tmp / OPTIMIZER_DCP_DIR))
+
+            dcp.save(
+                {"optimizer": get_optimizer_state_dict(self.step_module, opt)},
+                checkpoint_id=str(tmp / OPTIMIZER_DCP_DIR),
+            )
         elif self.is_main:
             opt_state = opt.state_dict()
         self.barrier()
         if self.is_main:
             writer.save_pretrained(tmp)
-            torch.save({"optimizer": opt_state, "optimizer_dcp": OPTIMIZER_DCP_DIR if self._fsdp else None,
-                        "scheduler": sched.state_dict(), "rng": C.rng_state(), "world_size": self.world,
-                        "dist": self.mode, **state}, tmp / C.TRAINER_STATE)
+            torch.save(
+                {
+                    "optimizer": opt_state,
+                    "optimizer_dcp": OPTIMIZER_DCP_DIR if self._fsdp else None,
+                    "scheduler": sched.state_dict(),
+                    "rng": C.rng_state(),
+                    "world_size": self.world,
+                    "dist": self.mode,
+                    **state,
+                },
+                tmp / C.TRAINER_STATE,
+            )
             C.publish_checkpoint(out, step, tmp, keep)
         self.barrier()
         return final
@@ -442,8 +497,12 @@ class DistContext:
     def load_optimizer_state(self, model, opt, ck: dict, ck_dir: Path) -> None:
         """Load a checkpoint's optimizer state whatever wrote it (1 process, DDP, FSDP2 on any
         rank count) into this run's optimizer (1 process, DDP or FSDP2)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
         holder = self._holder(model)
         if ck.get("optimizer") is not None:  # a full, index-keyed optimizer.state_dict()
             if not self._fsdp:
@@ -451,8 +510,10 @@ class DistContext:
                 return
             names = ["model." + n for n, p in model.named_parameters() if p.requires_grad]
             sd = ck["optimizer"]
-            fqn = {"state": {names[i]: v for i, v in sd["state"].items()},
-                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+            fqn = {
+                "state": {names[i]: v for i, v in sd["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+            }
             set_optimizer_state_dict(holder, opt, fqn, options=StateDictOptions(full_state_dict=True))
             return
         sub = ck.get("optimizer_dcp")
@@ -460,6 +521,7 @@ class DistContext:
             raise ValueError(f"checkpoint {ck_dir} holds no optimizer state")
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
+
         osd = get_optimizer_state_dict(holder, opt)  # the template (initialises the state)
         single = not (dist.is_available() and dist.is_initialized())
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

@@ -1,4 +1,5 @@
 """`peagle export`: a vLLM-loadable bf16 copy of a trained drafter."""
+
 from __future__ import annotations
 
 import shutil
@@ -7,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..model import PEagleDraftModel
-from .checkpoint import list_checkpoints, replace_dir, CHECKPOINT_PREFIX
+from .checkpoint import CHECKPOINT_PREFIX, list_checkpoints, replace_dir
 from .settings import TrainError
 
 
@@ -25,8 +26,10 @@ def export(src: str, dst: str, *, dtype: str = "bfloat16") -> Path:
     else:
         ck = list_checkpoints(p)
         if not ck:
-            raise TrainError(f"export: {src} holds no P-EAGLE checkpoint (no config.json, final/ or complete "
-                             f"{CHECKPOINT_PREFIX}<step>/)")
+            raise TrainError(
+                f"export: {src} holds no P-EAGLE checkpoint (no config.json, final/ or complete "
+                f"{CHECKPOINT_PREFIX}<step>/)"
+            )
         pick = ck[-1][1]
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
     if dt is None:

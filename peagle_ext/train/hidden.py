@@ -1,5 +1,6 @@
 """Verifier hidden states of the training rows: kept in memory, recomputed on use, or read from an
 on-disk cache; on CPU optionally computed on a background thread while training starts."""
+
 from __future__ import annotations
 
 import time
@@ -51,17 +52,21 @@ class HiddenStates:
     # -- background extraction: the verifier runs on a second thread while training starts --
     _producer = None
 
-    def start_background(self, order: list[int], then: "HiddenStates | None" = None, then_after: int = 0):
+    def start_background(self, order: list[int], then: HiddenStates | None = None, then_after: int = 0):
         """Compute every row's states on a background thread, in `order` (the order training
         will ask for them), with `then`'s rows (validation) inserted after the first `then_after`
         of them (when the first validation needs them). torch ops release the GIL and, with one
         intra-op thread each, two Python threads use two cores without OpenMP barriers. get()
         waits for a row that is not done yet. Same bits as computing in the foreground."""
         import threading
+
         cond = threading.Condition()
         cut = max(0, min(then_after, len(order)))
-        jobs = [(self, i) for i in order[:cut]] + ([(then, i) for i in range(len(then.rows))] if then else []) \
+        jobs = (
+            [(self, i) for i in order[:cut]]
+            + ([(then, i) for i in range(len(then.rows))] if then else [])
             + [(self, i) for i in order[cut:]]
+        )
         for hs in (self, then) if then else (self,):
             hs._cond, hs._error, hs._producer = cond, [None], True
 
@@ -105,8 +110,14 @@ class HiddenStates:
 
     def warm(self, desc: str, progress: bool):
         if self.disk is not None and self.rows:
-            self.disk.generate(self.verifier, self.rows, self.aux, rows_per_shard=self.ROWS_PER_SHARD,
-                               dtype=self.store_dtype, progress=progress)
+            self.disk.generate(
+                self.verifier,
+                self.rows,
+                self.aux,
+                rows_per_shard=self.ROWS_PER_SHARD,
+                dtype=self.store_dtype,
+                progress=progress,
+            )
         if not self.cache:
             return
         it = range(len(self.rows))

@@ -1,4 +1,4 @@
-"""`peagle train`: trains a P-EAGLE drafter for a verifier on chat data (docs/design.md, "Training").
+"""`peagle train`: trains a P-EAGLE drafter for a verifier on chat data (docs/design.md section 7).
 
 Pipeline: verifier + tokenizer (peagle_ext.data) -> conversations -> chat-template tokens with an
 assistant-only loss mask (truncated to seq_len, said in the log) -> validation split -> packing
@@ -12,6 +12,7 @@ optimizer, scheduler, RNG states, data position) ends bitwise equal on CPU to an
 Checkpoints are written to DIR/checkpoint-<step>.tmp and renamed into place (os.replace), with a
 COMPLETE marker written last; resume takes the newest complete one and ignores .tmp leftovers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,7 @@ from .checkpoint import (
     set_rng_state,
     test_pause,
 )
-from .dataset import concat_examples, cod_seed, epoch_order
+from .dataset import cod_seed, concat_examples, epoch_order
 from .distributed import DistContext
 from .hidden import HiddenStates
 from .metrics import Meter
@@ -82,8 +83,10 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     if s.resume:
         ck = list_checkpoints(out)
         if not ck:
-            raise TrainError(f"--resume: no complete checkpoint in {out} (looked for {CHECKPOINT_PREFIX}<step>/ "
-                             f"with a {COMPLETE_MARKER} marker)")
+            raise TrainError(
+                f"--resume: no complete checkpoint in {out} (looked for {CHECKPOINT_PREFIX}<step>/ "
+                f"with a {COMPLETE_MARKER} marker)"
+            )
         resume_from = ck[-1][1]
         # leftovers of a killed checkpoint write (.tmp) or directory swap (.old): never complete ones
         if ctx.is_main:
@@ -94,14 +97,18 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
         old = ck_state["settings"]
         diff = [k for k in RESUME_FIXED if old.get(k) != getattr(s, k)]
         if diff:
-            raise TrainError("--resume with settings that differ from the checkpoint's: " +
-                             ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old.get(k)!r})" for k in diff))
+            raise TrainError(
+                "--resume with settings that differ from the checkpoint's: "
+                + ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old.get(k)!r})" for k in diff)
+            )
         old_world = int(ck_state.get("world_size", 1))
         old_micro = int(old.get("grad_accum", 1)) * old_world
         if old_micro != s.grad_accum * ctx.world:
-            hint = (f"; pass --grad-accum {old_micro // ctx.world} to keep it" if old_micro % ctx.world == 0 else "")
-            raise TrainError(f"--resume: the checkpoint takes {old_micro} micro-batches per step (--grad-accum "
-                             f"{old.get('grad_accum')} x {old_world} rank(s)), this run {s.grad_accum} x {ctx.world}{hint}")
+            hint = f"; pass --grad-accum {old_micro // ctx.world} to keep it" if old_micro % ctx.world == 0 else ""
+            raise TrainError(
+                f"--resume: the checkpoint takes {old_micro} micro-batches per step (--grad-accum "
+                f"{old.get('grad_accum')} x {old_world} rank(s)), this run {s.grad_accum} x {ctx.world}{hint}"
+            )
         if ctx.is_main:
             for p in out.glob(f"{CHECKPOINT_PREFIX}*.tmp"):
                 shutil.rmtree(p, ignore_errors=True)
@@ -109,8 +116,10 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     else:
         existing = list_checkpoints(out)
         if existing:
-            raise TrainError(f"{out} already holds checkpoints (newest: {existing[-1][1].name}); continue them with "
-                             "--resume, or pick another --output (a fresh run would prune them)")
+            raise TrainError(
+                f"{out} already holds checkpoints (newest: {existing[-1][1].name}); continue them with "
+                "--resume, or pick another --output (a fresh run would prune them)"
+            )
         if ctx.is_main and (out / "log.jsonl").exists():
             (out / "log.jsonl").unlink()  # a log without checkpoints belongs to no resumable run
     ctx.barrier()  # every rank has decided before rank 0 writes anything
@@ -135,11 +144,22 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     torch.manual_seed(s.seed)
     random.seed(s.seed)
     np.random.seed(s.seed % (2**32))
-    log.write({"event": "start", "settings": dataclasses.asdict(s), "resume_from": str(resume_from) if resume_from else None,
-               "autocast": str(amp) if amp else None, "time": time.time(), "world_size": ctx.world})
+    log.write(
+        {
+            "event": "start",
+            "settings": dataclasses.asdict(s),
+            "resume_from": str(resume_from) if resume_from else None,
+            "autocast": str(amp) if amp else None,
+            "time": time.time(),
+            "world_size": ctx.world,
+        }
+    )
     if ctx.world > 1:
-        log.event("dist", f"{ctx.world} ranks ({s.dist.upper()}, {'NCCL' if device.type == 'cuda' else 'gloo'}): a step "
-                  f"takes {ctx.world} x {s.grad_accum} micro-batches of {s.batch_size} row(s)")
+        log.event(
+            "dist",
+            f"{ctx.world} ranks ({s.dist.upper()}, {'NCCL' if device.type == 'cuda' else 'gloo'}): a step "
+            f"takes {ctx.world} x {s.grad_accum} micro-batches of {s.batch_size} row(s)",
+        )
 
     inp = load_inputs(s, device, amp, log)
     ds = inp.dataset
@@ -149,15 +169,23 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         ckcfg = json.loads((resume_from / "config.json").read_text())
         hidden = int(inp.verifier_config.hidden_size)
         if int(ckcfg.get("target_hidden_size") or 0) != hidden:
-            raise TrainError(f"verifier/draft hidden size mismatch: checkpoint {resume_from} was trained for hidden "
-                             f"{ckcfg.get('target_hidden_size')}, this verifier has {hidden}")
+            raise TrainError(
+                f"verifier/draft hidden size mismatch: checkpoint {resume_from} was trained for hidden "
+                f"{ckcfg.get('target_hidden_size')}, this verifier has {hidden}"
+            )
         from safetensors.torch import load_file
+
         model.load_checkpoint_state_dict(load_file(str(resume_from / "model.safetensors")))
     model.to(device)
     ctx.wrap(model, amp)  # DDP / FSDP2 under torchrun; nothing in one process
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay,
-                            fused=device.type == "cuda" and not ctx.is_fsdp)
+    opt = torch.optim.AdamW(
+        params,
+        lr=s.lr,
+        betas=(s.adam_beta1, s.adam_beta2),
+        weight_decay=s.weight_decay,
+        fused=device.type == "cuda" and not ctx.is_fsdp,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0
@@ -170,9 +198,12 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         log.event("resume", f"resumed from {resume_from} at step {step}", step=step)
 
     nparams = sum(p.numel() for p in params)
-    log.event("model", f"drafter: {s.num_layers} {model.config.layer_type} layer(s), K={s.num_depths}, draft vocab "
-              f"{model.config.draft_vocab_size}, {nparams / 1e6:.2f}M trainable params, {s.attention} attention, "
-              f"autocast {amp or 'off'}")
+    log.event(
+        "model",
+        f"drafter: {s.num_layers} {model.config.layer_type} layer(s), K={s.num_depths}, draft vocab "
+        f"{model.config.draft_vocab_size}, {nparams / 1e6:.2f}M trainable params, {s.attention} attention, "
+        f"autocast {amp or 'off'}",
+    )
 
     n_rows = len(ds.train_rows)
     order = epoch_order(s.seed, epoch, n_rows)
@@ -189,8 +220,9 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     skipped = history_skipped
     val_summary = None
     stopped = False
-    bar = progress_bar(range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps,
-                disable=not s.progress)
+    bar = progress_bar(
+        range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps, disable=not s.progress
+    )
     t_tok, n_tok_window = time.time(), 0
     autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else _null
     steps_here = 0
@@ -204,20 +236,28 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                 order = epoch_order(s.seed, epoch, n_rows)
             picked.append(order[cursor])
             cursor += 1
-        micro = [picked[i * s.batch_size:(i + 1) * s.batch_size] for i in range(n_units)]
+        micro = [picked[i * s.batch_size : (i + 1) * s.batch_size] for i in range(n_units)]
         mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
         examples = [concat_examples([train_h.get(i) for i in micro[g]]).to(device) for g in mine]
         layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
-        weights = [float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())
-                   for ex, lay in zip(examples, layouts)]
+        weights = [
+            float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())
+            for ex, lay in zip(examples, layouts)
+        ]
         wtot = ctx.sum_scalar(sum(weights))  # the GLOBAL loss-token count: every rank divides by it
         step_meter = Meter(s.num_depths)
         opt.zero_grad(set_to_none=True)
         unit_metrics = {}
         for j, (g, ex, lay) in enumerate(zip(mine, examples, layouts)):
-            m = ctx.forward_backward(model, ex, lay, segments=s.seq_partition,
-                                     loss_scale=1.0 / wtot if wtot > 0 else 0.0, autocast_dtype=amp,
-                                     last=j == len(mine) - 1)
+            m = ctx.forward_backward(
+                model,
+                ex,
+                lay,
+                segments=s.seq_partition,
+                loss_scale=1.0 / wtot if wtot > 0 else 0.0,
+                autocast_dtype=amp,
+                last=j == len(mine) - 1,
+            )
             unit_metrics[g] = {**m, "num_tokens": int((ex.document_ids >= 0).sum())}
         per_unit = ctx.ordered_metrics(n_units, unit_metrics, s.num_depths)  # all units, in unit order
         for m in per_unit:
@@ -232,8 +272,12 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         else:
             skipped += 1
             opt.zero_grad(set_to_none=True)
-            log.event("nan", f"step {step + 1}: non-finite loss ({loss_val}) or gradient norm ({float(gnorm)}); "
-                      "step skipped, weights unchanged", step=step + 1)
+            log.event(
+                "nan",
+                f"step {step + 1}: non-finite loss ({loss_val}) or gradient norm ({float(gnorm)}); "
+                "step skipped, weights unchanged",
+                step=step + 1,
+            )
         lr_now = sched.get_last_lr()[0]
         sched.step()
         step += 1
@@ -241,30 +285,67 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         ntoks = sum(m["num_tokens"] for m in per_unit)
         n_tok_window += ntoks
         if ok:
-            meter.add({"loss_sum": step_meter.loss_sum, "weight": step_meter.weight,
-                       "correct": step_meter.correct, "total": step_meter.total})
-            window_meter.add({"loss_sum": step_meter.loss_sum, "weight": step_meter.weight,
-                              "correct": step_meter.correct, "total": step_meter.total})
+            meter.add(
+                {
+                    "loss_sum": step_meter.loss_sum,
+                    "weight": step_meter.weight,
+                    "correct": step_meter.correct,
+                    "total": step_meter.total,
+                }
+            )
+            window_meter.add(
+                {
+                    "loss_sum": step_meter.loss_sum,
+                    "weight": step_meter.weight,
+                    "correct": step_meter.correct,
+                    "total": step_meter.total,
+                }
+            )
         if step % s.log_every == 0 or step == s.max_steps:
             now = time.time()
             tps = n_tok_window / max(now - t_tok, 1e-9)
             summ = window_meter.summary()
-            rec = {"step": step, "split": "train", "epoch": epoch, "lr": lr_now, "grad_norm": float(gnorm),
-                   "tokens": n_tok_window, "tokens_per_s": tps, "elapsed_s": now - t_start,
-                   "skipped": not ok, **summ,
-                   **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {})}
+            rec = {
+                "step": step,
+                "split": "train",
+                "epoch": epoch,
+                "lr": lr_now,
+                "grad_norm": float(gnorm),
+                "tokens": n_tok_window,
+                "tokens_per_s": tps,
+                "elapsed_s": now - t_start,
+                "skipped": not ok,
+                **summ,
+                **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {}),
+            }
             log.write(rec)
-            bar.set_postfix(loss=f"{summ['loss']:.3f}", acc0=f"{summ['acc'][0]:.3f}",
-                            acc=f"{summ['full_acc']:.3f}", tok_s=f"{tps:.0f}")
+            bar.set_postfix(
+                loss=f"{summ['loss']:.3f}",
+                acc0=f"{summ['acc'][0]:.3f}",
+                acc=f"{summ['full_acc']:.3f}",
+                tok_s=f"{tps:.0f}",
+            )
             window_meter.reset()
             t_tok, n_tok_window = now, 0
         if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
             val_summary = evaluate(model, val_h, s, autocast, device, ctx)
             log.write({"step": step, "split": "val", **val_summary})
         if step % s.checkpoint_every == 0 or step == s.max_steps:
-            ctx.save_checkpoint(out, step, model, opt, sched,
-                                {"step": step, "epoch": epoch, "cursor": cursor, "settings": dataclasses.asdict(s),
-                                 "skipped_steps": skipped}, s.keep_checkpoints)
+            ctx.save_checkpoint(
+                out,
+                step,
+                model,
+                opt,
+                sched,
+                {
+                    "step": step,
+                    "epoch": epoch,
+                    "cursor": cursor,
+                    "settings": dataclasses.asdict(s),
+                    "skipped_steps": skipped,
+                },
+                s.keep_checkpoints,
+            )
         test_pause("step", step)
         if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
             stopped = True
@@ -281,8 +362,17 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         return result
     result.plots = make_plots(out / "log.jsonl", out, s.num_depths)
     result.wall_s = time.time() - t_start
-    log.write({"event": "done", "step": step, "final": str(final), "wall_s": result.wall_s,
-               "train": train_summary, "val": val_summary, "skipped_steps": skipped})
+    log.write(
+        {
+            "event": "done",
+            "step": step,
+            "final": str(final),
+            "wall_s": result.wall_s,
+            "train": train_summary,
+            "val": val_summary,
+            "skipped_steps": skipped,
+        }
+    )
     return result
 
 
@@ -304,7 +394,7 @@ def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autoca
     distributed = ctx is not None and ctx.world > 1
     fwd = ctx.eval_module() if distributed else model
     per_row = {}
-    for i in (ctx.eval_rows(len(hs.rows)) if distributed else range(len(hs.rows))):
+    for i in ctx.eval_rows(len(hs.rows)) if distributed else range(len(hs.rows)):
         j = i if i >= 0 else next(iter(per_row), 0)  # -1: a padding forward (FSDP), result dropped
         ex = hs.get(j).to(device)
         lay = model.sample_layout(ex, seed=cod_seed(s.seed + 1, 10**9, j))
@@ -312,8 +402,11 @@ def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autoca
             _, met = fwd(ex, lay)
         if i >= 0:
             per_row[i] = met
-    for met in (ctx.ordered_metrics(len(hs.rows), per_row, s.num_depths) if distributed
-                else [per_row[i] for i in range(len(hs.rows))]):
+    for met in (
+        ctx.ordered_metrics(len(hs.rows), per_row, s.num_depths)
+        if distributed
+        else [per_row[i] for i in range(len(hs.rows))]
+    ):
         m.add(met)
     if was:
         model.train()

@@ -1,4 +1,5 @@
 """Training metrics: loss, per-depth accuracy and the estimated acceptance length."""
+
 from __future__ import annotations
 
 import torch
@@ -35,6 +36,10 @@ class Meter:
     def summary(self) -> dict:
         acc = [float(c) / float(t) if int(t) > 0 else 0.0 for c, t in zip(self.correct, self.total)]
         tot = int(self.total.sum())
-        return {"loss": self.loss_sum / self.weight if self.weight > 0 else float("nan"),
-                "acc": acc, "full_acc": float(self.correct.sum()) / tot if tot else 0.0,
-                "accept_len": acceptance_length(acc), "counted": [int(t) for t in self.total]}
+        return {
+            "loss": self.loss_sum / self.weight if self.weight > 0 else float("nan"),
+            "acc": acc,
+            "full_acc": float(self.correct.sum()) / tot if tot else 0.0,
+            "accept_len": acceptance_length(acc),
+            "counted": [int(t) for t in self.total],
+        }

@@ -1,4 +1,5 @@
 """The optimizer side of a run: the learning-rate schedule."""
+
 from __future__ import annotations
 
 import math
@@ -16,4 +17,5 @@ def lr_lambda(s: TrainSettings):
         t = min(1.0, (step - s.warmup_steps) / span)
         shape = 0.5 * (1 + math.cos(math.pi * t)) if s.schedule == "cosine" else 1.0 - t
         return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
+
     return f

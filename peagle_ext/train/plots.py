@@ -1,4 +1,5 @@
 """loss.png and accuracy.png of a run, from its log.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,10 @@ from pathlib import Path
 def make_plots(log_path: Path, out: Path, k: int) -> list[Path]:
     """loss.png and accuracy.png (per-depth accuracy) from log.jsonl, train and validation."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     tr, va = [], []
     for line in log_path.read_text().splitlines():
         try:
@@ -58,8 +61,9 @@ def make_plots(log_path: Path, out: Path, k: int) -> list[Path]:
     for d in range(k):
         c = cmap(d / max(1, k - 1))
         if tr:
-            ax.plot([r["step"] for r in tr], smooth([r["acc"][d] for r in tr], w), color=c, alpha=0.8,
-                    label=f"d{d} train")
+            ax.plot(
+                [r["step"] for r in tr], smooth([r["acc"][d] for r in tr], w), color=c, alpha=0.8, label=f"d{d} train"
+            )
         if va:
             ax.plot([r["step"] for r in va], [r["acc"][d] for r in va], "o--", color=c, label=f"d{d} val")
     ax.set_xlabel("step")

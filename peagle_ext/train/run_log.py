@@ -1,4 +1,5 @@
 """What a training run tells its user: DIR/log.jsonl, one-line events on stderr, progress bars."""
+
 from __future__ import annotations
 
 import json
@@ -64,6 +65,7 @@ class NullLog:
 
 def progress_bar(it, **kw):
     from tqdm import tqdm
+
     # redrawn every second on a terminal; into a log file only every 30 s
     interval = 1.0 if sys.stderr.isatty() else 30.0
     return tqdm(it, dynamic_ncols=True, file=sys.stderr, mininterval=interval, **kw)

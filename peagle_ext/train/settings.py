@@ -1,4 +1,5 @@
 """`peagle train`'s settings: defaults < --config file < command-line flags, and their validation."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,10 +80,11 @@ class TrainSettings:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    def validate(self) -> "TrainSettings":
+    def validate(self) -> TrainSettings:
         def need(cond, msg):
             if not cond:
                 raise TrainError(msg)
+
         need(self.seq_len >= 8, f"--seq-len must be >= 8, got {self.seq_len}")
         need(self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")
         need(self.num_layers >= 1, f"--num-layers must be >= 1, got {self.num_layers}")
@@ -92,12 +94,22 @@ class TrainSettings:
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.warmup_steps >= 0, "--warmup-steps must be >= 0")
-        need(self.schedule in ("cosine", "linear", "constant"), f"--schedule must be cosine|linear|constant, got {self.schedule!r}")
+        need(
+            self.schedule in ("cosine", "linear", "constant"),
+            f"--schedule must be cosine|linear|constant, got {self.schedule!r}",
+        )
         need(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), f"--device must be cpu or cuda, got {self.device!r}")
-        need(self.dtype in ("auto", "float32", "bfloat16"), f"--dtype must be auto|float32|bfloat16, got {self.dtype!r}")
-        need(self.checkpoint_every >= 1 and self.val_every >= 1 and self.log_every >= 1,
-             "--checkpoint-every, --val-every and --log-every must be >= 1")
+        need(
+            self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
+            f"--device must be cpu or cuda, got {self.device!r}",
+        )
+        need(
+            self.dtype in ("auto", "float32", "bfloat16"), f"--dtype must be auto|float32|bfloat16, got {self.dtype!r}"
+        )
+        need(
+            self.checkpoint_every >= 1 and self.val_every >= 1 and self.log_every >= 1,
+            "--checkpoint-every, --val-every and --log-every must be >= 1",
+        )
         need(self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1")
         need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
         need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
@@ -113,10 +125,17 @@ class TrainSettings:
         return self
 
     def options(self) -> PEagleOptions:
-        return PEagleOptions(down_sample_ratio=self.down_sample_ratio, down_sample_ratio_min=self.down_sample_ratio_min,
-                             max_anchors=self.max_anchors, attention=self.attention, window=self.window,
-                             sink=self.sink, loss_kind=self.loss, train_lm_head=self.train_lm_head,
-                             train_embeddings=self.resolved_train_embeddings())
+        return PEagleOptions(
+            down_sample_ratio=self.down_sample_ratio,
+            down_sample_ratio_min=self.down_sample_ratio_min,
+            max_anchors=self.max_anchors,
+            attention=self.attention,
+            window=self.window,
+            sink=self.sink,
+            loss_kind=self.loss,
+            train_lm_head=self.train_lm_head,
+            train_embeddings=self.resolved_train_embeddings(),
+        )
 
     def resolved_train_embeddings(self) -> str:
         """auto: the whole embedding on GPU (P-EAGLE), only the MASK row on CPU, where the dense
@@ -145,9 +164,25 @@ def _cpu_has_bf16() -> bool:
 
 # these settings shape the model or the data stream: a resume must use the checkpoint's values
 # (grad_accum is checked as the global micro-batch count per step, grad_accum x world size)
-RESUME_FIXED = ("verifier", "data", "num_conversations", "val_fraction", "seq_len", "num_layers", "num_depths",
-                 "layer_type", "draft_vocab_size", "mask_token_id", "aux_layer_ids", "batch_size",
-                 "seed", "attention", "train_lm_head", "train_embeddings", "norm_before_residual")
+RESUME_FIXED = (
+    "verifier",
+    "data",
+    "num_conversations",
+    "val_fraction",
+    "seq_len",
+    "num_layers",
+    "num_depths",
+    "layer_type",
+    "draft_vocab_size",
+    "mask_token_id",
+    "aux_layer_ids",
+    "batch_size",
+    "seed",
+    "attention",
+    "train_lm_head",
+    "train_embeddings",
+    "norm_before_residual",
+)
 
 
 def load_config_file(path: str) -> dict:
@@ -158,11 +193,14 @@ def load_config_file(path: str) -> dict:
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
+
             d = yaml.safe_load(text) or {}
         else:
             d = json.loads(text)
     except Exception as e:
-        raise TrainError(f"--config file {path} is not valid {'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}")
+        raise TrainError(
+            f"--config file {path} is not valid {'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}"
+        ) from None
     if not isinstance(d, dict):
         raise TrainError(f"--config file {path} must hold a mapping of option: value")
     out = {}

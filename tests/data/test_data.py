@@ -4,19 +4,20 @@ Most tests use a tiny random Llama / Qwen3 and a tiny byte-level BPE tokenizer b
 Real-data tests: the ShareGPT dump and SmolLM2's tokenizer (read straight from the GGUF, ~4 s);
 `-m slow` selects the one test that converts the real SmolLM2 GGUF (~20 s) and runs it.
 """
+
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 
 import pytest
 import torch
 
 from peagle_ext import data as D
 
-CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
-          "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
+)
 
 CONV = [
     {"role": "system", "content": "be brief"},
@@ -34,12 +35,19 @@ def _build_tiny_tokenizer(chat_template=CHATML):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator(["hello world how are you", "the quick brown fox jumps over the lazy dog",
-                            "assistant user system\n\n"] * 10, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<|im_end|>",
-                                  bos_token="<|im_start|>")
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(
+        ["hello world how are you", "the quick brown fox jumps over the lazy dog", "assistant user system\n\n"] * 10,
+        trainer=trainer,
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<|im_start|>"
+    )
     tok.chat_template = chat_template
     return tok
 
@@ -53,9 +61,17 @@ def _tiny_model(kind: str, vocab: int, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  head_dim=8, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
@@ -102,10 +118,11 @@ def _masked_runs(tok, ids, mask):
 # ----------------------------------------------------------------------------------------------
 # Loaders
 
+
 def test_sharegpt_loader_handles_truncated_tail():
     convs = D.load_conversations("sharegpt")
     assert len(convs) > 17000
-    for c in convs[:: 97]:
+    for c in convs[::97]:
         assert c[0]["role"] in ("system", "user")
         assert c[-1]["role"] == "assistant"
         assert all(m["role"] in ("system", "user", "assistant") and isinstance(m["content"], str) for m in c)
@@ -114,8 +131,10 @@ def test_sharegpt_loader_handles_truncated_tail():
 
 
 def test_iter_records_stops_at_truncated_tail(tmp_path):
-    recs = [{"id": i, "conversations": [{"from": "human", "value": f"q{i} ]"},
-                                        {"from": "gpt", "value": "a, {"}]} for i in range(3)]
+    recs = [
+        {"id": i, "conversations": [{"from": "human", "value": f"q{i} ]"}, {"from": "gpt", "value": "a, {"}]}
+        for i in range(3)
+    ]
     text = json.dumps(recs, indent=2)
     cut = text[: text.rindex('"a, {"') + 3]  # inside the last record's string
     p = tmp_path / "cut.json"
@@ -127,8 +146,13 @@ def test_iter_records_stops_at_truncated_tail(tmp_path):
 
 
 def test_normalize_messages():
-    raw = [{"from": "gpt", "value": "orphan answer"}, {"from": "system", "value": "sys"},
-           {"from": "human", "value": "q"}, {"from": "bing", "value": "a"}, {"from": "human", "value": "q2"}]
+    raw = [
+        {"from": "gpt", "value": "orphan answer"},
+        {"from": "system", "value": "sys"},
+        {"from": "human", "value": "q"},
+        {"from": "bing", "value": "a"},
+        {"from": "human", "value": "q2"},
+    ]
     # A system turn after an orphan assistant turn is not at the start: dropped with the orphan.
     assert D.normalize_messages(raw) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     assert D.normalize_messages([{"role": "user", "content": "q"}]) is None
@@ -148,8 +172,10 @@ def test_jsonl_loader_and_errors(tmp_path):
     ]
     p.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     convs = D.load_conversations(str(p))
-    assert convs == [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                     [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]]
+    assert convs == [
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+    ]
     assert D.load_conversations(p, limit=1) == convs[:1]
 
     bad = tmp_path / "bad.jsonl"
@@ -182,12 +208,22 @@ def test_eval_prompts(tmp_path):
     he = D.load_eval_prompts("humaneval", limit=3)
     assert len(he) == 3 and "def has_close_elements" in he[0][0]["content"]
     p = tmp_path / "p.jsonl"
-    p.write_text("\n".join([json.dumps({"prompt": "p1"}), json.dumps({"turns": ["t1", "t2"]}),
-                            json.dumps({"messages": [{"role": "user", "content": "u"},
-                                                     {"role": "assistant", "content": "drop me"}]})]))
-    assert D.load_eval_prompts(str(p)) == [[{"role": "user", "content": "p1"}],
-                                           [{"role": "user", "content": "t1"}],
-                                           [{"role": "user", "content": "u"}]]
+    p.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "p1"}),
+                json.dumps({"turns": ["t1", "t2"]}),
+                json.dumps(
+                    {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "drop me"}]}
+                ),
+            ]
+        )
+    )
+    assert D.load_eval_prompts(str(p)) == [
+        [{"role": "user", "content": "p1"}],
+        [{"role": "user", "content": "t1"}],
+        [{"role": "user", "content": "u"}],
+    ]
     p.write_text('{"prompt": "ok"}\n[1, 2]\n')
     with pytest.raises(D.DataError, match=r"p.jsonl:2"):
         D.load_eval_prompts(str(p))
@@ -195,6 +231,7 @@ def test_eval_prompts(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # Tokenization and loss masks
+
 
 def _check_assistant_mask(tok, conv, ids, mask, end_of_turn):
     """The masked runs decode exactly to each assistant turn's content + its end-of-turn text.
@@ -240,8 +277,10 @@ def test_loss_mask_smollm2_tokenizer():
 def test_loss_mask_template_not_prefix_stable():
     # Generation prompt opens a think block that the rendered history never contains (Qwen3-like):
     # the mask must start where the full render and the prompt render part, inside the turn.
-    tmpl = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
-            "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n<think>\n'}}{% endif %}")
+    tmpl = (
+        "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n<think>\n'}}{% endif %}"
+    )
     tok = _build_tiny_tokenizer(tmpl)
     conv = CONV[1:3]
     ids, mask = D.tokenize_conversation(tok, conv, max_len=10_000)
@@ -275,6 +314,7 @@ def test_tokenize_conversations_counts(tiny_tok):
 
 # ----------------------------------------------------------------------------------------------
 # Packing
+
 
 def test_pack_invariants(rng):
     tokenized = _rand_tokenized(rng, 60, 1, 70)
@@ -319,6 +359,7 @@ def test_pack_errors():
 # ----------------------------------------------------------------------------------------------
 # Verifier hidden states
 
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_verifier_hidden_states_per_document(kind, rng):
     model = _tiny_model(kind, 300)
@@ -335,9 +376,9 @@ def test_verifier_hidden_states_per_document(kind, rng):
         out = model(input_ids=row.input_ids[s:e][None], output_hidden_states=True)
         hs = out.hidden_states
         for j, k in enumerate(ids[:2]):  # aux id k == HF hidden_states[k] (input of layer k)
-            torch.testing.assert_close(aux[s:e, j * H:(j + 1) * H], hs[k][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(aux[s:e, j * H : (j + 1) * H], hs[k][0], rtol=1e-5, atol=1e-5)
         # id L == the state entering the final norm == `last`
-        torch.testing.assert_close(aux[s:e, 2 * H:], last[s:e], rtol=0, atol=0)
+        torch.testing.assert_close(aux[s:e, 2 * H :], last[s:e], rtol=0, atol=0)
         # last is PRE final norm: lm_head(norm(last)) reproduces the logits ...
         logits = model.lm_head(model.model.norm(last[s:e]))
         torch.testing.assert_close(logits, out.logits[0], rtol=1e-5, atol=1e-5)
@@ -348,12 +389,12 @@ def test_verifier_hidden_states_per_document(kind, rng):
 
 def test_verifier_hidden_states_edge_cases():
     model = _tiny_model("llama", 300)
-    empty = D.PackedSequence(torch.zeros(8, dtype=torch.long), torch.full((8,), -1, dtype=torch.int32),
-                             torch.zeros(8, dtype=torch.bool))
+    empty = D.PackedSequence(
+        torch.zeros(8, dtype=torch.long), torch.full((8,), -1, dtype=torch.int32), torch.zeros(8, dtype=torch.bool)
+    )
     aux, last = D.verifier_hidden_states(model, empty, [1, 2])
     assert aux.shape == (8, 64) and not aux.any() and not last.any()
-    one = D.PackedSequence(torch.tensor([5, 7]), torch.tensor([0, 1], dtype=torch.int32),
-                           torch.tensor([True, True]))
+    one = D.PackedSequence(torch.tensor([5, 7]), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([True, True]))
     aux, last = D.verifier_hidden_states(model, one, [3])
     alone = model(input_ids=torch.tensor([[7]]), output_hidden_states=True).hidden_states[3][0, 0]
     torch.testing.assert_close(aux[1], alone, rtol=1e-5, atol=1e-6)
@@ -376,17 +417,21 @@ def test_default_aux_layer_ids():
 # ----------------------------------------------------------------------------------------------
 # EAGLE shift
 
+
 def test_eagle_shift_worked_example():
     a, b, c, d_, e, PAD = 11, 12, 13, 14, 15, 99
-    packed = D.PackedSequence(torch.tensor([a, b, c, d_, e, PAD]),
-                              torch.tensor([0, 0, 0, 1, 1, -1], dtype=torch.int32),
-                              torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool), pad_token_id=PAD)
-    g = torch.arange(1, 7, dtype=torch.float32)[:, None].repeat(1, 4)           # g_p = p + 1
-    y = 10 * torch.arange(1, 7, dtype=torch.float32)[:, None].repeat(1, 2)      # y_p = 10 (p + 1)
+    packed = D.PackedSequence(
+        torch.tensor([a, b, c, d_, e, PAD]),
+        torch.tensor([0, 0, 0, 1, 1, -1], dtype=torch.int32),
+        torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool),
+        pad_token_id=PAD,
+    )
+    g = torch.arange(1, 7, dtype=torch.float32)[:, None].repeat(1, 4)  # g_p = p + 1
+    y = 10 * torch.arange(1, 7, dtype=torch.float32)[:, None].repeat(1, 2)  # y_p = 10 (p + 1)
     ex = D.eagle_shift(packed, g, y)
     assert ex.input_ids.tolist() == [b, c, PAD, e, PAD, PAD]
     assert ex.document_ids.tolist() == [0, 0, -1, 1, -1, -1] and ex.document_ids.dtype == torch.int32
-    assert ex.hidden[:, 0].tolist() == [1, 2, 0, 4, 0, 0]       # g0 g1 0 g3 0 0
+    assert ex.hidden[:, 0].tolist() == [1, 2, 0, 4, 0, 0]  # g0 g1 0 g3 0 0
     assert ex.last_hidden[:, 0].tolist() == [20, 30, 0, 50, 0, 0]  # y1 y2 0 y4 0 0
     assert ex.loss_mask.tolist() == [True, True, False, True, False, False]
     assert ex.num_loss_tokens == 3
@@ -416,6 +461,7 @@ def test_eagle_shift_random_vs_loop(rng):
 # ----------------------------------------------------------------------------------------------
 # Offline cache
 
+
 def test_hidden_state_cache_roundtrip_resume_corruption(tmp_path, rng, monkeypatch):
     model = _tiny_model("llama", 300)
     rows = D.pack_conversations(_rand_tokenized(rng, 20, 5, 40), 64, pad_token_id=0)
@@ -435,8 +481,9 @@ def test_hidden_state_cache_roundtrip_resume_corruption(tmp_path, rng, monkeypat
     cache.shard_path(1).unlink()
     calls = []
     real = D.verifier_hidden_states
-    monkeypatch.setattr("peagle_ext.data.hidden_states.verifier_hidden_states",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        "peagle_ext.data.hidden_states.verifier_hidden_states", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     cache.generate(model, rows, ids, rows_per_shard=2)
     assert len(calls) == 2  # exactly the two rows of shard 1
     assert len(list(cache)) == len(rows)
@@ -461,14 +508,18 @@ def test_hidden_state_cache_roundtrip_resume_corruption(tmp_path, rng, monkeypat
 # ----------------------------------------------------------------------------------------------
 # Verifier paths and loading
 
+
 def test_resolve_and_load_verifier(tiny_dir, tmp_path):
     assert D.resolve_verifier_path(str(tiny_dir)) == tiny_dir
     model, tok = D.load_verifier(str(tiny_dir))
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tok.chat_template == CHATML
     m16, _ = D.load_verifier(str(tiny_dir), dtype=torch.bfloat16)
-    row = D.PackedSequence(torch.tensor([5, 6, 7, 0]), torch.tensor([0, 0, 0, -1], dtype=torch.int32),
-                           torch.tensor([0, 1, 1, 0], dtype=torch.bool))
+    row = D.PackedSequence(
+        torch.tensor([5, 6, 7, 0]),
+        torch.tensor([0, 0, 0, -1], dtype=torch.int32),
+        torch.tensor([0, 1, 1, 0], dtype=torch.bool),
+    )
     aux, last = D.verifier_hidden_states(m16, row, [1, 2])
     assert aux.dtype == last.dtype == torch.bfloat16
     aux32, last32 = D.verifier_hidden_states(model, row, [1, 2])
@@ -480,8 +531,11 @@ def test_resolve_and_load_verifier(tiny_dir, tmp_path):
     f.write_text("x")
     with pytest.raises(D.DataError, match="not a directory"):
         D.resolve_verifier_path(str(f))
-    for missing, pattern in [("config.json", "config.json"), ("model.safetensors", "weights"),
-                             ("tokenizer.json", "tokenizer")]:
+    for missing, pattern in [
+        ("config.json", "config.json"),
+        ("model.safetensors", "weights"),
+        ("tokenizer.json", "tokenizer"),
+    ]:
         d = tmp_path / f"no-{missing}"
         d.mkdir()
         for p in tiny_dir.iterdir():
@@ -540,7 +594,7 @@ def test_smollm2_real_verifier(tmp_path):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     gen = model.generate(**enc, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tok.decode(gen[0, enc["input_ids"].shape[1]:])
+    assert "Paris" in tok.decode(gen[0, enc["input_ids"].shape[1] :])
     # Hidden states of a real conversation: last is pre-norm, documents independent.
     conv = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there!"}]
     tokd, _ = D.tokenize_conversations(tok, [conv, CONV], max_len=256)

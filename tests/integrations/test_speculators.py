@@ -7,14 +7,16 @@ otherwise. speculators' flex path has no CPU backward, so gradients are compared
 own `--draft-attn-impl sdpa` backend (its mask_mod evaluated densely); its flex forward is
 compared without gradients.
 """
+
 import importlib.util
 
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
-                                reason="speculators is not installed (see the module docstring)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("speculators") is None, reason="speculators is not installed (see the module docstring)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -28,30 +30,47 @@ def one_thread():
 def _pair(layer_type, num_layers, k, attn_impl, seed, pad_token_id=None):
     import peagle_ext.integrations.speculators as E
     import peagle_ext.testing as TT
+
     cls = Qwen3Config if layer_type == "qwen3" else LlamaConfig
-    vc = cls(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=300, rms_norm_eps=1e-6, pad_token_id=pad_token_id)
+    vc = cls(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        rms_norm_eps=1e-6,
+        pad_token_id=pad_token_id,
+    )
     ours = TT.make_peagle(vc, num_layers=num_layers, num_depths=k, mask_token_id=299, seed=seed)
     spec, core = E.make_speculators_twin(ours, attn_impl=attn_impl)
-    ex = TT.synthetic_example(230, hidden=64, vocab=299, dtype=torch.float32, doc_len=(25, 90), avoid_id=299,
-                             seed=seed)
+    ex = TT.synthetic_example(230, hidden=64, vocab=299, dtype=torch.float32, doc_len=(25, 90), avoid_id=299, seed=seed)
     return E, ours, spec, core, ex
 
 
-@pytest.mark.parametrize("layer_type,num_layers,k,pad", [("qwen3", 1, 8, None), ("llama", 2, 4, None),
-                                                         ("qwen3", 3, 6, 7)])
+@pytest.mark.parametrize(
+    "layer_type,num_layers,k,pad", [("qwen3", 1, 8, None), ("llama", 2, 4, None), ("qwen3", 3, 6, 7)]
+)
 def test_same_loss_metrics_and_gradients(layer_type, num_layers, k, pad):
     """pad: the verifier's pad id is a real token of the data (SmolLM2: <|im_end|>): the twin
     must still train that embedding row, as speculators' own CLI-built model does."""
     from peagle_ext.cod import cod_sample
+
     E, ours, spec, core, ex = _pair(layer_type, num_layers, k, "sdpa", seed=num_layers, pad_token_id=pad)
     if pad is not None:
         ex.input_ids[:40:3] = pad  # make sure the pad id occurs as a real token
         assert ours.config.transformer_layer_config.pad_token_id == pad
     lay = cod_sample(ex.document_ids, ex.loss_mask, num_depths=k, seed=11)
     assert int((ex.document_ids < 0).sum()) > 0, "the row must contain padding (EAGLE-shift ends)"
-    ls, ms = E.speculators_forward(spec, core, E.speculators_batch(ex, "cpu"), num_depths=k,
-                                   loss_config=E.speculators_loss_config("eager"), layout=lay)
+    ls, ms = E.speculators_forward(
+        spec,
+        core,
+        E.speculators_batch(ex, "cpu"),
+        num_depths=k,
+        loss_config=E.speculators_loss_config("eager"),
+        layout=lay,
+    )
     lo, mo = ours(ex, lay)
     # speculators divides by (count + 1e-5)
     assert abs(float(ls) - float(lo)) <= 1e-5 * abs(float(lo)) + 1e-6
@@ -77,11 +96,18 @@ def test_flex_forward_equals_sdpa_forward():
     """speculators' default flex_attention path (forward only on CPU) gives the same loss as its
     sdpa path and as ours."""
     from peagle_ext.cod import cod_sample
+
     E, ours, spec_flex, core, ex = _pair("qwen3", 1, 8, "simple_flex_attention", seed=5)
     lay = cod_sample(ex.document_ids, ex.loss_mask, num_depths=8, seed=2)
     with torch.no_grad():
-        lf, _ = E.speculators_forward(spec_flex, core, E.speculators_batch(ex, "cpu"), num_depths=8,
-                                      loss_config=E.speculators_loss_config("eager"), layout=lay)
+        lf, _ = E.speculators_forward(
+            spec_flex,
+            core,
+            E.speculators_batch(ex, "cpu"),
+            num_depths=8,
+            loss_config=E.speculators_loss_config("eager"),
+            layout=lay,
+        )
         lo, _ = ours(ex, lay)
     assert abs(float(lf) - float(lo)) <= 1e-5 * abs(float(lo)) + 1e-6
 
@@ -89,6 +115,7 @@ def test_flex_forward_equals_sdpa_forward():
 def test_layout_patch_is_scoped():
     """The layout replacement only lasts for the call: afterwards speculators samples again."""
     from peagle_ext.cod import cod_sample
+
     E, ours, spec, core, ex = _pair("qwen3", 1, 4, "sdpa", seed=7)
     orig = core.generate_cod_sample_indices
     lay = cod_sample(ex.document_ids, ex.loss_mask, num_depths=4, seed=1)

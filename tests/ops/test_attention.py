@@ -17,6 +17,7 @@ they must refuse to run), bitwise equal to the mma.sync kernels ("mma") at D = 1
 pipelining levels. The plain tests (no config) run "auto". A failing GPU case names its
 configuration.
 """
+
 import math
 import os
 
@@ -24,20 +25,26 @@ import pytest
 import torch
 
 import peagle_ext
-from peagle_ext.testing import random_documents
-from tests.helpers import HAS_CUDA, mask_from_metadata, requires_cuda
 from peagle_ext.attention import cod_attention, cod_attention_metadata
 from peagle_ext.cod import CodLayout, cod_sample
 from peagle_ext.reference import dense_cod_mask, document_starts, reference_cod_attention
+from peagle_ext.testing import random_documents
+from tests.helpers import HAS_CUDA, mask_from_metadata, requires_cuda
 
 
 # ---------------------------------------------------------------- helpers
-def make_layout(g, n, *, cross=False, num_depths=8, max_anchors=None, max_doc_len=120, pad_tail=0, r=0.7,
-                device="cpu"):
+def make_layout(g, n, *, cross=False, num_depths=8, max_anchors=None, max_doc_len=120, pad_tail=0, r=0.7, device="cpu"):
     doc, lm = random_documents(n, g, max_doc_len=max_doc_len, pad_tail=pad_tail)
     seed = int(torch.randint(0, 2**31, (1,), generator=g))
-    lay = cod_sample(doc, lm, num_depths=num_depths, down_sample_ratio=r, max_anchors=max_anchors,
-                     depth0="anchors" if cross else "all", seed=seed)
+    lay = cod_sample(
+        doc,
+        lm,
+        num_depths=num_depths,
+        down_sample_ratio=r,
+        max_anchors=max_anchors,
+        depth0="anchors" if cross else "all",
+        seed=seed,
+    )
     return lay.to(device)
 
 
@@ -133,8 +140,9 @@ def assert_close_all(names, ours, refs, *, tol, what, rel=True, floor=0.0):
         if err > tol and nonfinite == 0 and a.numel():
             diff = (a.double() - b.double()).abs().reshape(a.shape[0], -1).amax(1)
             worst = f" worst rows {diff.topk(min(3, diff.numel())).indices.tolist()}"
-        report.append(f"{name}: err {err:.2e} (tol {tol:.1e})"
-                      f"{' NONFINITE=' + str(nonfinite) if nonfinite else ''}{worst}")
+        report.append(
+            f"{name}: err {err:.2e} (tol {tol:.1e}){' NONFINITE=' + str(nonfinite) if nonfinite else ''}{worst}"
+        )
         bad |= not (err <= tol)
     assert not bad, f"{what}: " + "; ".join(report)
 
@@ -173,7 +181,7 @@ def test_metadata_bounds_are_monotone_per_depth(rng):
     meta = cod_attention_metadata(lay, window=13, sink=4)
     o = lay.depth_offsets
     for e in range(len(o) - 1):
-        seg = meta.ranges[:4, o[e]:o[e + 1]]
+        seg = meta.ranges[:4, o[e] : o[e + 1]]
         if seg.shape[1] > 1:
             assert bool((seg[:, 1:] >= seg[:, :-1]).all()), f"depth {e}: bounds not monotone"
 
@@ -184,21 +192,20 @@ CPU_CASES = [
     (150, False, None, 0, 2, 1, 16, None, 8, 0),
     (150, False, 7, 0, 4, 1, 8, None, 8, 6),
     (150, False, 5, 3, 4, 4, 8, None, 6, 4),
-    (150, False, 2, 1, 8, 1, 8, None, 8, 0),      # window <= depth: own depth-0 token via the chain
-    (200, False, None, 0, 2, 2, 16, 20, 8, 10),   # max_anchors
+    (150, False, 2, 1, 8, 1, 8, None, 8, 0),  # window <= depth: own depth-0 token via the chain
+    (200, False, None, 0, 2, 2, 16, 20, 8, 10),  # max_anchors
     (130, True, None, 0, 4, 1, 16, None, 8, 3),
     (130, True, 6, 2, 2, 1, 8, None, 8, 0),
     (130, True, 1, 0, 8, 1, 8, 15, 5, 7),
-    (70, False, 3, 5, 2, 1, 64, None, 8, 2),      # D 64
-    (50, True, 4, 2, 2, 1, 128, None, 4, 0),      # D 128, cross
+    (70, False, 3, 5, 2, 1, 64, None, 8, 2),  # D 64
+    (50, True, 4, 2, 2, 1, 128, None, 4, 0),  # D 128, cross
 ]
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cpu_float64_matches_reference(rng, case):
     n, cross, window, sink, hq, hkv, d, max_anchors, k_depths, pad = case
-    lay = make_layout(rng, n, cross=cross, max_anchors=max_anchors, num_depths=k_depths, max_doc_len=60,
-                      pad_tail=pad)
+    lay = make_layout(rng, n, cross=cross, max_anchors=max_anchors, num_depths=k_depths, max_doc_len=60, pad_tail=pad)
     q, k, v, ctx = make_inputs(rng, lay, hq, hkv, d, torch.float64, "cpu", cross)
     names, ours, refs = run_both(rng, lay, q, k, v, ctx, window=window, sink=sink)
     assert_close_all(names, ours, refs, tol=1e-10, what=f"cpu f64 {case}", rel=False)
@@ -233,8 +240,9 @@ def test_single_token_and_tiny(rng, cross):
         q, k, v, ctx = make_inputs(rng, lay, 2, 1, 8, torch.float64, "cpu", cross)
         names, ours, refs = run_both(rng, lay, q, k, v, ctx, window=2)
         assert_close_all(names, ours, refs, tol=1e-10, what=f"tiny n={n}", rel=False)
-    lay = CodLayout(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), [0, 1],
-                    torch.zeros(1, dtype=torch.int32))
+    lay = CodLayout(
+        torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), [0, 1], torch.zeros(1, dtype=torch.int32)
+    )
     q, k, v, _ = make_inputs(rng, lay, 1, 1, 4, torch.float64, "cpu", False)
     out = cod_attention(q, k, v, lay)
     assert torch.allclose(out, v.detach())  # one key: the output is its value
@@ -246,7 +254,7 @@ def test_padding_rows_are_zero_with_zero_grads(rng):
     lay = cod_sample(doc, lm, num_depths=4, seed=5)
     q, k, v, _ = make_inputs(rng, lay, 2, 2, 8, torch.float64, "cpu", False)
     out = cod_attention(q, k, v, lay, window=3, sink=1)
-    pad = (doc[lay.anchor.long()] < 0)
+    pad = doc[lay.anchor.long()] < 0
     assert pad.any()
     assert torch.equal(out[pad], torch.zeros_like(out[pad]))
     (dq,) = torch.autograd.grad(out.sum(), [q])
@@ -262,8 +270,9 @@ def test_all_padding_and_empty(rng):
     assert torch.equal(out, torch.zeros_like(out))
     grads = torch.autograd.grad(out.sum(), [q, k, v])
     assert all(torch.equal(g_, torch.zeros_like(g_)) for g_ in grads)
-    empty = CodLayout(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), [0, 0],
-                      torch.zeros(0, dtype=torch.int32))
+    empty = CodLayout(
+        torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), [0, 0], torch.zeros(0, dtype=torch.int32)
+    )
     q, k, v, _ = make_inputs(rng, empty, 2, 1, 8, torch.float32, "cpu", False)
     assert cod_attention(q, k, v, empty).shape == (0, 2, 8)
 
@@ -274,11 +283,14 @@ def test_opcheck_and_compile(rng):
     meta = cod_attention_metadata(lay, window=5, sink=1)
     q, k, v, _ = make_inputs(rng, lay, 2, 1, 8, torch.float64, "cpu", False)
     args = (q, k, v, None, None, meta.ranges, meta.chains, meta.depth_offsets, 0.3, True)
-    torch.library.opcheck(ops.cod_attention_fwd, args, test_utils=("test_schema", "test_faketensor",
-                                                                   "test_autograd_registration"))
-    torch.library.opcheck(ops.cod_attention_metadata,
-                          (lay.anchor, lay.depth, lay.document_ids, lay.depth_offsets, False, 5, 1),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        ops.cod_attention_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
+    torch.library.opcheck(
+        ops.cod_attention_metadata,
+        (lay.anchor, lay.depth, lay.document_ids, lay.depth_offsets, False, 5, 1),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 def test_torch_compile_fullgraph(rng):
@@ -345,8 +357,12 @@ def test_bad_inputs(rng):
     qc, kc, vc, _ = make_inputs(rng, cross, 4, 2, 8, torch.float32, "cpu", False, requires_grad=False)
     with pytest.raises(ValueError, match="symmetric mode"):
         cod_attention(qc, kc, vc, cross)  # depth0='anchors' layout without context
-    split = CodLayout(lay.anchor, lay.depth, lay.depth_offsets,
-                      torch.where(torch.arange(lay.seq_len) < 10, 0, lay.document_ids + 100).int().contiguous())
+    split = CodLayout(
+        lay.anchor,
+        lay.depth,
+        lay.depth_offsets,
+        torch.where(torch.arange(lay.seq_len) < 10, 0, lay.document_ids + 100).int().contiguous(),
+    )
     split.document_ids[-3:] = 0  # document 0 in two runs
     with pytest.raises(ValueError, match="contiguous run"):
         cod_attention(q, k, v, split)
@@ -370,6 +386,7 @@ def test_bad_inputs(rng):
 def test_cpu_moderate_size_is_fast(rng):
     """A CPU-training-sized call (T ~ 3K, D 64, 4 heads) stays well under a few seconds."""
     import time
+
     lay = make_layout(rng, 1024, max_doc_len=400)
     q, k, v, _ = make_inputs(rng, lay, 4, 2, 64, torch.float32, "cpu", False)
     t0 = time.perf_counter()
@@ -384,10 +401,10 @@ GPU_SCENARIOS = [
     ("plain-gqa1", 1100, 4, 4, None, 0, None, 8, 300, 0),
     ("window-gqa4", 1300, 8, 2, 96, 0, None, 8, 500, 17),
     ("window-sink-gqa8", 1200, 8, 1, 80, 8, None, 8, 700, 5),
-    ("tiny-window", 900, 4, 1, 3, 0, None, 8, 200, 9),        # window <= depth: chain depth-0 keys
+    ("tiny-window", 900, 4, 1, 3, 0, None, 8, 200, 9),  # window <= depth: chain depth-0 keys
     ("tiny-window-sink", 900, 4, 2, 2, 3, None, 6, 250, 0),
     ("max-anchors", 1500, 8, 2, None, 0, 60, 8, 400, 33),
-    ("long-doc", 2100, 4, 1, None, 0, None, 8, 2100, 0),     # many full key blocks
+    ("long-doc", 2100, 4, 1, None, 0, None, 8, 2100, 0),  # many full key blocks
     ("long-doc-window", 2100, 8, 8, 700, 16, None, 8, 2100, 0),
 ]
 
@@ -395,9 +412,18 @@ GPU_SCENARIOS = [
 def _gpu_case(dtype, d, cross, scen, seed_extra=0):
     name, n, hq, hkv, window, sink, max_anchors, k_depths, max_doc, pad = scen
     import zlib
+
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}-{d}-{cross}-{name}-{seed_extra}".encode()))
-    lay = make_layout(g, n, cross=cross, num_depths=k_depths, max_anchors=max_anchors, max_doc_len=max_doc,
-                      pad_tail=pad, device="cuda")
+    lay = make_layout(
+        g,
+        n,
+        cross=cross,
+        num_depths=k_depths,
+        max_anchors=max_anchors,
+        max_doc_len=max_doc,
+        pad_tail=pad,
+        device="cuda",
+    )
     q, k, v, ctx = make_inputs(g, lay, hq, hkv, d, dtype, "cuda", cross)
     names, ours, refs = run_both(g, lay, q, k, v, ctx, window=window, sink=sink)
     what = f"cuda {dtype} D={d} cross={cross} {name} T={lay.num_tokens} N={n} Hq={hq} Hkv={hkv} w={window} s={sink}"
@@ -449,6 +475,7 @@ def profiled_kernel_names(run, contains):
     """Names of the CUDA kernels containing `contains` that one call of run() launches (after a
     warm-up call, under torch.profiler); skips the test where the profiler records no kernels."""
     from torch.profiler import ProfilerActivity, profile
+
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -461,8 +488,9 @@ def profiled_kernel_names(run, contains):
 
 
 HAS_WGMMA = HAS_FWD_WGMMA = _wgmma_runs_here()
-requires_fwd_wgmma = pytest.mark.skipif(not HAS_FWD_WGMMA,
-                                        reason="PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU and a build with 90")
+requires_fwd_wgmma = pytest.mark.skipif(
+    not HAS_FWD_WGMMA, reason="PEAGLE_ATTN_FWD=wgmma needs an sm_90 GPU and a build with 90"
+)
 FWD_WGMMA = pytest.param("fwd_wgmma", marks=requires_fwd_wgmma)
 FWD_WGMMA_PIPE = pytest.param("fwd_wgmma_pipe", marks=requires_fwd_wgmma)
 FWD_WGMMA_PIPE1 = pytest.param("fwd_wgmma_pipe1", marks=requires_fwd_wgmma)
@@ -494,11 +522,11 @@ FWD_VARIANT_CASES = (
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,d,cross,scen_idx",
-                         [pytest.param(*c, marks=requires_fwd_wgmma) if c[0].startswith("fwd_wgmma") else c
-                          for c in FWD_VARIANT_CASES],
-                         ids=[f"{c}-D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}"
-                              for c, d, x, i in FWD_VARIANT_CASES])
+@pytest.mark.parametrize(
+    "cfg,d,cross,scen_idx",
+    [pytest.param(*c, marks=requires_fwd_wgmma) if c[0].startswith("fwd_wgmma") else c for c in FWD_VARIANT_CASES],
+    ids=[f"{c}-D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}" for c, d, x, i in FWD_VARIANT_CASES],
+)
 def test_cuda_fwd_configs_match_reference(monkeypatch, cfg, d, cross, scen_idx):
     """Every forward CTA shape against the float64 reference (grads too: they read the forward's
     out and LSE)."""
@@ -519,8 +547,9 @@ def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
     cases = []
     for n in (1, 2, 3, 5, 9):  # T = 1, N < K
         doc = torch.zeros(n, dtype=torch.int32)
-        lay = cod_sample(doc, torch.ones(n, dtype=torch.bool), num_depths=8, depth0="anchors" if cross else "all",
-                         seed=3).to("cuda")
+        lay = cod_sample(
+            doc, torch.ones(n, dtype=torch.bool), num_depths=8, depth0="anchors" if cross else "all", seed=3
+        ).to("cuda")
         if lay.num_tokens:
             cases += [(lay, d, torch.bfloat16, 2, 2, 0) for d in (64, 128)]
     doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
@@ -530,8 +559,15 @@ def test_cuda_fwd_configs_tiny_and_padding(monkeypatch, cross, cfg):
         q, k, v, ctx = make_inputs(g, lay, 4, hkv, d, dtype, "cuda", cross, requires_grad=False)
         with torch.no_grad():
             out = cod_attention(q, k, v, lay, window=window, sink=sink, **ctx)
-        ref = reference_cod_attention(q.double(), k.double(), v.double(), lay, window=window, sink=sink,
-                                      **{name: x.double() for name, x in ctx.items()})
+        ref = reference_cod_attention(
+            q.double(),
+            k.double(),
+            v.double(),
+            lay,
+            window=window,
+            sink=sink,
+            **{name: x.double() for name, x in ctx.items()},
+        )
         what = f"{cfg} T={lay.num_tokens} D={d} cross={cross}"
         assert torch.isfinite(out).all(), what
         assert rel_l2(out, ref) <= 1e-2, f"{what}: rel err {rel_l2(out, ref):.2e}"
@@ -568,8 +604,9 @@ def test_cuda_fwd_configs_agree_with_default(monkeypatch, cfg):
     meta = cod_attention_metadata(lay, window=300, sink=3)
 
     def forward():
-        return torch.ops.peagle.cod_attention_fwd(q, k, v, None, None, meta.ranges, meta.chains, meta.depth_offsets,
-                                                  1 / math.sqrt(128), meta.use_sink)
+        return torch.ops.peagle.cod_attention_fwd(
+            q, k, v, None, None, meta.ranges, meta.chains, meta.depth_offsets, 1 / math.sqrt(128), meta.use_sink
+        )
 
     set_fwd_config(monkeypatch, "mma")
     ref_out, ref_lse = forward()
@@ -624,11 +661,20 @@ def test_cuda_fwd_wgmma_selects_kernel(monkeypatch, cfg):
 # FlashAttention-2-style one (dQ summed with fp32 atomics in the key-major dK/dV pass); "wgmma" =
 # the default with its dQ and dK/dV passes on Hopper warpgroup MMAs (cod_attn_dq_wgmma.cuh,
 # cod_attn_bwd_wgmma.cuh; sm_90 only).
-BWD_VARIANTS = {"auto": None, "mma": "mma", "atomic": "atomic", "wgmma": "wgmma", "wgmma64": "wgmma",
-                "wgmma_pipe": "wgmma", "wgmma64_pipe": "wgmma"}
+BWD_VARIANTS = {
+    "auto": None,
+    "mma": "mma",
+    "atomic": "atomic",
+    "wgmma": "wgmma",
+    "wgmma64": "wgmma",
+    "wgmma_pipe": "wgmma",
+    "wgmma64_pipe": "wgmma",
+}
 
 
-requires_wgmma = pytest.mark.skipif(not HAS_WGMMA, reason="PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU and a build with 90")
+requires_wgmma = pytest.mark.skipif(
+    not HAS_WGMMA, reason="PEAGLE_ATTN_BWD=wgmma needs an sm_90 GPU and a build with 90"
+)
 WGMMA = pytest.param("wgmma", marks=requires_wgmma)
 WGMMA_PIPE = pytest.param("wgmma_pipe", marks=requires_wgmma)
 WGMMA64_PIPE = pytest.param("wgmma64_pipe", marks=requires_wgmma)
@@ -656,15 +702,17 @@ def assert_bf16_rounding_close(a, b, what):
     and then rounded to a 16-bit type: every element may differ by one rounding step of the 16-bit
     type (<= 2^-7 relative for bf16, 2^-10 for fp16), plus a little for cancelling sums (fp32
     reordering noise is ~1e-7 of the summands)."""
-    ulp = 2.0 ** -7 if a.dtype == torch.bfloat16 else 2.0 ** -10
+    ulp = 2.0**-7 if a.dtype == torch.bfloat16 else 2.0**-10
     a64, b64 = a.double(), b.double()
     assert torch.isfinite(a64).all() and torch.isfinite(b64).all(), f"{what}: non-finite values"
     diff = (a64 - b64).abs()
     rms = b64.pow(2).mean().sqrt().item() if b64.numel() else 0.0
     bound = 1.01 * ulp * torch.maximum(a64.abs(), b64.abs()) + 1e-4 * rms
     bad = int((diff > bound).sum())
-    assert bad == 0, (f"{what}: {bad} elements differ by more than a 16-bit rounding step "
-                      f"(max |diff| {diff.max().item():.3e}, rms {rms:.3e})")
+    assert bad == 0, (
+        f"{what}: {bad} elements differ by more than a 16-bit rounding step "
+        f"(max |diff| {diff.max().item():.3e}, rms {rms:.3e})"
+    )
     assert rel_l2(a, b) <= 2e-3, f"{what}: rel err {rel_l2(a, b):.2e}"
 
 
@@ -681,7 +729,8 @@ def assert_rows_close(a, b, what, tol=2e-2):
     worst = err.flatten().topk(min(3, err.numel()))
     assert worst.values[0].item() <= tol, (
         f"{what}: worst (row, head) rel err {worst.values[0].item():.3e} at flat index "
-        f"{worst.indices.tolist()} (tol {tol})")
+        f"{worst.indices.tolist()} (tol {tol})"
+    )
     assert rel_l2(a, b) <= 5e-3, f"{what}: rel err {rel_l2(a, b):.2e}"
 
 
@@ -692,8 +741,11 @@ BWD_VARIANT_CASES = [(d, (i + d // 64) % 2 == 1, i) for d in (64, 128) for i in 
 
 
 @requires_cuda
-@pytest.mark.parametrize("d,cross,scen_idx", BWD_VARIANT_CASES,
-                         ids=[f"D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}" for d, x, i in BWD_VARIANT_CASES])
+@pytest.mark.parametrize(
+    "d,cross,scen_idx",
+    BWD_VARIANT_CASES,
+    ids=[f"D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}" for d, x, i in BWD_VARIANT_CASES],
+)
 def test_cuda_bwd_atomic_matches_reference(monkeypatch, d, cross, scen_idx):
     """The atomic-dQ backward against the float64 reference (same bound as the default one)."""
     set_bwd_variant(monkeypatch, "atomic")
@@ -704,8 +756,11 @@ def test_cuda_bwd_atomic_matches_reference(monkeypatch, d, cross, scen_idx):
 @requires_cuda
 @requires_wgmma
 @pytest.mark.parametrize("variant", ["wgmma", "wgmma_pipe"])
-@pytest.mark.parametrize("d,cross,scen_idx", BWD_VARIANT_CASES,
-                         ids=[f"D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}" for d, x, i in BWD_VARIANT_CASES])
+@pytest.mark.parametrize(
+    "d,cross,scen_idx",
+    BWD_VARIANT_CASES,
+    ids=[f"D{d}-{'cross' if x else 'sym'}-{GPU_SCENARIOS[i][0]}" for d, x, i in BWD_VARIANT_CASES],
+)
 def test_cuda_bwd_wgmma_matches_reference(monkeypatch, d, cross, scen_idx, variant):
     """The wgmma dQ + dK/dV backward (and its pipelined loops) against the float64 reference (same
     bound as the default one)."""
@@ -725,8 +780,13 @@ def test_cuda_fwd_wgmma_bwd_wgmma_matches_reference(monkeypatch, scen_idx, pipe)
     set_fwd_config(monkeypatch, "fwd_wgmma_pipe" if pipe else "fwd_wgmma")
     set_bwd_variant(monkeypatch, "wgmma_pipe" if pipe else "wgmma")
     dtype = torch.bfloat16 if scen_idx % 2 == 0 else torch.float16
-    _gpu_case(dtype, 64 if scen_idx % 4 < 2 else 128, scen_idx % 2 == 1, GPU_SCENARIOS[scen_idx],
-              seed_extra=f"fwd-wgmma-bwd-wgmma-{pipe}")
+    _gpu_case(
+        dtype,
+        64 if scen_idx % 4 < 2 else 128,
+        scen_idx % 2 == 1,
+        GPU_SCENARIOS[scen_idx],
+        seed_extra=f"fwd-wgmma-bwd-wgmma-{pipe}",
+    )
 
 
 @requires_cuda
@@ -790,9 +850,18 @@ def _wgmma_fwd_bwd(q, k, v, ctx, lay, go, window, sink):
     out = cod_attention(q, k, v, lay, window=window, sink=sink, **ctx)
     grads = torch.autograd.grad(out, ins, go)
     meta = cod_attention_metadata(lay, cross=bool(ctx), window=window, sink=sink)
-    _, lse = torch.ops.peagle.cod_attention_fwd(q.detach(), k.detach(), v.detach(), ctx.get("context_k"),
-                                                ctx.get("context_v"), meta.ranges, meta.chains, meta.depth_offsets,
-                                                1 / math.sqrt(q.shape[-1]), meta.use_sink)
+    _, lse = torch.ops.peagle.cod_attention_fwd(
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        ctx.get("context_k"),
+        ctx.get("context_v"),
+        meta.ranges,
+        meta.chains,
+        meta.depth_offsets,
+        1 / math.sqrt(q.shape[-1]),
+        meta.use_sink,
+    )
     return [out.detach(), lse] + list(grads)
 
 
@@ -807,8 +876,9 @@ def test_cuda_wgmma_pipe_bitwise_equal(monkeypatch, case, d, bwd):
     mode, K = 64 chains, many full key blocks, T not a multiple of 64 and a tiny T."""
     name, n, cross, depths, max_doc, pad, max_anchors, window, sink = case
     g = torch.Generator().manual_seed(61 + d + len(name))
-    lay = make_layout(g, n, cross=cross, num_depths=depths, max_doc_len=max_doc, pad_tail=pad,
-                      max_anchors=max_anchors, device="cuda")
+    lay = make_layout(
+        g, n, cross=cross, num_depths=depths, max_doc_len=max_doc, pad_tail=pad, max_anchors=max_anchors, device="cuda"
+    )
     assert name == "tiny" or lay.num_tokens % 64 != 0, "layout should end with a partial tile"
     dtype = torch.float16 if name == "cross-window" else torch.bfloat16
     q, k, v, ctx = make_inputs(g, lay, 8, 2, d, dtype, "cuda", cross)
@@ -832,6 +902,7 @@ def _pipe_level_of(kernel_name):
     bfloat16Li64ELi2ELi0EEEv...). The forward <D, dtype, 64, PIPE> and the dK/dV pass <D, dtype, BMQ,
     PIPE, DQ_ADD> have it 4th, the dQ pass <D, dtype, PIPE> 3rd (its integer literals: D, PIPE)."""
     import re
+
     dq = "dq_wgmma_kernel" in kernel_name
     m = re.search(r"_kernel<([^<>]*)>\(", kernel_name)
     if m:
@@ -864,9 +935,13 @@ def test_cuda_wgmma_pipe_selects_kernels(monkeypatch, level, bwd):
     q, k, v, _ = make_inputs(g, lay, 4, 2, 128, torch.bfloat16, "cuda", False)
     go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
     names = profiled_kernel_names(
-        lambda: torch.autograd.grad(cod_attention(q, k, v, lay, window=50, sink=2), [q, k, v], go), "wgmma_kernel")
-    want = {"cod_attn_fwd_wgmma_kernel": level, "cod_attn_dq_wgmma_kernel": min(level, 1),
-            "cod_attn_dkv_wgmma_kernel": min(level, 1) if bwd == "wgmma64" else level}
+        lambda: torch.autograd.grad(cod_attention(q, k, v, lay, window=50, sink=2), [q, k, v], go), "wgmma_kernel"
+    )
+    want = {
+        "cod_attn_fwd_wgmma_kernel": level,
+        "cod_attn_dq_wgmma_kernel": min(level, 1),
+        "cod_attn_dkv_wgmma_kernel": min(level, 1) if bwd == "wgmma64" else level,
+    }
     got = {kern: sorted({_pipe_level_of(n) for n in names if kern in n}) for kern in want}
     assert got == {kern: [lv] for kern, lv in want.items()}, sorted(names)
 
@@ -910,8 +985,9 @@ def test_cuda_auto_is_bitwise_mma(monkeypatch, d, cross, dtype):
 
 
 @requires_cuda
-@pytest.mark.parametrize("var,value", [("PEAGLE_ATTN_FWD", "wgmmma"), ("PEAGLE_ATTN_BWD", "fast"),
-                                       ("PEAGLE_ATTN_WGMMA_PIPE", "3")])
+@pytest.mark.parametrize(
+    "var,value", [("PEAGLE_ATTN_FWD", "wgmmma"), ("PEAGLE_ATTN_BWD", "fast"), ("PEAGLE_ATTN_WGMMA_PIPE", "3")]
+)
 def test_cuda_unknown_kernel_env_refused(monkeypatch, var, value):
     """A misspelt kernel choice is a ValueError naming the variable and its value (the forward reads
     PEAGLE_ATTN_FWD and PEAGLE_ATTN_WGMMA_PIPE, the backward PEAGLE_ATTN_BWD), never a silent
@@ -968,7 +1044,9 @@ def test_cuda_bwd_atomic_agrees_with_default(monkeypatch, d, cross):
         if name == "dq":
             assert_rows_close(a, b, f"{what}: dq")
         else:
-            assert rel_l2(a, b) <= 1e-3, f"{what}: {name} rel err {rel_l2(a, b):.2e} (bitwise equal: {torch.equal(a, b)})"
+            assert rel_l2(a, b) <= 1e-3, (
+                f"{what}: {name} rel err {rel_l2(a, b):.2e} (bitwise equal: {torch.equal(a, b)})"
+            )
     pad = lay.document_ids[lay.anchor.long()] < 0
     assert cross or pad.any(), "symmetric layout should have padding rows"
     assert torch.equal(res["atomic"][1][pad], torch.zeros_like(res["atomic"][1][pad])), f"{what}: padding dq not 0"
@@ -995,8 +1073,13 @@ def test_cuda_bwd_variants_deep_chains(monkeypatch, bwd, cross):
     cout = cod_attention(*cin[:3], lay, window=64, sink=2, **cctx)
     cgrads = torch.autograd.grad(cout, cin, go.float())
     names = ["out", "dq", "dk", "dv"] + ["d" + n for n in ctx]
-    assert_close_all(names, [out.cpu()] + [x.cpu() for x in grads], [cout] + list(cgrads), tol=1e-2,
-                     what=f"K=64 bwd={bwd} cross={cross}")
+    assert_close_all(
+        names,
+        [out.cpu()] + [x.cpu() for x in grads],
+        [cout] + list(cgrads),
+        tol=1e-2,
+        what=f"K=64 bwd={bwd} cross={cross}",
+    )
 
 
 @requires_cuda
@@ -1012,7 +1095,8 @@ def test_cuda_bwd_variants_select_kernels(monkeypatch, bwd):
     q, k, v, _ = make_inputs(g, lay, 4, 2, 64, torch.bfloat16, "cuda", False)
     go = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
     names = profiled_kernel_names(
-        lambda: torch.autograd.grad(cod_attention(q, k, v, lay, window=50, sink=2), [q, k, v], go), "cod_attn_")
+        lambda: torch.autograd.grad(cod_attention(q, k, v, lay, window=50, sink=2), [q, k, v], go), "cod_attn_"
+    )
     has_dq = any("cod_attn_dq_kernel" in n for n in names)
     has_dq_wgmma = any("cod_attn_dq_wgmma_kernel" in n for n in names)
     has_finish = any("cod_attn_dq_finish_kernel" in n for n in names)
@@ -1037,10 +1121,18 @@ def test_cuda_metadata_equals_cpu(rng, cross, window, sink):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,bwd", [("auto", "auto"), ("mma", "mma"), ("mf2w4", "mma"), ("mma", "atomic"),
-                                     pytest.param("mma", "wgmma", marks=requires_wgmma),
-                                     pytest.param("fwd_wgmma", "mma", marks=requires_fwd_wgmma),
-                                     pytest.param("fwd_wgmma", "wgmma", marks=requires_wgmma)])
+@pytest.mark.parametrize(
+    "cfg,bwd",
+    [
+        ("auto", "auto"),
+        ("mma", "mma"),
+        ("mf2w4", "mma"),
+        ("mma", "atomic"),
+        pytest.param("mma", "wgmma", marks=requires_wgmma),
+        pytest.param("fwd_wgmma", "mma", marks=requires_fwd_wgmma),
+        pytest.param("fwd_wgmma", "wgmma", marks=requires_wgmma),
+    ],
+)
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg, bwd):
     """Same algorithm on both devices: CUDA bf16 vs the CPU path in float32 on bf16-rounded inputs."""
@@ -1054,8 +1146,13 @@ def test_cuda_matches_cpu_float32(rng, monkeypatch, d, cfg, bwd):
     cq, ck, cv = (x.detach().cpu().float().requires_grad_(True) for x in (q, k, v))
     cout = cod_attention(cq, ck, cv, lay, window=200, sink=4)
     cg = torch.autograd.grad(cout, [cq, ck, cv], go.cpu().float())
-    assert_close_all(["out", "dq", "dk", "dv"], [out.cpu()] + [x.cpu() for x in gq], [cout] + list(cg), tol=1e-2,
-                     what=f"cuda vs cpu D={d} fwd {cfg} bwd {bwd}")
+    assert_close_all(
+        ["out", "dq", "dk", "dv"],
+        [out.cpu()] + [x.cpu() for x in gq],
+        [cout] + list(cg),
+        tol=1e-2,
+        what=f"cuda vs cpu D={d} fwd {cfg} bwd {bwd}",
+    )
 
 
 @requires_cuda
@@ -1066,8 +1163,9 @@ def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
     g = torch.Generator().manual_seed(11)
     for n in (1, 2, 3, 5, 9):  # T = 1, N < K
         doc = torch.zeros(n, dtype=torch.int32)
-        lay = cod_sample(doc, torch.ones(n, dtype=torch.bool), num_depths=8, depth0="anchors" if cross else "all",
-                         seed=3).to("cuda")
+        lay = cod_sample(
+            doc, torch.ones(n, dtype=torch.bool), num_depths=8, depth0="anchors" if cross else "all", seed=3
+        ).to("cuda")
         if lay.num_tokens == 0:
             continue
         for d in (64, 128):
@@ -1083,8 +1181,9 @@ def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
             # both references are ~0 and only rounding noise (~1e-7) is left to compare.
             algo = flash_backward_reference(q, k, v, ctx, lay, go, ours[0], window=2)
             assert_close_all(names[:1], ours[:1], refs[:1], tol=1e-2, what=what)
-            assert_close_all(names[1:], ours[1:], algo, tol=1e-2, floor=1e-3,
-                             what=what + " (vs its algorithm in float64)")
+            assert_close_all(
+                names[1:], ours[1:], algo, tol=1e-2, floor=1e-3, what=what + " (vs its algorithm in float64)"
+            )
             assert_close_all(names[1:], ours[1:], refs[1:], tol=3e-2, floor=1e-3, what=what + " (vs exact gradients)")
     doc = torch.tensor([-1] * 7 + [0] * 40 + [-1] * 5 + [1] * 30 + [-1] * 9, dtype=torch.int32)
     lay = cod_sample(doc, doc >= 0, num_depths=5, depth0="anchors" if cross else "all", seed=2).to("cuda")
@@ -1098,9 +1197,17 @@ def test_cuda_tiny_and_padding(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("cfg,bwd", [("auto", "auto"), ("mma", "mma"), ("mf2w4", "mma"), ("mma", "atomic"),
-                                     pytest.param("mma", "wgmma", marks=requires_wgmma),
-                                     pytest.param("fwd_wgmma", "mma", marks=requires_fwd_wgmma)])
+@pytest.mark.parametrize(
+    "cfg,bwd",
+    [
+        ("auto", "auto"),
+        ("mma", "mma"),
+        ("mf2w4", "mma"),
+        ("mma", "atomic"),
+        pytest.param("mma", "wgmma", marks=requires_wgmma),
+        pytest.param("fwd_wgmma", "mma", marks=requires_fwd_wgmma),
+    ],
+)
 def test_cuda_all_padding_gives_zeros(monkeypatch, cfg, bwd):
     set_fwd_config(monkeypatch, cfg)
     set_bwd_variant(monkeypatch, bwd)
@@ -1141,8 +1248,9 @@ def test_cuda_backward_is_deterministic(monkeypatch, cross, bwd):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bwd", ["auto", "mma", "atomic", WGMMA, pytest.param("wgmma64", marks=requires_wgmma),
-                                 WGMMA64_PIPE])
+@pytest.mark.parametrize(
+    "bwd", ["auto", "mma", "atomic", WGMMA, pytest.param("wgmma64", marks=requires_wgmma), WGMMA64_PIPE]
+)
 def test_cuda_graph_capture(monkeypatch, bwd):
     """fwd + bwd captured in a CUDA graph (the atomic variant's workspace zeroing is a
     cudaMemsetAsync on the capturing stream) and replayed: same results as eager (dq of the atomic
@@ -1228,18 +1336,22 @@ def _row_reference(q, k, v, lay, rows, go, window, sink, scale):
 
 
 @requires_cuda
-@pytest.mark.parametrize("n,window,max_anchors,cfg", [(32768, None, None, "auto"), (32768, None, None, "mma"),
-                                                      (32768, None, None, "mf2w4"),
-                                                      (65536, 2048, 1024, "auto"),
-                                                      (131072, 4096, None, "auto"),
-                                                      (131072, 4096, None, "mf2w4"),
-                                                      (32768, None, None, "atomic"),
-                                                      (131072, 4096, None, "atomic"),
-                                                      pytest.param(32768, None, None, "wgmma", marks=requires_wgmma),
-                                                      pytest.param(32768, None, None, "fwd_wgmma",
-                                                                   marks=requires_fwd_wgmma),
-                                                      pytest.param(131072, 4096, None, "wgmma",
-                                                                   marks=requires_wgmma)])
+@pytest.mark.parametrize(
+    "n,window,max_anchors,cfg",
+    [
+        (32768, None, None, "auto"),
+        (32768, None, None, "mma"),
+        (32768, None, None, "mf2w4"),
+        (65536, 2048, 1024, "auto"),
+        (131072, 4096, None, "auto"),
+        (131072, 4096, None, "mf2w4"),
+        (32768, None, None, "atomic"),
+        (131072, 4096, None, "atomic"),
+        pytest.param(32768, None, None, "wgmma", marks=requires_wgmma),
+        pytest.param(32768, None, None, "fwd_wgmma", marks=requires_fwd_wgmma),
+        pytest.param(131072, 4096, None, "wgmma", marks=requires_wgmma),
+    ],
+)
 def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):
     """Large layouts (bench sizes): sampled rows of out/dq against an exact per-row reference, and
     the global identities sum_j dV_j = sum_i dO_i (valid rows) and sum_j dK_j = 0 per kv head.
@@ -1267,7 +1379,7 @@ def test_cuda_large_n_spot_checks(monkeypatch, n, window, max_anchors, cfg):
     ro, rdq = _row_reference(q.detach(), k.detach(), v.detach(), lay, rows, go, window, sink, 1 / math.sqrt(d))
     assert rel_l2(out[rows], ro) <= 1e-2, f"out rows rel err {rel_l2(out[rows], ro):.2e}"
     assert rel_l2(dq[rows], rdq) <= 1e-2, f"dq rows rel err {rel_l2(dq[rows], rdq):.2e}"
-    valid = (lay.document_ids[lay.anchor.long()] >= 0)
+    valid = lay.document_ids[lay.anchor.long()] >= 0
     want_dv = (go.double() * valid[:, None, None]).reshape(t, hkv, hq // hkv, d).sum((0, 2))
     got_dv = dv.double().sum(0)
     assert rel_l2(got_dv, want_dv) <= 1e-2, f"sum dV identity rel err {rel_l2(got_dv, want_dv):.2e}"

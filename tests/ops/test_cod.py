@@ -1,16 +1,17 @@
-"""COD sampling (DESIGN.md section 2): the op against the plain-PyTorch reference, the
+"""COD sampling (docs/design.md section 2): the op against the plain-PyTorch reference, the
 structural rules checked independently of any implementation, uniformity, edge cases, bad
 input, fake tensors. CUDA must return exactly the CPU layout for the same seed."""
+
 import math
 
 import pytest
 import torch
 
 import peagle_ext  # noqa: F401  (loads torch.ops.peagle)
-from peagle_ext.testing import random_documents
-from tests.helpers import HAS_CUDA, check_layout_rules, devices, expected_size, requires_cuda, seed_positions
 from peagle_ext.cod import CodLayout, cod_sample
 from peagle_ext.reference import reference_cod_sample
+from peagle_ext.testing import random_documents
+from tests.helpers import check_layout_rules, devices, expected_size, requires_cuda, seed_positions
 
 ops = torch.ops.peagle
 
@@ -33,22 +34,27 @@ def assert_same_layout(a: CodLayout, b: CodLayout):
     assert torch.equal(a.depth.cpu(), b.depth.cpu())
 
 
-
-
-
-
-
-
 def random_case(g: torch.Generator, n: int):
     """Random documents, loss mask, and random sampler settings."""
+
     def pick(options):
         return options[int(torch.randint(len(options), (1,), generator=g))]
-    doc, lm = random_documents(n, g, max_doc_len=pick([1, 3, 20, 200, 2000]),
-                               pad_tail=int(torch.randint(0, max(1, n // 4), (1,), generator=g)),
-                               p_loss=pick([0.1, 0.5, 0.9, 1.0]))
-    kw = dict(num_depths=pick([1, 2, 3, 5, 8, 12]), down_sample_ratio=pick([0.3, 0.7, 0.9, 1.0]),
-              down_sample_ratio_min=pick([0.0, 0.2, 0.6]), max_anchors=pick([None, None, 0, 1, 7, n // 3, 10 * n]),
-              depth0=pick(["all", "anchors"]), seed=int(torch.randint(-2**62, 2**62, (1,), generator=g)))
+
+    doc, lm = random_documents(
+        n,
+        g,
+        max_doc_len=pick([1, 3, 20, 200, 2000]),
+        pad_tail=int(torch.randint(0, max(1, n // 4), (1,), generator=g)),
+        p_loss=pick([0.1, 0.5, 0.9, 1.0]),
+    )
+    kw = dict(
+        num_depths=pick([1, 2, 3, 5, 8, 12]),
+        down_sample_ratio=pick([0.3, 0.7, 0.9, 1.0]),
+        down_sample_ratio_min=pick([0.0, 0.2, 0.6]),
+        max_anchors=pick([None, None, 0, 1, 7, n // 3, 10 * n]),
+        depth0=pick(["all", "anchors"]),
+        seed=int(torch.randint(-(2**62), 2**62, (1,), generator=g)),
+    )
     return doc, lm, kw
 
 
@@ -93,9 +99,12 @@ def test_speculators_worked_example(device):
     that sequence have the same structure."""
     doc = torch.zeros(6, dtype=torch.int32)
     lm = torch.ones(6, dtype=torch.bool)
-    example = CodLayout(torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 3, 4, 0, 3, 0], dtype=torch.int32),
-                        torch.tensor([0] * 6 + [1] * 4 + [2] * 2 + [3], dtype=torch.int32),
-                        [0, 6, 10, 12, 13], doc)
+    example = CodLayout(
+        torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 3, 4, 0, 3, 0], dtype=torch.int32),
+        torch.tensor([0] * 6 + [1] * 4 + [2] * 2 + [3], dtype=torch.int32),
+        [0, 6, 10, 12, 13],
+        doc,
+    )
     assert example.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 1, 2, 4, 5, 2, 5, 3]
     # (its sizes 4, 2, 1 are illustrative: no (r, r_min) gives them from 5 seeds, so only the
     # chain rules are checked on it)
@@ -133,9 +142,11 @@ def check_rules_with_sizes(layout, doc, lm, sizes):
 def chi2_critical(dof: int, alpha: float) -> float:
     try:
         from scipy.stats import chi2
+
         return float(chi2.ppf(1.0 - alpha, dof))
     except ImportError:  # Wilson-Hilferty: accurate to ~1% for dof >= 10
         from statistics import NormalDist
+
         z = NormalDist().inv_cdf(1.0 - alpha)
         return dof * (1.0 - 2.0 / (9 * dof) + z * math.sqrt(2.0 / (9 * dof))) ** 3
 
@@ -181,7 +192,7 @@ def test_uniform_over_seeds(device):
     trials = 3000
     for seed in range(trials):
         layout = sample(doc, lm, device, num_depths=2, down_sample_ratio=0.5, seed=seed * 7919 + 1)
-        picked = index[layout.anchor[layout.depth_offsets[1]:].cpu().long() + 1]
+        picked = index[layout.anchor[layout.depth_offsets[1] :].cpu().long() + 1]
         assert picked.numel() == k and bool((picked >= 0).all())
         counts[picked] += 1
     assert subset_chi2(counts, trials, k) < chi2_critical(s - 1, 1e-4)
@@ -212,7 +223,7 @@ def test_pairs_are_not_correlated():
     together = torch.zeros(len(pairs))
     for seed in range(trials):
         layout = cod_sample(doc, lm, num_depths=2, down_sample_ratio=0.5, down_sample_ratio_min=0.0, seed=seed)
-        chosen = set(layout.anchor[layout.depth_offsets[1]:].tolist())
+        chosen = set(layout.anchor[layout.depth_offsets[1] :].tolist())
         for i, (x, y) in enumerate(pairs):
             together[i] += (x in chosen) and (y in chosen)
     p = k * (k - 1) / (s * (s - 1))
@@ -245,12 +256,12 @@ def test_depth0_anchors_mode(device, rng):
         check_layout_rules(cross, doc, lm, max_anchors=max_anchors, depth0="anchors")
         # the depths >= 1 are the same draw; only depth 0 changes
         o, oc = full.depth_offsets, cross.depth_offsets
-        assert torch.equal(full.anchor[o[1]:].cpu(), cross.anchor[oc[1]:].cpu())
+        assert torch.equal(full.anchor[o[1] :].cpu(), cross.anchor[oc[1] :].cpu())
         seeds = seed_positions(doc, lm)
         expect = len(seeds) if max_anchors is None else min(max_anchors, len(seeds))
         assert cross.depth_counts()[0] == expect
         if max_anchors is None:
-            assert cross.anchor[:oc[1]].cpu().tolist() == [p - 1 for p in seeds]
+            assert cross.anchor[: oc[1]].cpu().tolist() == [p - 1 for p in seeds]
 
 
 # ---- edge cases -------------------------------------------------------------------------------
@@ -266,8 +277,10 @@ def test_edge_cases(device, depth0):
         "all_padding": (torch.full((300,), -1, dtype=torch.int32), torch.ones(300, dtype=torch.bool)),
         "one_token_documents": (torch.arange(400, dtype=torch.int32), torch.ones(400, dtype=torch.bool)),
         "two_token_documents": (torch.arange(600, dtype=torch.int32) // 2, torch.ones(600, dtype=torch.bool)),
-        "repeated_doc_ids": (torch.tensor([0, 0, 1, 0, 0, 0, 1, 1, 1, -1, 0, 0], dtype=torch.int32),
-                             torch.ones(12, dtype=torch.bool)),
+        "repeated_doc_ids": (
+            torch.tensor([0, 0, 1, 0, 0, 0, 1, 1, 1, -1, 0, 0], dtype=torch.int32),
+            torch.ones(12, dtype=torch.bool),
+        ),
         "random": random_documents(777, g, max_doc_len=5),
     }
     for name, (doc, lm) in cases.items():
@@ -296,8 +309,11 @@ def test_empty_sequence(device):
 @pytest.mark.parametrize("device", devices())
 def test_num_depths_one_and_max(device, rng):
     doc, lm = random_documents(3000, rng)
-    for kw in [dict(num_depths=1), dict(num_depths=1, depth0="anchors", max_anchors=100),
-               dict(num_depths=64, down_sample_ratio=1.0, down_sample_ratio_min=1.0)]:
+    for kw in [
+        dict(num_depths=1),
+        dict(num_depths=1, depth0="anchors", max_anchors=100),
+        dict(num_depths=64, down_sample_ratio=1.0, down_sample_ratio_min=1.0),
+    ]:
         layout = sample(doc, lm, device, seed=5, **kw)
         assert_equals_reference(layout, doc, lm, seed=5, **kw)
         check_layout_rules(layout, doc, lm, **kw)
@@ -337,6 +353,7 @@ def test_cuda_runs_on_the_current_stream():
 def test_cuda_one_host_sync_and_two_launches_per_depth():
     """The CUDA op syncs with the host once (to size T): no per-depth round trips."""
     from torch.profiler import ProfilerActivity, profile
+
     g = torch.Generator().manual_seed(5)
     doc, lm = random_documents(20000, g)
     d, m = doc.cuda(), lm.cuda()
@@ -355,8 +372,11 @@ def test_cuda_one_host_sync_and_two_launches_per_depth():
     launches = sum(name.startswith("cudaLaunchKernel") for name in names)
     if launches == 0:
         pytest.skip("the profiler recorded no CUDA runtime calls here")
-    syncs = [name for name in names if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                "cudaEventSynchronize", "cudaStreamWaitEvent")]
+    syncs = [
+        name
+        for name in names
+        if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent")
+    ]
     assert syncs == ["cudaStreamSynchronize"], names
     assert sum(name.startswith("cudaMemcpy") for name in names) == 1, names
     assert launches <= 2 * args[0] + 2, names
@@ -451,6 +471,7 @@ def test_bad_input_op(device):
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     with FakeTensorMode(shape_env=ShapeEnv()):
         doc = torch.zeros(100, dtype=torch.int32)
         lm = torch.ones(100, dtype=torch.bool)
@@ -475,6 +496,7 @@ def test_torch_compile_fullgraph(rng):
         return anchor + depth, offsets
 
     import torch._dynamo
+
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         got = torch.compile(f, backend="aot_eager", fullgraph=True)(doc, lm)
     want = f(doc, lm)

@@ -1,14 +1,14 @@
 """peagle_ext.loss.fused_linear_kl against an eager float64 reference (full logits,
 log_softmax, kl_div / cross_entropy, autograd), on CPU (tight, float64) and CUDA (bf16/fp16/
 fp32, relative error <= 1e-2)."""
+
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.helpers import reference_fused_linear_kl, requires_cuda
 from peagle_ext.loss import AUTO_CHUNK_BYTES, chunk_plan, fused_linear_kl
+from tests.helpers import reference_fused_linear_kl, requires_cuda
 
 
 @pytest.fixture(autouse=True)
@@ -21,8 +21,7 @@ def _one_cpu_thread():
 
 
 # ---- inputs and the eager reference ------------------------------------------------------
-def make_inputs(g, t, h, vd, *, v=None, ht=None, k=3, dtype=torch.float64, device="cpu", p_zero=0.2,
-                scale=1.0):
+def make_inputs(g, t, h, vd, *, v=None, ht=None, k=3, dtype=torch.float64, device="cpu", p_zero=0.2, scale=1.0):
     """Random draft/target hidden states and heads; weights in [0.5, 1.5) with a share of zeros."""
     v = vd if v is None else v
     ht = h if ht is None else ht
@@ -43,8 +42,6 @@ def make_inputs(g, t, h, vd, *, v=None, ht=None, k=3, dtype=torch.float64, devic
 def random_d2t(g, vd, v, device="cpu"):
     ids = torch.randperm(v, generator=g)[:vd].sort().values
     return (ids - torch.arange(vd)).to(device)
-
-
 
 
 def run(xd, w_d, xt, w_t, weight, depth, k, **kw):
@@ -120,8 +117,9 @@ def test_zero_weight_rows_get_zero_grad_and_are_not_counted(rng):
 @pytest.mark.parametrize("kind", ["kl", "ce"])
 def test_all_zero_weights_give_zero_loss_and_zero_grads(rng, kind):
     xd, w_d, xt, w_t, weight, depth = make_inputs(rng, 12, 8, 20)
-    loss, correct, total, gx, gw = run(xd, w_d, xt, w_t, torch.zeros(12, dtype=torch.float64), depth, 3,
-                                       chunk_size=5, kind=kind)
+    loss, correct, total, gx, gw = run(
+        xd, w_d, xt, w_t, torch.zeros(12, dtype=torch.float64), depth, 3, chunk_size=5, kind=kind
+    )
     assert float(loss) == 0.0 and torch.isfinite(loss)
     assert torch.all(gx == 0) and torch.all(gw == 0)
     assert int(correct.sum()) == 0 and int(total.sum()) == 0
@@ -220,9 +218,11 @@ def test_without_grad_returns_plain_values(rng):
 def test_opcheck_schema_and_fake(rng):
     xd, w_d, xt, w_t, weight, depth = make_inputs(rng, 7, 8, 9)
     for grads in (True, False):
-        torch.library.opcheck(torch.ops.peagle.fused_linear_kl.default,
-                              (xd, w_d, xt, w_t, weight, depth, None, 3, 3, "kl", grads, grads),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.peagle.fused_linear_kl.default,
+            (xd, w_d, xt, w_t, weight, depth, None, 3, 3, "kl", grads, grads),
+            test_utils=("test_schema", "test_faketensor"),
+        )
 
 
 # ---- CPU low precision --------------------------------------------------------------------------
@@ -260,6 +260,7 @@ def test_chunk_plan():
 def _cpu_peak_bytes(fn):
     """Peak of bytes allocated through the CPU allocator while fn runs (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
+
     try:
         from torch._C._profiler import _EventType
     except ImportError:  # pragma: no cover - private API moved
@@ -315,8 +316,9 @@ def test_bad_inputs_name_the_argument(rng):
         kw = dict(ok)
         for key, val in over.items():
             (a if key in a else kw)[key] = val
-        return fused_linear_kl(a["draft_hidden"], a["draft_head"], a["target_hidden"], a["target_head"],
-                               a["weight"], a["depth"], **kw)
+        return fused_linear_kl(
+            a["draft_hidden"], a["draft_head"], a["target_hidden"], a["target_head"], a["weight"], a["depth"], **kw
+        )
 
     call()  # the baseline is valid
     cases = [
@@ -378,12 +380,15 @@ def _gpu_case(g, t, h, vd, v, dtype, *, k=4, d2t=False, p_zero=0.2):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kind", ["kl", "ce"])
-@pytest.mark.parametrize("t,h,vd,v,chunk", [
-    (37, 64, 101, 101, 5),        # odd vocab: rows start misaligned, scalar head/tail paths
-    (130, 128, 1024, 1024, 48),   # aligned rows, vector path only
-    (257, 96, 4099, 5000, 64),    # d2t, odd vocab, many chunks
-    (1, 64, 1000, 1000, "auto"),  # a single token
-])
+@pytest.mark.parametrize(
+    "t,h,vd,v,chunk",
+    [
+        (37, 64, 101, 101, 5),  # odd vocab: rows start misaligned, scalar head/tail paths
+        (130, 128, 1024, 1024, 48),  # aligned rows, vector path only
+        (257, 96, 4099, 5000, 64),  # d2t, odd vocab, many chunks
+        (1, 64, 1000, 1000, "auto"),  # a single token
+    ],
+)
 def test_cuda_matches_fp64_reference(rng, dtype, kind, t, h, vd, v, chunk):
     inp, d2t = _gpu_case(rng, t, h, vd, v, dtype, d2t=vd != v)
     got = run(*inp, 4, d2t=d2t, chunk_size=chunk, kind=kind)
@@ -425,8 +430,9 @@ def test_cuda_zero_weights_and_ties(rng):
     w_t[3, 0] = 4.0
     x = torch.zeros(5, h, device="cuda", dtype=torch.bfloat16)
     x[:, 0] = 1
-    _, m = fused_linear_kl(x, w_d, x, w_t, torch.ones(5, device="cuda"), torch.zeros(5, dtype=torch.int32,
-                                                                                    device="cuda"), num_depths=1)
+    _, m = fused_linear_kl(
+        x, w_d, x, w_t, torch.ones(5, device="cuda"), torch.zeros(5, dtype=torch.int32, device="cuda"), num_depths=1
+    )
     assert m["correct"].tolist() == [5] and m["total"].tolist() == [5]
 
 

@@ -1,9 +1,10 @@
-"""peagle_ext.vllm: the parallel-drafting batch step (DESIGN.md section 6) and the vLLM plugin.
+"""peagle_ext.vllm: the parallel-drafting batch step (docs/design.md section 6) and the vLLM plugin.
 
 Ground truth: peagle_ext.reference.parallel_draft.parallel_draft_loop, a per-request loop written from
 vLLM 0.33's set_inputs_first_pass / copy_and_expand_eagle_inputs_kernel /
 compute_new_slot_mapping, plus a hand-computed example. Every comparison is exact (the op
 only moves data)."""
+
 import dataclasses
 import logging
 import sys
@@ -12,13 +13,12 @@ import types
 import pytest
 import torch
 
-from peagle_ext.testing import random_draft_batch, uniform_int
-from tests.helpers import DRAFT_BATCH_FIELDS, assert_same_batch, requires_cuda
-
 import peagle_ext
-from peagle_ext.serving import vllm_plugin
-from peagle_ext.vllm import PADDING_SLOT_ID, DraftBatch, prepare_parallel_draft_inputs
 from peagle_ext.reference.parallel_draft import parallel_draft_loop, parallel_draft_torch
+from peagle_ext.serving import vllm_plugin
+from peagle_ext.testing import random_draft_batch, uniform_int
+from peagle_ext.vllm import PADDING_SLOT_ID, DraftBatch, prepare_parallel_draft_inputs
+from tests.helpers import DRAFT_BATCH_FIELDS, assert_same_batch, requires_cuda
 
 ops = torch.ops.peagle
 
@@ -28,12 +28,8 @@ ops = torch.ops.peagle
 # ----------------------------------------------------------------------------------------
 
 
-
-
 def call(fn, args, kw, **extra):
     return fn(*args.values(), **kw, **extra)
-
-
 
 
 # ----------------------------------------------------------------------------------------
@@ -46,37 +42,77 @@ def test_hand_computed_example():
     bt = torch.tensor([[5, 6, 7], [8, 9, 3]], dtype=torch.int32)
     got = prepare_parallel_draft_inputs(
         torch.tensor([11, 12, 13, 21, 22, 23, 24], dtype=torch.int32),
-        torch.tensor([0, 1, 2, 7, 8, 9, 10]), torch.tensor([99, 98], dtype=torch.int32),
-        torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), th, mh, bt,
-        num_spec_tokens=3, mask_token_id=77, block_size=4, max_model_len=10)
+        torch.tensor([0, 1, 2, 7, 8, 9, 10]),
+        torch.tensor([99, 98], dtype=torch.int32),
+        torch.tensor([0, 3, 7], dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+        th,
+        mh,
+        bt,
+        num_spec_tokens=3,
+        mask_token_id=77,
+        block_size=4,
+        max_model_len=10,
+    )
     M, Z = [-5.0, -6.0], [0.0, 0.0]
     assert got.input_ids.tolist() == [12, 13, 99, 77, 77, 22, 98, 77, 77, 0, 0]
     assert got.positions.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 0, 0]
     assert got.is_masked.tolist() == [False, False, False, True, True, False, False, True, True, False, False]
     assert got.is_rejected.tolist() == [False] * 9 + [True, True]
-    assert got.hidden.tolist() == [th[0].tolist(), th[1].tolist(), th[2].tolist(), M, M,
-                                   th[3].tolist(), th[4].tolist(), M, M, Z, Z]
+    assert got.hidden.tolist() == [
+        th[0].tolist(),
+        th[1].tolist(),
+        th[2].tolist(),
+        M,
+        M,
+        th[3].tolist(),
+        th[4].tolist(),
+        M,
+        M,
+        Z,
+        Z,
+    ]
     assert got.token_indices_to_sample.tolist() == [2, 3, 4, 6, 7, 8]
     assert got.hidden_state_mapping.tolist() == [0, 1, 2, 5, 6, 7, 8]
     # request 0: block 5 for positions 0..3, block 6 for 4; request 1: position 7 -> block
     # table[1][1] = 9 -> 39, 8 and 9 -> table[1][2] = 3 -> 12, 13; 10 >= max_model_len -> -1.
     assert got.slot_mapping.tolist() == [20, 21, 22, 23, 24, 39, 12, 13, -1, -1, -1]
     assert got.query_start_loc.tolist() == [0, 5, 11]
-    assert_same_batch(got, parallel_draft_loop(
-        torch.tensor([11, 12, 13, 21, 22, 23, 24], dtype=torch.int32), torch.tensor([0, 1, 2, 7, 8, 9, 10]),
-        torch.tensor([99, 98], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32),
-        torch.tensor([0, 2], dtype=torch.int32), th, mh, bt, num_spec_tokens=3, mask_token_id=77, block_size=4,
-        max_model_len=10))
+    assert_same_batch(
+        got,
+        parallel_draft_loop(
+            torch.tensor([11, 12, 13, 21, 22, 23, 24], dtype=torch.int32),
+            torch.tensor([0, 1, 2, 7, 8, 9, 10]),
+            torch.tensor([99, 98], dtype=torch.int32),
+            torch.tensor([0, 3, 7], dtype=torch.int32),
+            torch.tensor([0, 2], dtype=torch.int32),
+            th,
+            mh,
+            bt,
+            num_spec_tokens=3,
+            mask_token_id=77,
+            block_size=4,
+            max_model_len=10,
+        ),
+    )
 
 
 def test_k1_keeps_the_layout_and_only_shifts():
     """K=1: no MASK rows, T_out = T_in, the bonus token replaces the last accepted slot."""
     got = prepare_parallel_draft_inputs(
-        torch.tensor([5, 6, 7, 8], dtype=torch.int32), torch.tensor([3, 4, 5, 6]),
-        torch.tensor([50], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
-        torch.tensor([1], dtype=torch.int32), torch.randn(4, 3), torch.randn(3),
-        torch.tensor([[2, 3]], dtype=torch.int32), num_spec_tokens=1, mask_token_id=9, block_size=8,
-        max_model_len=16)
+        torch.tensor([5, 6, 7, 8], dtype=torch.int32),
+        torch.tensor([3, 4, 5, 6]),
+        torch.tensor([50], dtype=torch.int32),
+        torch.tensor([0, 4], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.randn(4, 3),
+        torch.randn(3),
+        torch.tensor([[2, 3]], dtype=torch.int32),
+        num_spec_tokens=1,
+        mask_token_id=9,
+        block_size=8,
+        max_model_len=16,
+    )
     assert got.input_ids.tolist() == [6, 7, 50, 0]
     assert got.positions.tolist() == [3, 4, 5, 0]
     assert not got.is_masked.any()
@@ -174,7 +210,7 @@ def test_block_table_view_with_extra_rows_and_columns(rng):
     """A [:, :n] view of a wider table (row stride > n) and more rows than requests."""
     args, kw = random_draft_batch(rng, B=6, K=3, H=4, extra_rows=3, extra_blocks=2)
     wide = torch.randint(0, 5000, (9, args["block_table"].shape[1] + 5), generator=rng, dtype=torch.int32)
-    args["block_table"] = wide[:, :args["block_table"].shape[1]]
+    args["block_table"] = wide[:, : args["block_table"].shape[1]]
     assert args["block_table"].stride(0) > args["block_table"].shape[1]
     got = call(prepare_parallel_draft_inputs, args, kw)
     assert_same_batch(got, call(parallel_draft_loop, {**args, "block_table": args["block_table"].contiguous()}, kw))
@@ -182,9 +218,19 @@ def test_block_table_view_with_extra_rows_and_columns(rng):
 
 def test_empty_batch():
     got = prepare_parallel_draft_inputs(
-        torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32),
-        torch.zeros(1, dtype=torch.int32), None, torch.zeros(0, 4), torch.ones(4),
-        torch.zeros(0, 2, dtype=torch.int32), num_spec_tokens=3, mask_token_id=1, block_size=16, max_model_len=32)
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        None,
+        torch.zeros(0, 4),
+        torch.ones(4),
+        torch.zeros(0, 2, dtype=torch.int32),
+        num_spec_tokens=3,
+        mask_token_id=1,
+        block_size=16,
+        max_model_len=32,
+    )
     assert got.num_tokens == 0 and got.query_start_loc.tolist() == [0]
     assert got.token_indices_to_sample.shape == (0,) and got.hidden.shape == (0, 4)
 
@@ -196,8 +242,12 @@ def test_opcheck_schemas_and_fake_impls(rng):
     torch.library.opcheck(ops.prepare_parallel_draft_inputs.default, tuple(pos), test_utils=tests)
     out = DraftBatch.empty(args["target_token_ids"].shape[0], 4, 3, 8, dtype=torch.float32)
     names = {f: ("new_query_start_loc" if f == "query_start_loc" else f) for f in DRAFT_BATCH_FIELDS}
-    torch.library.opcheck(ops.prepare_parallel_draft_inputs_out.default, tuple(pos),
-                          {names[f]: getattr(out, f) for f in DRAFT_BATCH_FIELDS}, test_utils=tests)
+    torch.library.opcheck(
+        ops.prepare_parallel_draft_inputs_out.default,
+        tuple(pos),
+        {names[f]: getattr(out, f) for f in DRAFT_BATCH_FIELDS},
+        test_utils=tests,
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,30 +257,33 @@ def _good(g):
     return random_draft_batch(g, B=3, K=3, H=4, prefill_frac=0.0, block_size=4, max_model_len=64)
 
 
-@pytest.mark.parametrize("name,bad,exc,match", [
-    ("target_token_ids", lambda a: a.long(), TypeError, "target_token_ids"),
-    ("target_positions", lambda a: a.int(), TypeError, "target_positions"),
-    ("next_token_ids", lambda a: a.long(), TypeError, "next_token_ids"),
-    ("query_start_loc", lambda a: a.long(), TypeError, "query_start_loc"),
-    ("num_rejected_tokens", lambda a: a.long(), TypeError, "num_rejected_tokens"),
-    ("target_hidden", lambda a: a.double(), TypeError, "target_hidden"),
-    ("mask_hidden", lambda a: a.half(), TypeError, "mask_hidden"),
-    ("block_table", lambda a: a.long(), TypeError, "block_table"),
-    ("target_positions", lambda a: a[:-1], ValueError, "target_positions"),
-    ("next_token_ids", lambda a: a[:-1], ValueError, "next_token_ids"),
-    ("num_rejected_tokens", lambda a: a[:-1], ValueError, "num_rejected_tokens"),
-    ("target_hidden", lambda a: a[:-1], ValueError, "target_hidden"),
-    ("target_hidden", lambda a: a[:, :0], ValueError, "target_hidden"),
-    ("mask_hidden", lambda a: a[:-1], ValueError, "mask_hidden"),
-    ("mask_hidden", lambda a: a.view(1, -1), ValueError, "mask_hidden"),
-    ("block_table", lambda a: a[:-1], ValueError, "block_table"),
-    ("block_table", lambda a: a[:, :-1], ValueError, "max_model_len"),
-    ("block_table", lambda a: a.t().contiguous().t(), ValueError, "block_table"),
-    ("target_hidden", lambda a: a.t().contiguous().t(), ValueError, "target_hidden"),
-    ("target_token_ids", lambda a: a.view(1, -1), ValueError, "target_token_ids"),
-    ("query_start_loc", lambda a: a[:0], ValueError, "query_start_loc"),
-    ("target_hidden", lambda a: a.numpy(), TypeError, "target_hidden"),
-])
+@pytest.mark.parametrize(
+    "name,bad,exc,match",
+    [
+        ("target_token_ids", lambda a: a.long(), TypeError, "target_token_ids"),
+        ("target_positions", lambda a: a.int(), TypeError, "target_positions"),
+        ("next_token_ids", lambda a: a.long(), TypeError, "next_token_ids"),
+        ("query_start_loc", lambda a: a.long(), TypeError, "query_start_loc"),
+        ("num_rejected_tokens", lambda a: a.long(), TypeError, "num_rejected_tokens"),
+        ("target_hidden", lambda a: a.double(), TypeError, "target_hidden"),
+        ("mask_hidden", lambda a: a.half(), TypeError, "mask_hidden"),
+        ("block_table", lambda a: a.long(), TypeError, "block_table"),
+        ("target_positions", lambda a: a[:-1], ValueError, "target_positions"),
+        ("next_token_ids", lambda a: a[:-1], ValueError, "next_token_ids"),
+        ("num_rejected_tokens", lambda a: a[:-1], ValueError, "num_rejected_tokens"),
+        ("target_hidden", lambda a: a[:-1], ValueError, "target_hidden"),
+        ("target_hidden", lambda a: a[:, :0], ValueError, "target_hidden"),
+        ("mask_hidden", lambda a: a[:-1], ValueError, "mask_hidden"),
+        ("mask_hidden", lambda a: a.view(1, -1), ValueError, "mask_hidden"),
+        ("block_table", lambda a: a[:-1], ValueError, "block_table"),
+        ("block_table", lambda a: a[:, :-1], ValueError, "max_model_len"),
+        ("block_table", lambda a: a.t().contiguous().t(), ValueError, "block_table"),
+        ("target_hidden", lambda a: a.t().contiguous().t(), ValueError, "target_hidden"),
+        ("target_token_ids", lambda a: a.view(1, -1), ValueError, "target_token_ids"),
+        ("query_start_loc", lambda a: a[:0], ValueError, "query_start_loc"),
+        ("target_hidden", lambda a: a.numpy(), TypeError, "target_hidden"),
+    ],
+)
 def test_bad_tensor_arguments(rng, name, bad, exc, match):
     args, kw = _good(rng)
     args[name] = bad(args[name])
@@ -238,22 +291,35 @@ def test_bad_tensor_arguments(rng, name, bad, exc, match):
         call(prepare_parallel_draft_inputs, args, kw)
 
 
-@pytest.mark.parametrize("key,value,exc", [
-    ("num_spec_tokens", 0, ValueError), ("num_spec_tokens", 2.0, TypeError), ("block_size", 0, ValueError),
-    ("max_model_len", 0, ValueError), ("mask_token_id", -1, ValueError), ("mask_token_id", 2**31, ValueError),
-    ("block_size", True, TypeError),
-])
+@pytest.mark.parametrize(
+    "key,value,exc",
+    [
+        ("num_spec_tokens", 0, ValueError),
+        ("num_spec_tokens", 2.0, TypeError),
+        ("block_size", 0, ValueError),
+        ("max_model_len", 0, ValueError),
+        ("mask_token_id", -1, ValueError),
+        ("mask_token_id", 2**31, ValueError),
+        ("block_size", True, TypeError),
+    ],
+)
 def test_bad_scalar_arguments(rng, key, value, exc):
     args, kw = _good(rng)
     with pytest.raises(exc, match=key):
         call(prepare_parallel_draft_inputs, args, {**kw, key: value})
 
 
-@pytest.mark.parametrize("case,match", [
-    ("qsl0", r"query_start_loc\[0\]"), ("qsl_last", r"query_start_loc\[B\]"), ("empty_request", "at least one"),
-    ("too_many_rejected", "num_rejected_tokens"), ("negative_rejected", "num_rejected_tokens"),
-    ("negative_position", "target_positions"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("qsl0", r"query_start_loc\[0\]"),
+        ("qsl_last", r"query_start_loc\[B\]"),
+        ("empty_request", "at least one"),
+        ("too_many_rejected", "num_rejected_tokens"),
+        ("negative_rejected", "num_rejected_tokens"),
+        ("negative_position", "target_positions"),
+    ],
+)
 def test_bad_values_are_checked_on_cpu(rng, case, match):
     args, kw = _good(rng)
     qsl, nrej = args["query_start_loc"], args["num_rejected_tokens"]
@@ -273,8 +339,18 @@ def test_bad_values_are_checked_on_cpu(rng, case, match):
         call(prepare_parallel_draft_inputs, args, kw)
 
 
-@pytest.mark.parametrize("name", ["target_positions", "next_token_ids", "query_start_loc", "num_rejected_tokens",
-                                  "target_hidden", "mask_hidden", "block_table"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "target_positions",
+        "next_token_ids",
+        "query_start_loc",
+        "num_rejected_tokens",
+        "target_hidden",
+        "mask_hidden",
+        "block_table",
+    ],
+)
 def test_device_mismatch_is_named(rng, name):
     args, kw = _good(rng)
     args[name] = args[name].to("meta")
@@ -297,9 +373,13 @@ def test_bad_out_arguments(rng):
     t_in = args["target_token_ids"].shape[0]
     with pytest.raises(TypeError, match="out must be a DraftBatch"):
         call(prepare_parallel_draft_inputs, args, kw, out=tuple(DraftBatch.empty(t_in, 3, 3, 4).as_tuple()))
-    for field, make in [("hidden", lambda t: t[:-1]), ("slot_mapping", lambda t: t.int()),
-                        ("token_indices_to_sample", lambda t: t[:-1]), ("query_start_loc", lambda t: t.long()),
-                        ("hidden", lambda t: t.half())]:
+    for field, make in [
+        ("hidden", lambda t: t[:-1]),
+        ("slot_mapping", lambda t: t.int()),
+        ("token_indices_to_sample", lambda t: t[:-1]),
+        ("query_start_loc", lambda t: t.long()),
+        ("hidden", lambda t: t.half()),
+    ]:
         out = DraftBatch.empty(t_in, 3, 3, 4, dtype=torch.float32)
         setattr(out, field, make(getattr(out, field)))
         with pytest.raises((TypeError, ValueError), match=f"out.{field}"):
@@ -320,9 +400,9 @@ def test_native_op_checks_too(rng):
         ops.prepare_parallel_draft_inputs(*bad)
     out = DraftBatch.empty(args["target_token_ids"].shape[0], 3, 3, 4)
     kws = {("new_query_start_loc" if f == "query_start_loc" else f): getattr(out, f) for f in DRAFT_BATCH_FIELDS}
-    kws["hidden"] = args["target_hidden"].new_empty(out.hidden.shape[0] + 4, 4)[:out.hidden.shape[0]]
+    kws["hidden"] = args["target_hidden"].new_empty(out.hidden.shape[0] + 4, 4)[: out.hidden.shape[0]]
     in_place = list(pos)
-    in_place[5] = kws["hidden"][:args["target_hidden"].shape[0]]
+    in_place[5] = kws["hidden"][: args["target_hidden"].shape[0]]
     in_place[5].copy_(args["target_hidden"])
     with pytest.raises(ValueError, match="overlap"):
         ops.prepare_parallel_draft_inputs_out(*in_place, **kws)
@@ -333,14 +413,14 @@ def test_native_op_checks_too(rng):
 # ----------------------------------------------------------------------------------------
 EMULATION_CASES = [
     # B, K, H, dtype, vec_bytes, extra kwargs
-    (1, 3, 4096, torch.bfloat16, 16, {}),           # 512 units per row: 2 rows per block
-    (5, 7, 4096, torch.float32, 16, {}),            # 1024 units per row: 1 row per block
-    (5, 7, 8192, torch.float32, 16, {}),            # 2048 units per row: 2 passes per block
+    (1, 3, 4096, torch.bfloat16, 16, {}),  # 512 units per row: 2 rows per block
+    (5, 7, 4096, torch.float32, 16, {}),  # 1024 units per row: 1 row per block
+    (5, 7, 8192, torch.float32, 16, {}),  # 2048 units per row: 2 passes per block
     (33, 5, 4096, torch.bfloat16, 8, {"general": True, "near_max": True}),
     (33, 5, 4096, torch.bfloat16, 4, {}),
     (33, 5, 4096, torch.bfloat16, 2, {}),
-    (17, 4, 4095, torch.bfloat16, 0, {}),           # 2-byte rows
-    (17, 4, 6, torch.bfloat16, 0, {}),              # 12-byte rows -> 4-byte units, 85 rows per block
+    (17, 4, 4095, torch.bfloat16, 0, {}),  # 2-byte rows
+    (17, 4, 6, torch.bfloat16, 0, {}),  # 12-byte rows -> 4-byte units, 85 rows per block
     (17, 4, 3, torch.float32, 0, {}),
     (40, 1, 24, torch.float16, 0, {"general": True}),
     (3, 10, 16, torch.float32, 16, {"prefill_frac": 1.0, "max_prefill": 3000}),  # 256 rows per block
@@ -354,9 +434,11 @@ def test_cuda_kernel_schedule_emulated_on_cpu(rng, B, K, H, dtype, vec_bytes, ex
     """The kernel's launch plan + block phases (the code the .cu compiles), run on the CPU."""
     args, kw = random_draft_batch(rng, B=B, K=K, H=H, dtype=dtype, **extra)
     want = call(prepare_parallel_draft_inputs, args, kw)
-    got = DraftBatch(*ops._parallel_draft_kernel_emulation(
-        *args.values(), kw["num_spec_tokens"], kw["mask_token_id"], kw["block_size"], kw["max_model_len"],
-        vec_bytes))
+    got = DraftBatch(
+        *ops._parallel_draft_kernel_emulation(
+            *args.values(), kw["num_spec_tokens"], kw["mask_token_id"], kw["block_size"], kw["max_model_len"], vec_bytes
+        )
+    )
     assert_same_batch(got, want, f"emulated kernel (vec {vec_bytes}): ")
 
 
@@ -376,10 +458,10 @@ CUDA_CASES = [
     (64, 7, 4096, torch.bfloat16, {"prefill_frac": 0.1, "max_prefill": 300}),
     (256, 3, 4096, torch.bfloat16, {}),
     (512, 10, 256, torch.float32, {"general": True, "near_max": True}),
-    (37, 5, 4095, torch.bfloat16, {}),      # 2-byte rows: unsigned short copies
-    (37, 5, 6, torch.bfloat16, {}),         # 12-byte rows: 4-byte copies
-    (37, 5, 4, torch.bfloat16, {}),         # 8-byte rows: 8-byte copies
-    (37, 5, 3, torch.float32, {}),          # 12-byte rows, fp32
+    (37, 5, 4095, torch.bfloat16, {}),  # 2-byte rows: unsigned short copies
+    (37, 5, 6, torch.bfloat16, {}),  # 12-byte rows: 4-byte copies
+    (37, 5, 4, torch.bfloat16, {}),  # 8-byte rows: 8-byte copies
+    (37, 5, 3, torch.float32, {}),  # 12-byte rows, fp32
     (20, 1, 64, torch.float16, {"general": True}),
     (3, 4, 16, torch.float32, {"prefill_frac": 1.0, "max_prefill": 3000}),  # many rows per block, long prefill
     (9000, 2, 8, torch.float32, {"prefill_frac": 0.0}),  # query_start_loc too big for shared memory
@@ -404,7 +486,7 @@ def test_cuda_misaligned_hidden_pointers(rng):
     want = call(prepare_parallel_draft_inputs, args, kw)
     t_in = args["target_hidden"].shape[0]
     big = torch.empty(t_in * 64 + 64 + 1, dtype=torch.bfloat16, device="cuda")
-    th = big[1:1 + t_in * 64].view(t_in, 64)
+    th = big[1 : 1 + t_in * 64].view(t_in, 64)
     th.copy_(args["target_hidden"])
     mh = big[-64:]
     mh.copy_(args["mask_hidden"])
@@ -439,8 +521,9 @@ def test_cuda_out_form_no_sync_and_none_rejected(rng):
 def test_cuda_graph_capture_and_replay(rng):
     """Capture the out= form once; replay with new values in the same static inputs."""
     B, K, H = 32, 5, 1024
-    args, kw = random_draft_batch(rng, B=B, K=K, H=H, dtype=torch.bfloat16, prefill_frac=0.0, max_model_len=300,
-                          block_size=16)
+    args, kw = random_draft_batch(
+        rng, B=B, K=K, H=H, dtype=torch.bfloat16, prefill_frac=0.0, max_model_len=300, block_size=16
+    )
     static = {k: v.cuda() for k, v in args.items()}
     out = DraftBatch.empty(args["target_token_ids"].shape[0], B, K, H, dtype=torch.bfloat16, device="cuda")
     s = torch.cuda.Stream()
@@ -452,8 +535,9 @@ def test_cuda_graph_capture_and_replay(rng):
     with torch.cuda.graph(graph):
         call(prepare_parallel_draft_inputs, static, kw, out=out)
     for _ in range(3):
-        new_args, _ = random_draft_batch(rng, B=B, K=K, H=H, dtype=torch.bfloat16, prefill_frac=0.0, max_model_len=300,
-                                 block_size=16)
+        new_args, _ = random_draft_batch(
+            rng, B=B, K=K, H=H, dtype=torch.bfloat16, prefill_frac=0.0, max_model_len=300, block_size=16
+        )
         new_args["query_start_loc"] = args["query_start_loc"]  # same shapes; values may differ elsewhere
         for k, v in new_args.items():
             static[k].copy_(v)
@@ -494,6 +578,7 @@ def test_cuda_garbage_metadata_is_memory_safe(rng):
 @dataclasses.dataclass
 class FakeCad:
     """The fields of vLLM 0.33's CommonAttentionMetadata that the step reads or writes."""
+
     query_start_loc: torch.Tensor
     query_start_loc_cpu: torch.Tensor
     seq_lens: torch.Tensor
@@ -514,20 +599,36 @@ class FakeCad:
 def fake_extend_all_queries_by_N(cad, N, arange, new_slot_mapping):
     """vLLM's extend_all_queries_by_N: every query and sequence grows by N."""
     return cad.replace(
-        query_start_loc=cad.query_start_loc + N * arange[:len(cad.query_start_loc)],
-        query_start_loc_cpu=cad.query_start_loc_cpu + N * torch.arange(len(cad.query_start_loc_cpu),
-                                                                        dtype=torch.int32),
-        seq_lens=cad.seq_lens + N, num_actual_tokens=cad.num_actual_tokens + cad.batch_size() * N,
-        max_query_len=cad.max_query_len + N, max_seq_len=cad.max_seq_len + N, slot_mapping=new_slot_mapping)
+        query_start_loc=cad.query_start_loc + N * arange[: len(cad.query_start_loc)],
+        query_start_loc_cpu=cad.query_start_loc_cpu + N * torch.arange(len(cad.query_start_loc_cpu), dtype=torch.int32),
+        seq_lens=cad.seq_lens + N,
+        num_actual_tokens=cad.num_actual_tokens + cad.batch_size() * N,
+        max_query_len=cad.max_query_len + N,
+        max_seq_len=cad.max_seq_len + N,
+        slot_mapping=new_slot_mapping,
+    )
 
 
 class FakeBaseProposer:
     """Shaped like vLLM 0.33's SpecDecodeBaseProposer for P-EAGLE; its set_inputs_first_pass
     is vLLM's parallel-drafting branch done with the vLLM-like reference ops."""
+
     method = "eagle3"
 
-    def __init__(self, *, K, H, dtype, device, max_tokens, max_model_len, block_size, mask_token_id, mask_hidden,
-                 parallel_drafting=True):
+    def __init__(
+        self,
+        *,
+        K,
+        H,
+        dtype,
+        device,
+        max_tokens,
+        max_model_len,
+        block_size,
+        mask_token_id,
+        mask_hidden,
+        parallel_drafting=True,
+    ):
         self.parallel_drafting = parallel_drafting
         self.pass_hidden_states_to_model = True
         self.num_speculative_tokens = K
@@ -549,24 +650,43 @@ class FakeBaseProposer:
         self.arange = torch.arange(max_tokens, dtype=torch.int32, device=device)
         self.original_calls = 0
 
-    def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
-                              token_indices_to_sample, cad, num_rejected_tokens_gpu):
+    def set_inputs_first_pass(
+        self,
+        target_token_ids,
+        next_token_ids,
+        target_positions,
+        target_hidden_states,
+        token_indices_to_sample,
+        cad,
+        num_rejected_tokens_gpu,
+    ):
         self.original_calls += 1
         if not self.needs_extra_input_slots:
             return target_token_ids.shape[0], token_indices_to_sample, cad
         K = self.extra_slots_per_request
         ref = parallel_draft_torch(
-            target_token_ids, target_positions, next_token_ids, cad.query_start_loc, num_rejected_tokens_gpu,
-            target_hidden_states, self.parallel_drafting_hidden_state_tensor, cad.block_table_tensor,
-            num_spec_tokens=K, mask_token_id=self.parallel_drafting_token_id, block_size=self.block_size,
-            max_model_len=self.max_model_len, hidden_out=self.hidden_states)
+            target_token_ids,
+            target_positions,
+            next_token_ids,
+            cad.query_start_loc,
+            num_rejected_tokens_gpu,
+            target_hidden_states,
+            self.parallel_drafting_hidden_state_tensor,
+            cad.block_table_tensor,
+            num_spec_tokens=K,
+            mask_token_id=self.parallel_drafting_token_id,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            hidden_out=self.hidden_states,
+        )
         n = ref.num_tokens
         self.input_ids[:n] = ref.input_ids
         self.positions[:n] = ref.positions
         self.is_rejected_token_mask[:n] = ref.is_rejected
         self.is_masked_token_mask[:n] = ref.is_masked
-        new_cad = fake_extend_all_queries_by_N(cad, N=self.net_num_new_slots_per_request, arange=self.arange,
-                                               new_slot_mapping=ref.slot_mapping)
+        new_cad = fake_extend_all_queries_by_N(
+            cad, N=self.net_num_new_slots_per_request, arange=self.arange, new_slot_mapping=ref.slot_mapping
+        )
         return n, ref.token_indices_to_sample, new_cad
 
 
@@ -578,18 +698,38 @@ def _proposer_and_inputs(g, *, K, device="cpu", parallel_drafting=True, none_rej
     args, kw = random_draft_batch(g, B=10, K=K, H=32, dtype=torch.bfloat16, device=device)
     qsl = args["query_start_loc"]
     B = qsl.shape[0] - 1
-    cad = FakeCad(query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(),
-                  seq_lens=torch.randint(1, 100, (B,), generator=g, dtype=torch.int32).to(device), num_reqs=B,
-                  num_actual_tokens=int(qsl[-1]), max_query_len=int((qsl[1:] - qsl[:-1]).max()), max_seq_len=100,
-                  block_table_tensor=args["block_table"], slot_mapping=torch.zeros(0, dtype=torch.int64))
+    cad = FakeCad(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.cpu(),
+        seq_lens=torch.randint(1, 100, (B,), generator=g, dtype=torch.int32).to(device),
+        num_reqs=B,
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=100,
+        block_table_tensor=args["block_table"],
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+    )
     make = lambda: FakeEagleProposer(  # noqa: E731
-        K=K, H=32, dtype=torch.bfloat16, device=device, max_tokens=2048, max_model_len=kw["max_model_len"],
-        block_size=kw["block_size"], mask_token_id=kw["mask_token_id"], mask_hidden=args["mask_hidden"],
-        parallel_drafting=parallel_drafting)
-    call_kw = dict(target_token_ids=args["target_token_ids"], next_token_ids=args["next_token_ids"],
-                   target_positions=args["target_positions"], target_hidden_states=args["target_hidden"],
-                   token_indices_to_sample=None, cad=cad,
-                   num_rejected_tokens_gpu=None if none_rejected else args["num_rejected_tokens"])
+        K=K,
+        H=32,
+        dtype=torch.bfloat16,
+        device=device,
+        max_tokens=2048,
+        max_model_len=kw["max_model_len"],
+        block_size=kw["block_size"],
+        mask_token_id=kw["mask_token_id"],
+        mask_hidden=args["mask_hidden"],
+        parallel_drafting=parallel_drafting,
+    )
+    call_kw = dict(
+        target_token_ids=args["target_token_ids"],
+        next_token_ids=args["next_token_ids"],
+        target_positions=args["target_positions"],
+        target_hidden_states=args["target_hidden"],
+        token_indices_to_sample=None,
+        cad=cad,
+        num_rejected_tokens_gpu=None if none_rejected else args["num_rejected_tokens"],
+    )
     return make, call_kw
 
 
@@ -602,7 +742,7 @@ def _assert_same_step(p_fused, p_orig, res_fused, res_orig):
         assert torch.equal(getattr(p_fused, name)[:n].cpu(), getattr(p_orig, name)[:n].cpu()), name
     for f in dataclasses.fields(FakeCad):
         a, b = getattr(cad, f.name), getattr(cad2, f.name)
-        assert (torch.equal(a.cpu(), b.cpu()) if isinstance(a, torch.Tensor) else a == b), f.name
+        assert torch.equal(a.cpu(), b.cpu()) if isinstance(a, torch.Tensor) else a == b, f.name
 
 
 @pytest.fixture
@@ -669,11 +809,14 @@ def test_register_without_vllm_logs_and_returns_false(monkeypatch, caplog):
 
 def _fake_vllm(monkeypatch, version):
     """A module tree with the names register() imports from vLLM 0.33."""
+
     class EagleProposer(FakeBaseProposer):
         pass
 
-    mods = {name: types.ModuleType(name) for name in
-            ("vllm", "vllm.v1", "vllm.v1.spec_decode", "vllm.v1.spec_decode.eagle", "vllm.v1.spec_decode.utils")}
+    mods = {
+        name: types.ModuleType(name)
+        for name in ("vllm", "vllm.v1", "vllm.v1.spec_decode", "vllm.v1.spec_decode.eagle", "vllm.v1.spec_decode.utils")
+    }
     mods["vllm"].__version__ = version
     mods["vllm"].v1 = mods["vllm.v1"]
     mods["vllm.v1"].spec_decode = mods["vllm.v1.spec_decode"]
@@ -709,8 +852,16 @@ def test_register_patches_supported_vllm(monkeypatch, caplog, rng):
     assert peagle_ext.vllm.register() is False
 
 
-@pytest.mark.parametrize("version,ok", [("0.33.0", True), ("0.33.2rc1", True), ("0.33.0.dev12+gabc", True),
-                                        ("0.32.1", False), ("0.34.0", False), ("dev", False)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("0.33.0", True),
+        ("0.33.2rc1", True),
+        ("0.33.0.dev12+gabc", True),
+        ("0.32.1", False),
+        ("0.34.0", False),
+        ("dev", False),
+    ],
+)
 def test_version_gate(version, ok):
     assert vllm_plugin.is_supported_version(version) is ok
-

@@ -11,6 +11,7 @@ PEAGLE_HYPOTHESIS_RANDOM=1 draws fresh random examples instead of the fixed dera
 A failure found here and shrunk becomes a plain named test (in the op's test file or at the
 bottom of this one), so that it keeps being checked without hypothesis.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,11 +25,16 @@ from hypothesis import strategies as st
 from peagle_ext.attention import cod_attention, cod_attention_metadata
 from peagle_ext.cod import cod_sample
 from peagle_ext.loss import fused_linear_kl
-from peagle_ext.reference import reference_cod_attention, reference_cod_sample, dense_cod_mask
-from peagle_ext.vllm import DraftBatch, prepare_parallel_draft_inputs
+from peagle_ext.reference import dense_cod_mask, reference_cod_attention, reference_cod_sample
 from peagle_ext.reference.parallel_draft import parallel_draft_loop
-
-from tests.helpers import DRAFT_BATCH_FIELDS, assert_same_batch, check_layout_rules, mask_from_metadata, reference_fused_linear_kl
+from peagle_ext.vllm import DraftBatch, prepare_parallel_draft_inputs
+from tests.helpers import (
+    DRAFT_BATCH_FIELDS,
+    assert_same_batch,
+    check_layout_rules,
+    mask_from_metadata,
+    reference_fused_linear_kl,
+)
 
 _SCALE = float(os.environ.get("PEAGLE_HYPOTHESIS_SCALE", "1"))
 _RANDOM = os.environ.get("PEAGLE_HYPOTHESIS_RANDOM", "0") not in ("", "0")
@@ -36,8 +42,13 @@ _RANDOM = os.environ.get("PEAGLE_HYPOTHESIS_RANDOM", "0") not in ("", "0")
 
 def fuzz(n: int):
     """settings for one property: n examples (scaled), no deadline, reproducible, no database."""
-    return settings(max_examples=max(1, int(n * _SCALE)), deadline=None, derandomize=not _RANDOM, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        max_examples=max(1, int(n * _SCALE)),
+        deadline=None,
+        derandomize=not _RANDOM,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -57,8 +68,13 @@ def packed_sequence(draw, max_n: int = 90, max_runs: int = 7, max_run: int = 30,
     """(document_ids int32[N], loss_mask bool[N]): runs of real documents (each id once: a
     document is one contiguous run, as packing makes it) and padding (-1) runs anywhere, ids
     increasing, shuffled or huge; the loss mask is arbitrary on real tokens (padding: 0)."""
-    runs = draw(st.lists(st.tuples(st.integers(0, 4), st.integers(min_run, max_run)), min_size=1 if min_run > 1 else 0,
-                         max_size=max_runs))
+    runs = draw(
+        st.lists(
+            st.tuples(st.integers(0, 4), st.integers(min_run, max_run)),
+            min_size=1 if min_run > 1 else 0,
+            max_size=max_runs,
+        )
+    )
     id_mode = draw(st.sampled_from(["increasing", "shuffled", "huge"]))
     perm = draw(st.permutations(range(max_runs))) if id_mode != "increasing" else range(max_runs)
     doc: list[int] = []
@@ -87,7 +103,7 @@ def cod_options(draw, n: int):
         down_sample_ratio_min=draw(st.sampled_from([0.0, 0.2, 0.5, 1.0])),
         max_anchors=draw(st.one_of(st.none(), st.integers(0, max(1, n)))),
         depth0=draw(st.sampled_from(["all", "anchors"])),
-        seed=draw(st.integers(-2**63, 2**63 - 1)),
+        seed=draw(st.integers(-(2**63), 2**63 - 1)),
     )
 
 
@@ -138,10 +154,14 @@ def attention_case(draw, max_n: int = 70, min_run: int = 1):
     doc, lm = draw(packed_sequence(max_n=max_n, max_run=max(30, max_n // 3), min_run=min_run))
     cross = draw(st.booleans())
     n = doc.shape[0]
-    kw = dict(num_depths=draw(st.integers(1, 9)), down_sample_ratio=draw(st.sampled_from([0.5, 0.8, 1.0])),
-              down_sample_ratio_min=draw(st.sampled_from([0.0, 0.3])),
-              max_anchors=draw(st.one_of(st.none(), st.integers(0, max(1, n)))),
-              depth0="anchors" if cross else "all", seed=draw(st.integers(0, 2**62)))
+    kw = dict(
+        num_depths=draw(st.integers(1, 9)),
+        down_sample_ratio=draw(st.sampled_from([0.5, 0.8, 1.0])),
+        down_sample_ratio_min=draw(st.sampled_from([0.0, 0.3])),
+        max_anchors=draw(st.one_of(st.none(), st.integers(0, max(1, n)))),
+        depth0="anchors" if cross else "all",
+        seed=draw(st.integers(0, 2**62)),
+    )
     window = draw(st.one_of(st.none(), st.integers(1, max(1, n + 2))))
     sink = draw(st.integers(0, 6))
     return cod_sample(doc, lm, **kw), cross, window, sink
@@ -157,7 +177,7 @@ def test_attention_metadata_is_the_dense_mask(case):
     assert meta.ranges.dtype == torch.int32 and meta.chains.dtype == torch.int32
     cnt = mask_from_metadata(lay, meta, cross)
     dense = dense_cod_mask(lay, cross=cross, window=window, sink=sink)
-    assert (cnt.numel() == 0 or int(cnt.max()) <= 1), "a key is visited twice for one query"
+    assert cnt.numel() == 0 or int(cnt.max()) <= 1, "a key is visited twice for one query"
     assert torch.equal(cnt.bool(), dense)
     # a query is "valid" iff it is in a real document; chain entries are real rows
     valid = meta.ranges[4].bool()
@@ -191,11 +211,15 @@ def _rel(a, b):
 
 
 @fuzz(120)
-@given(case=attention_case(max_n=60), hkv=st.integers(1, 3), group=st.integers(1, 3),
-       d=st.sampled_from([1, 3, 8, 16, 64]), dtype=st.sampled_from([torch.float64] * 3 + [torch.float32,
-                                                                                              torch.bfloat16,
-                                                                                              torch.float16]),
-       scale=st.one_of(st.none(), st.floats(0.05, 2.0)), value_seed=st.integers(0, 2**31))
+@given(
+    case=attention_case(max_n=60),
+    hkv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    d=st.sampled_from([1, 3, 8, 16, 64]),
+    dtype=st.sampled_from([torch.float64] * 3 + [torch.float32, torch.bfloat16, torch.float16]),
+    scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
+    value_seed=st.integers(0, 2**31),
+)
 def test_cod_attention_matches_reference(case, hkv, group, d, dtype, scale, value_seed):
     lay, cross, window, sink = case
     g = torch.Generator().manual_seed(value_seed)
@@ -232,8 +256,10 @@ def test_cod_attention_matches_reference(case, hkv, group, d, dtype, scale, valu
             err = float((a.double() - b).abs().max()) if a.numel() else 0.0
         else:
             err = _rel(a, b)
-        assert err <= tol, f"{name}: err {err:.3e} > {tol:.0e} ({dtype}, T={t}, N={n}, cross={cross}, " \
-                           f"window={window}, sink={sink}, hq={hq}, hkv={hkv}, d={d})"
+        assert err <= tol, (
+            f"{name}: err {err:.3e} > {tol:.0e} ({dtype}, T={t}, N={n}, cross={cross}, "
+            f"window={window}, sink={sink}, hq={hq}, hkv={hkv}, d={d})"
+        )
     if no_key.any():
         assert torch.equal(grads[0][no_key], torch.zeros_like(grads[0][no_key]))
 
@@ -249,13 +275,23 @@ def _rel_plain(a, b):
 # fused_linear_kl on the CPU vs eager
 # ------------------------------------------------------------------------------------------
 @fuzz(120)
-@given(t=st.integers(0, 40), h=st.integers(1, 24), ht=st.one_of(st.none(), st.integers(1, 24)),
-       vd=st.integers(1, 60), extra_v=st.one_of(st.just(0), st.integers(1, 40)), k=st.integers(1, 6),
-       chunk=st.one_of(st.just("auto"), st.integers(1, 45)), kind=st.sampled_from(["kl", "ce"]),
-       weight_kind=st.sampled_from(["float", "bool", "int", "zeros"]), d2t_form=st.sampled_from(["int64", "int32"]),
-       scale=st.sampled_from([0.1, 1.0, 6.0]), value_seed=st.integers(0, 2**31))
-def test_fused_linear_kl_matches_eager_fp64(t, h, ht, vd, extra_v, k, chunk, kind, weight_kind, d2t_form, scale,
-                                            value_seed):
+@given(
+    t=st.integers(0, 40),
+    h=st.integers(1, 24),
+    ht=st.one_of(st.none(), st.integers(1, 24)),
+    vd=st.integers(1, 60),
+    extra_v=st.one_of(st.just(0), st.integers(1, 40)),
+    k=st.integers(1, 6),
+    chunk=st.one_of(st.just("auto"), st.integers(1, 45)),
+    kind=st.sampled_from(["kl", "ce"]),
+    weight_kind=st.sampled_from(["float", "bool", "int", "zeros"]),
+    d2t_form=st.sampled_from(["int64", "int32"]),
+    scale=st.sampled_from([0.1, 1.0, 6.0]),
+    value_seed=st.integers(0, 2**31),
+)
+def test_fused_linear_kl_matches_eager_fp64(
+    t, h, ht, vd, extra_v, k, chunk, kind, weight_kind, d2t_form, scale, value_seed
+):
     g = torch.Generator().manual_seed(value_seed)
     ht = h if ht is None else ht
     v = vd + extra_v
@@ -286,8 +322,9 @@ def test_fused_linear_kl_matches_eager_fp64(t, h, ht, vd, extra_v, k, chunk, kin
     wg = w_d.clone().requires_grad_(True)
     loss, m = fused_linear_kl(xg, wg, xt, w_t, weight, depth, num_depths=k, d2t=d2t, chunk_size=chunk, kind=kind)
     loss.backward()
-    rloss, rcorrect, rtotal, rgx, rgw = reference_fused_linear_kl(xd, w_d, xt, w_t, weight.double(), depth, k, d2t=d2t,
-                                                       kind=kind)
+    rloss, rcorrect, rtotal, rgx, rgw = reference_fused_linear_kl(
+        xd, w_d, xt, w_t, weight.double(), depth, k, d2t=d2t, kind=kind
+    )
     assert loss.dtype == torch.float64 and loss.dim() == 0 and math.isfinite(float(loss))
     torch.testing.assert_close(loss.detach(), rloss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(xg.grad, rgx, rtol=1e-9, atol=1e-12)
@@ -296,15 +333,20 @@ def test_fused_linear_kl_matches_eager_fp64(t, h, ht, vd, extra_v, k, chunk, kin
     assert m["total"].shape == (k,) and m["total"].dtype == torch.int64
     # without grad: the same loss and counts
     with torch.no_grad():
-        loss2, m2 = fused_linear_kl(xd, w_d, xt, w_t, weight, depth, num_depths=k, d2t=d2t, chunk_size=chunk,
-                                    kind=kind)
+        loss2, m2 = fused_linear_kl(xd, w_d, xt, w_t, weight, depth, num_depths=k, d2t=d2t, chunk_size=chunk, kind=kind)
     assert float(loss2) == float(loss) and torch.equal(m2["correct"], m["correct"])
 
 
 @fuzz(40)
-@given(t=st.integers(1, 40), h=st.integers(1, 24), vd=st.integers(2, 60), k=st.integers(1, 4),
-       chunk=st.one_of(st.just("auto"), st.integers(1, 45)), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       value_seed=st.integers(0, 2**31))
+@given(
+    t=st.integers(1, 40),
+    h=st.integers(1, 24),
+    vd=st.integers(2, 60),
+    k=st.integers(1, 4),
+    chunk=st.one_of(st.just("auto"), st.integers(1, 45)),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    value_seed=st.integers(0, 2**31),
+)
 def test_fused_linear_kl_low_precision_close(t, h, vd, k, chunk, dtype, value_seed):
     g = torch.Generator().manual_seed(value_seed)
     xd = torch.randn(t, h, generator=g, dtype=torch.float64).to(dtype) / math.sqrt(h) * 2
@@ -362,8 +404,12 @@ def draft_batch(draw):
         mask_hidden=torch.randn(h, generator=g).to(dtype),
         block_table=torch.randint(0, 10000, (b + extra_rows, blocks), generator=g, dtype=torch.int32),
     )
-    kw = dict(num_spec_tokens=k, mask_token_id=draw(st.integers(0, 2**31 - 1)), block_size=block_size,
-              max_model_len=max_model_len)
+    kw = dict(
+        num_spec_tokens=k,
+        mask_token_id=draw(st.integers(0, 2**31 - 1)),
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )
     return args, kw
 
 
@@ -381,8 +427,9 @@ def test_prepare_parallel_draft_inputs_matches_loop(batch, use_out, data):
     t_in = args["target_token_ids"].shape[0]
     out = None
     if use_out:
-        out = DraftBatch.empty(t_in, b, kw["num_spec_tokens"], args["target_hidden"].shape[1],
-                               dtype=args["target_hidden"].dtype)
+        out = DraftBatch.empty(
+            t_in, b, kw["num_spec_tokens"], args["target_hidden"].shape[1], dtype=args["target_hidden"].dtype
+        )
         for f in DRAFT_BATCH_FIELDS:  # garbage in the preallocated buffers must not leak into the result
             x = getattr(out, f)
             x.copy_(torch.full_like(x, 7) if x.dtype != torch.bool else torch.ones_like(x))
@@ -392,8 +439,7 @@ def test_prepare_parallel_draft_inputs_matches_loop(batch, use_out, data):
     if use_out:
         assert got is out
     # the CUDA kernel's launch plan, run on the CPU, with every copy unit that divides a row
-    vec = data.draw(st.sampled_from(_row_bytes_divisors(args["target_hidden"].shape[1],
-                                                        args["target_hidden"].dtype)))
+    vec = data.draw(st.sampled_from(_row_bytes_divisors(args["target_hidden"].shape[1], args["target_hidden"].dtype)))
     emu = DraftBatch(*torch.ops.peagle._parallel_draft_kernel_emulation(*args.values(), *kw.values(), vec))
     assert_same_batch(emu, want, f"emulated kernel (vec {vec}): ")
 
@@ -415,8 +461,12 @@ def test_cod_sample_long_sequences(data, seq):
 
 
 @fuzz(15)
-@given(case=attention_case(max_n=260, min_run=40), hkv=st.integers(1, 2), group=st.sampled_from([1, 4]),
-       value_seed=st.integers(0, 2**31))
+@given(
+    case=attention_case(max_n=260, min_run=40),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 4]),
+    value_seed=st.integers(0, 2**31),
+)
 def test_cod_attention_longer_float64(case, hkv, group, value_seed):
     lay, cross, window, sink = case
     g = torch.Generator().manual_seed(value_seed)
@@ -456,9 +506,14 @@ def test_cuda_cod_sample_equals_cpu(data, seq):
 
 @requires_cuda
 @fuzz(40)
-@given(case=attention_case(max_n=400, min_run=10), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4, 8]),
-       d=st.sampled_from([64, 128]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-       value_seed=st.integers(0, 2**31))
+@given(
+    case=attention_case(max_n=400, min_run=10),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4, 8]),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    value_seed=st.integers(0, 2**31),
+)
 def test_cuda_cod_attention_matches_reference(case, hkv, group, d, dtype, value_seed):
     lay, cross, window, sink = case
     meta_cpu = cod_attention_metadata(lay, cross=cross, window=window, sink=sink)
@@ -493,16 +548,25 @@ def test_cuda_cod_attention_matches_reference(case, hkv, group, d, dtype, value_
         assert bool(torch.isfinite(a).all()), name
         err = _rel(a, b.detach())
         bound = max(2e-2, 2.0 * _rel(c.detach().cpu(), b.detach()))
-        assert err <= bound, f"{name}: rel err {err:.3e} > {bound:.3e} ({dtype}, D={d}, T={t}, N={n}, " \
-                             f"cross={cross}, window={window}, sink={sink}, hq={hq}, hkv={hkv})"
+        assert err <= bound, (
+            f"{name}: rel err {err:.3e} > {bound:.3e} ({dtype}, D={d}, T={t}, N={n}, "
+            f"cross={cross}, window={window}, sink={sink}, hq={hq}, hkv={hkv})"
+        )
 
 
 @requires_cuda
 @fuzz(40)
-@given(t=st.integers(0, 300), h=st.sampled_from([8, 64, 96]), vd=st.integers(1, 3000),
-       extra_v=st.one_of(st.just(0), st.integers(1, 500)), k=st.integers(1, 8),
-       chunk=st.one_of(st.just("auto"), st.integers(1, 128)), kind=st.sampled_from(["kl", "ce"]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), value_seed=st.integers(0, 2**31))
+@given(
+    t=st.integers(0, 300),
+    h=st.sampled_from([8, 64, 96]),
+    vd=st.integers(1, 3000),
+    extra_v=st.one_of(st.just(0), st.integers(1, 500)),
+    k=st.integers(1, 8),
+    chunk=st.one_of(st.just("auto"), st.integers(1, 128)),
+    kind=st.sampled_from(["kl", "ce"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    value_seed=st.integers(0, 2**31),
+)
 def test_cuda_fused_linear_kl_matches_eager(t, h, vd, extra_v, k, chunk, kind, dtype, value_seed):
     g = torch.Generator().manual_seed(value_seed)
     v = vd + extra_v
@@ -517,8 +581,18 @@ def test_cuda_fused_linear_kl_matches_eager(t, h, vd, extra_v, k, chunk, kind, d
     host = [x.to(dtype) for x in (xd, w_d, xt, w_t)]
     dev = [x.cuda() for x in host]
     xg, wg = dev[0].requires_grad_(True), dev[1].requires_grad_(True)
-    loss, m = fused_linear_kl(xg, wg, dev[2], dev[3], weight.cuda(), depth.cuda(), num_depths=k,
-                              d2t=None if d2t is None else d2t.cuda(), chunk_size=chunk, kind=kind)
+    loss, m = fused_linear_kl(
+        xg,
+        wg,
+        dev[2],
+        dev[3],
+        weight.cuda(),
+        depth.cuda(),
+        num_depths=k,
+        d2t=None if d2t is None else d2t.cuda(),
+        chunk_size=chunk,
+        kind=kind,
+    )
     loss.backward()
     rloss, _, rtotal, rgx, rgw = reference_fused_linear_kl(*host, weight, depth, k, d2t=d2t, kind=kind)
     assert math.isfinite(float(loss))
@@ -540,7 +614,13 @@ def test_cuda_prepare_parallel_draft_inputs_equals_cpu(batch, use_out):
     b = args["query_start_loc"].shape[0] - 1
     out = None
     if use_out:
-        out = DraftBatch.empty(args["target_token_ids"].shape[0], b, kw["num_spec_tokens"],
-                               args["target_hidden"].shape[1], dtype=args["target_hidden"].dtype, device="cuda")
+        out = DraftBatch.empty(
+            args["target_token_ids"].shape[0],
+            b,
+            kw["num_spec_tokens"],
+            args["target_hidden"].shape[1],
+            dtype=args["target_hidden"].dtype,
+            device="cuda",
+        )
     got = prepare_parallel_draft_inputs(*dev.values(), **kw, out=out)
     assert_same_batch(got, want, "cuda vs cpu: ")

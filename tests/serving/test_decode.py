@@ -2,6 +2,7 @@
 losslessness vs the verifier's own greedy decoding for K = 1..8, the draft forward vs the
 training forward of the model, exact acceptance accounting with an oracle drafter, the report
 schema, the CLI end to end and bad-input messages."""
+
 import copy
 import json
 import os
@@ -13,11 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peagle_ext.testing import make_tiny_verifier
-
-from peagle_ext.serving import (Drafter, PEagleDrafter, Verifier, acceptance_stats, first_mismatch,
-                               greedy_generate, speculative_generate)
 from peagle_ext.model import PEagleDraftModel
+from peagle_ext.serving import (
+    Drafter,
+    PEagleDrafter,
+    Verifier,
+    acceptance_stats,
+    first_mismatch,
+    greedy_generate,
+    speculative_generate,
+)
+from peagle_ext.testing import make_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300
@@ -33,6 +40,7 @@ def tiny_dir(tmp_path_factory):
 
 def _load(tiny_dir, dtype):
     from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=dtype).eval()
     m.requires_grad_(False)
     return m
@@ -52,8 +60,9 @@ def vm32(tiny_dir):
 
 def _drafter_model(vm, *, num_depths=8, seed=0, **kw):
     torch.manual_seed(seed)
-    return PEagleDraftModel.from_verifier(vm.config, num_depths=num_depths, mask_token_id=kw.pop("mask_token_id", VOCAB),
-                                          **kw)
+    return PEagleDraftModel.from_verifier(
+        vm.config, num_depths=num_depths, mask_token_id=kw.pop("mask_token_id", VOCAB), **kw
+    )
 
 
 def _prompts(seed, n=3, lo=3, hi=12):
@@ -69,9 +78,10 @@ def test_greedy_generate_equals_hf_generate(vm32):
     eos = vm32.config.eos_token_id
     for p in _prompts(1, n=3):
         ours = greedy_generate(v, p, 24, eos_token_id=eos).tokens
-        ref = vm32.generate(p[None], do_sample=False, max_new_tokens=24, eos_token_id=eos,
-                            pad_token_id=vm32.config.pad_token_id)[0, p.numel():].tolist()
-        assert ours == ref[:len(ours)] and len(ours) == len(ref)
+        ref = vm32.generate(
+            p[None], do_sample=False, max_new_tokens=24, eos_token_id=eos, pad_token_id=vm32.config.pad_token_id
+        )[0, p.numel() :].tolist()
+        assert ours == ref[: len(ours)] and len(ours) == len(ref)
 
 
 @pytest.mark.parametrize("k", range(1, 9))
@@ -91,9 +101,11 @@ def test_lossless_random_drafter_all_k(vm64, k):
 def test_lossless_fp32_qwen3_drafter_and_eos(vm32):
     """Realistic dtype, qwen3 layer type, two layers, reduced draft vocab, stopping at EOS."""
     from peagle_ext.model import build_vocab_mapping
+
     d2t, _ = build_vocab_mapping(torch.arange(VOCAB).flip(0) + 1, 200)
-    dm = _drafter_model(vm32, num_depths=4, num_layers=2, layer_type="qwen3", draft_vocab_size=200, d2t=d2t,
-                        mask_token_id=7, seed=3)
+    dm = _drafter_model(
+        vm32, num_depths=4, num_layers=2, layer_type="qwen3", draft_vocab_size=200, d2t=d2t, mask_token_id=7, seed=3
+    )
     dr = PEagleDrafter(dm)
     v = Verifier(vm32, dm.config.eagle_aux_hidden_state_layer_ids)
     eos = vm32.config.eos_token_id
@@ -181,7 +193,7 @@ def test_oracle_drafter_acceptance_is_exactly_j_plus_one(vm64, k):
         dr = OracleDrafter(full, j, aux)
         dr._w = 64 * len(aux)
         s = speculative_generate(v, dr, p, k, m)
-        assert s.tokens == full[p.numel():p.numel() + m]
+        assert s.tokens == full[p.numel() : p.numel() + m]
         assert s.accepted == [j] * s.rounds
         assert s.acceptance_length == j + 1
         assert s.rounds == -(-(m - 1) // (j + 1))  # the prefill gives the first token
@@ -193,13 +205,13 @@ def test_oracle_drafter_acceptance_is_exactly_j_plus_one(vm64, k):
         n = p.numel()
         b0, rows0, ctx0 = dr.calls[0]
         assert rows0 == n + k - 1 and ctx0 == n + k - 1
-        assert b0.input_ids[:n].tolist() == full[1:n + 1]
+        assert b0.input_ids[:n].tolist() == full[1 : n + 1]
         assert b0.is_masked[:rows0].tolist() == [False] * n + [True] * (k - 1)
         if len(dr.calls) > 1:
             b1, rows1, ctx1 = dr.calls[1]
             assert rows1 == (j + 1) + k - 1  # j accepted + bonus depth-0 rows, then the MASK rows
             assert b1.positions[:rows1].tolist() == list(range(n, n + j + k))
-            assert b1.input_ids[:j + 1].tolist() == full[n + 1:n + j + 2]
+            assert b1.input_ids[: j + 1].tolist() == full[n + 1 : n + j + 2]
             assert bool(b1.is_rejected[rows1:].all()) and int(b1.is_rejected.sum()) == k - j
 
 
@@ -227,6 +239,7 @@ def _training_hidden(dm, tokens_next, hidden, k):
     """Final hidden states of the training path: depth 0 at positions 0..N-1 (token p+1, hidden
     p), one chain of depths 1..k-1 anchored at N-1. Rows in layout order."""
     from peagle_ext.cod import CodLayout
+
     n = tokens_next.numel()
     anchor = torch.cat([torch.arange(n), torch.full((k - 1,), n - 1)]).int()
     depth = torch.cat([torch.zeros(n), torch.arange(1, k)]).int()
@@ -237,15 +250,24 @@ def _training_hidden(dm, tokens_next, hidden, k):
     return h
 
 
-@pytest.mark.parametrize("layer_type,num_layers,k,embeddings", [("llama", 1, 5, "all"), ("llama", 2, 1, "all"),
-                                                               ("qwen3", 2, 4, "all"), ("llama", 1, 3, "mask")])
+@pytest.mark.parametrize(
+    "layer_type,num_layers,k,embeddings",
+    [("llama", 1, 5, "all"), ("llama", 2, 1, "all"), ("qwen3", 2, 4, "all"), ("llama", 1, 3, "mask")],
+)
 def test_draft_forward_matches_training_forward(vm32, layer_type, num_layers, k, embeddings):
-    from peagle_ext.serving import BLOCK_SIZE
     from peagle_ext.model import PEagleOptions
+    from peagle_ext.serving import BLOCK_SIZE
     from peagle_ext.vllm import prepare_parallel_draft_inputs
+
     g = torch.Generator().manual_seed(num_layers * 10 + k)
-    dm = _drafter_model(vm32, num_depths=6, num_layers=num_layers, layer_type=layer_type, seed=k,
-                        options=PEagleOptions(train_embeddings=embeddings))
+    dm = _drafter_model(
+        vm32,
+        num_depths=6,
+        num_layers=num_layers,
+        layer_type=layer_type,
+        seed=k,
+        options=PEagleOptions(train_embeddings=embeddings),
+    )
     with torch.no_grad():  # non-trivial learned vectors
         dm.mask_hidden.normal_(generator=g)
         if dm.mask_embed is not None:  # the live MASK row differs from the embedding table's
@@ -261,10 +283,19 @@ def test_draft_forward_matches_training_forward(vm32, layer_type, num_layers, k,
     def batch(tgt_ids, pos0, bonus, nrej, aux):
         t = tgt_ids.numel()
         return prepare_parallel_draft_inputs(
-            tgt_ids.int(), torch.arange(pos0, pos0 + t), torch.tensor([bonus], dtype=torch.int32),
-            torch.tensor([0, t], dtype=torch.int32), torch.tensor([nrej], dtype=torch.int32),
-            dr.combine_hidden(aux).contiguous(), dr.mask_hidden, bt, num_spec_tokens=k,
-            mask_token_id=dm.config.mask_token_id, block_size=BLOCK_SIZE, max_model_len=cap)
+            tgt_ids.int(),
+            torch.arange(pos0, pos0 + t),
+            torch.tensor([bonus], dtype=torch.int32),
+            torch.tensor([0, t], dtype=torch.int32),
+            torch.tensor([nrej], dtype=torch.int32),
+            dr.combine_hidden(aux).contiguous(),
+            dr.mask_hidden,
+            bt,
+            num_spec_tokens=k,
+            mask_token_id=dm.config.mask_token_id,
+            block_size=BLOCK_SIZE,
+            max_model_len=cap,
+        )
 
     with torch.no_grad():
         dr.reset(cap)
@@ -272,24 +303,25 @@ def test_draft_forward_matches_training_forward(vm32, layer_type, num_layers, k,
         b1 = batch(seq[:n], 0, int(seq[n]), 0, aux1)
         rows1 = n + k - 1
         got1 = dr.forward_rows(b1, rows1, n + k - 1)
-        want1 = _training_hidden(dm, seq[1:n + 1], aux1, k)
+        want1 = _training_hidden(dm, seq[1 : n + 1], aux1, k)
         torch.testing.assert_close(got1, want1, rtol=1e-4, atol=1e-5)
         # round 2: verified [seq[n], d_1..d_k], a accepted, new bonus; stale MASK K/V in the cache
         a = min(2, k)
-        ver = torch.cat([seq[n:n + 1 + a], torch.randint(0, VOCAB, (k - a,), generator=g)])
+        ver = torch.cat([seq[n : n + 1 + a], torch.randint(0, VOCAB, (k - a,), generator=g)])
         aux2 = torch.randn(k + 1, w, generator=g)
         bonus2 = int(seq[n + 1 + a])
         b2 = batch(ver, n, bonus2, k - a, aux2)
         rows2 = a + 1 + k - 1
         got2 = dr.forward_rows(b2, rows2, n + a + k)
         n2 = n + a + 1
-        want2 = _training_hidden(dm, torch.cat([seq[1:n + 1 + a], torch.tensor([bonus2])]),
-                                 torch.cat([aux1, aux2[:a + 1]]), k)
+        want2 = _training_hidden(
+            dm, torch.cat([seq[1 : n + 1 + a], torch.tensor([bonus2])]), torch.cat([aux1, aux2[: a + 1]]), k
+        )
         torch.testing.assert_close(got2, want2[n:], rtol=1e-4, atol=1e-5)
         assert want2.shape[0] == n2 + k - 1
         # and the logits path used by propose
         lg = dr.draft_logits(b2, k, rows2, n + a + k)
-        ref = dm.lm_head(dm.norm(want2[n2 - 1:]))
+        ref = dm.lm_head(dm.norm(want2[n2 - 1 :]))
         torch.testing.assert_close(lg, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -306,36 +338,60 @@ def saved_drafter(tiny_dir, vm32, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = [{"messages": [{"role": "user", "content": "the water is hot"}]}, {"prompt": "one day we can find"},
-            {"turns": ["how many people know", "ignored second turn"]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "the water is hot"}]},
+        {"prompt": "one day we can find"},
+        {"turns": ["how many people know", "ignored second turn"]},
+    ]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return p
 
 
 def _eval_cli(args, timeout=240):
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "peagle_ext.cli", "eval", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "peagle_ext.cli", "eval", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(ROOT),
+    )
 
 
 def test_evaluate_report_schema_and_plot(vm32, tiny_dir, saved_drafter, prompt_file, tmp_path):
     from transformers import AutoTokenizer
+
     from peagle_ext.eval import evaluate, load_drafter, plot_k_sweep, render_prompts
+
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     prompts = render_prompts(tok, str(prompt_file), None)
     assert [p for p, _ in prompts] == ["prompts-0", "prompts-1", "prompts-2"]
-    text = tok.apply_chat_template([{"role": "user", "content": "the water is hot"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "the water is hot"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompts[0][1] == tok(text, add_special_tokens=False)["input_ids"]
     text0 = tok.decode(prompts[0][1])
     assert text0.startswith("<|im_start|>user\nthe water is hot<|im_end|>") and text0.endswith("assistant\n")
     dr = load_drafter(saved_drafter, Verifier(vm32))
     v = Verifier(vm32, dr.aux_layer_ids)
     r = evaluate(v, dr, prompts, num_spec_tokens=3, max_new_tokens=12, k_sweep=[1, 2, 3], eos_token_id=None)
-    for key, typ in [("acceptance_length", float), ("per_position_acceptance", list), ("tokens_per_s", float),
-                     ("baseline_tokens_per_s", float), ("speedup", float), ("lossless", bool), ("prompts", list),
-                     ("k_sweep", list), ("per_position_acceptance_unconditional", list), ("rounds", int)]:
+    for key, typ in [
+        ("acceptance_length", float),
+        ("per_position_acceptance", list),
+        ("tokens_per_s", float),
+        ("baseline_tokens_per_s", float),
+        ("speedup", float),
+        ("lossless", bool),
+        ("prompts", list),
+        ("k_sweep", list),
+        ("per_position_acceptance_unconditional", list),
+        ("rounds", int),
+    ]:
         assert isinstance(r[key], typ), key
     assert len(r["per_position_acceptance"]) == 3
     assert r["lossless"] and r["num_lossless"] == 3
@@ -353,9 +409,29 @@ def test_evaluate_report_schema_and_plot(vm32, tiny_dir, saved_drafter, prompt_f
 
 def test_cli_eval_end_to_end(tiny_dir, saved_drafter, prompt_file, tmp_path):
     out = tmp_path / "eval.json"
-    r = _eval_cli(["--verifier", str(tiny_dir), "--draft", str(saved_drafter.parent), "--bench", str(prompt_file),
-                   "--num-prompts", "2", "--max-new-tokens", "10", "--num-spec-tokens", "2", "--json", str(out),
-                   "--k-sweep", "1..2", "--device", "cpu", "--quiet"])
+    r = _eval_cli(
+        [
+            "--verifier",
+            str(tiny_dir),
+            "--draft",
+            str(saved_drafter.parent),
+            "--bench",
+            str(prompt_file),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--num-spec-tokens",
+            "2",
+            "--json",
+            str(out),
+            "--k-sweep",
+            "1..2",
+            "--device",
+            "cpu",
+            "--quiet",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["num_prompts"] == 2 and rep["num_spec_tokens"] == 2 and rep["drafter_num_depths"] == 4
@@ -390,7 +466,9 @@ def test_cli_eval_bad_input(tiny_dir, saved_drafter, prompt_file, tmp_path, caps
     assert rc == 2 and "no prompts" in err
     rc, err = run(*base, "--draft", str(saved_drafter), "--max-new-tokens", "0")
     assert rc == 2 and "--max-new-tokens" in err
-    rc, err = run(*base, "--draft", str(saved_drafter), "--device", "cuda") if not torch.cuda.is_available() else (2, "cuda")
+    rc, err = (
+        run(*base, "--draft", str(saved_drafter), "--device", "cuda") if not torch.cuda.is_available() else (2, "cuda")
+    )
     assert rc == 2 and "cuda" in err
 
 
@@ -412,11 +490,15 @@ def test_bad_arguments_to_decoding(vm32, tmp_path):
     with pytest.raises(ValueError, match="aux layers"):
         speculative_generate(Verifier(vm32), dr, p, 2, 5)
     # a drafter built for another verifier
-    from peagle_ext.eval import load_drafter
     from transformers import LlamaConfig
-    other = PEagleDraftModel.from_verifier(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                                       num_hidden_layers=6, num_attention_heads=2),
-                                           num_depths=2, mask_token_id=VOCAB)
+
+    from peagle_ext.eval import load_drafter
+
+    other = PEagleDraftModel.from_verifier(
+        LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2),
+        num_depths=2,
+        mask_token_id=VOCAB,
+    )
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="hidden_size 32, the verifier 64"):
         load_drafter(tmp_path / "other", Verifier(vm32))
@@ -432,16 +514,21 @@ def test_trained_tiny_drafter_accepts_and_stays_lossless(tiny_dir):
     / hidden / position pairing, MASK rows, RoPE) would keep the acceptance near 1."""
     from peagle_ext.data import PackedSequence, eagle_shift, verifier_hidden_states
     from peagle_ext.model import PEagleOptions
+
     vm = _load(tiny_dir, torch.float32)
     with torch.no_grad():
         vm.lm_head.weight.mul_(30.0)  # a peaked verifier: random-init logits are near-uniform
     torch.manual_seed(0)
     k = 3
-    dm = PEagleDraftModel.from_verifier(vm.config, num_depths=k, mask_token_id=VOCAB,
-                                        options=PEagleOptions(down_sample_ratio=0.9, down_sample_ratio_min=0.5,
-                                                              loss_kind="ce"))
-    dm.attach_verifier(norm_weight=vm.model.norm.weight, lm_head_weight=vm.lm_head.weight,
-                       embed_weight=vm.model.embed_tokens.weight)
+    dm = PEagleDraftModel.from_verifier(
+        vm.config,
+        num_depths=k,
+        mask_token_id=VOCAB,
+        options=PEagleOptions(down_sample_ratio=0.9, down_sample_ratio_min=0.5, loss_kind="ce"),
+    )
+    dm.attach_verifier(
+        norm_weight=vm.model.norm.weight, lm_head_weight=vm.lm_head.weight, embed_weight=vm.model.embed_tokens.weight
+    )
     v = Verifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
     prompts = _prompts(21, n=16, lo=6, hi=7)
     examples = []
@@ -473,7 +560,7 @@ def test_trained_tiny_drafter_accepts_and_stays_lossless(tiny_dir):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA (the lead's GPU run): same checks on the device, bf16 drafter
+# CUDA: the same checks on the device, bf16 drafter
 # ---------------------------------------------------------------------------------------------
 from tests.helpers import requires_cuda  # noqa: E402
 
@@ -499,6 +586,7 @@ def test_cuda_draft_forward_matches_cpu(vm32):
     """The bf16 CUDA draft forward vs the fp32 CPU one on the same batch (two rounds, cache reuse)."""
     from peagle_ext.serving import BLOCK_SIZE
     from peagle_ext.vllm import prepare_parallel_draft_inputs
+
     g = torch.Generator().manual_seed(5)
     k = 4
     dm = _drafter_model(vm32, num_depths=k, num_layers=2, seed=2)
@@ -506,8 +594,10 @@ def test_cuda_draft_forward_matches_cpu(vm32):
     gpu = PEagleDrafter(copy.deepcopy(dm), device="cuda", dtype=torch.bfloat16)
     w = dm.config.num_aux * 64
     cap = 64
-    rounds = [(torch.randint(0, VOCAB, (11,), generator=g), 0, 0, torch.randn(11, w, generator=g)),
-              (torch.randint(0, VOCAB, (k + 1,), generator=g), 11, 2, torch.randn(k + 1, w, generator=g))]
+    rounds = [
+        (torch.randint(0, VOCAB, (11,), generator=g), 0, 0, torch.randn(11, w, generator=g)),
+        (torch.randint(0, VOCAB, (k + 1,), generator=g), 11, 2, torch.randn(k + 1, w, generator=g)),
+    ]
     for dr in (cpu, gpu):
         dr.reset(cap)
     outs = {}
@@ -516,11 +606,19 @@ def test_cuda_draft_forward_matches_cpu(vm32):
         for ids, pos0, nrej, aux in rounds:
             t = ids.numel()
             b = prepare_parallel_draft_inputs(
-                ids.int().to(dev), torch.arange(pos0, pos0 + t, device=dev), torch.tensor([7], dtype=torch.int32, device=dev),
-                torch.tensor([0, t], dtype=torch.int32, device=dev), torch.tensor([nrej], dtype=torch.int32, device=dev),
-                dr.combine_hidden(aux.to(dev)).contiguous(), dr.mask_hidden,
-                torch.arange(cap // BLOCK_SIZE, dtype=torch.int32, device=dev)[None], num_spec_tokens=k,
-                mask_token_id=dm.config.mask_token_id, block_size=BLOCK_SIZE, max_model_len=cap)
+                ids.int().to(dev),
+                torch.arange(pos0, pos0 + t, device=dev),
+                torch.tensor([7], dtype=torch.int32, device=dev),
+                torch.tensor([0, t], dtype=torch.int32, device=dev),
+                torch.tensor([nrej], dtype=torch.int32, device=dev),
+                dr.combine_hidden(aux.to(dev)).contiguous(),
+                dr.mask_hidden,
+                torch.arange(cap // BLOCK_SIZE, dtype=torch.int32, device=dev)[None],
+                num_spec_tokens=k,
+                mask_token_id=dm.config.mask_token_id,
+                block_size=BLOCK_SIZE,
+                max_model_len=cap,
+            )
             rows = t + k - 1 - nrej
             ctx = pos0 + (t - nrej) + k - 1
             with torch.no_grad():
@@ -533,9 +631,29 @@ def test_cuda_draft_forward_matches_cpu(vm32):
 @requires_cuda
 def test_cuda_cli_eval(tiny_dir, saved_drafter, prompt_file, tmp_path):
     out = tmp_path / "eval.json"
-    r = _eval_cli(["--verifier", str(tiny_dir), "--draft", str(saved_drafter), "--bench", str(prompt_file),
-                   "--num-prompts", "2", "--max-new-tokens", "10", "--num-spec-tokens", "3", "--json", str(out),
-                   "--k-sweep", "1..3", "--device", "cuda", "--quiet"])
+    r = _eval_cli(
+        [
+            "--verifier",
+            str(tiny_dir),
+            "--draft",
+            str(saved_drafter),
+            "--bench",
+            str(prompt_file),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--num-spec-tokens",
+            "3",
+            "--json",
+            str(out),
+            "--k-sweep",
+            "1..3",
+            "--device",
+            "cuda",
+            "--quiet",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["device"].startswith("cuda") and rep["dtype"] == "bfloat16"

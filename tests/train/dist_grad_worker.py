@@ -8,6 +8,7 @@ CONFIGS_JSON: a list of {"mode": "ddp"|"fsdp", "grad_accum": G, "segments": S, "
 "symmetric"|"cross", "num_layers": L}. Rank 0 writes OUT.json: per config, per parameter, the max
 |grad_N_ranks - grad_1_process| and max |grad_1_process|.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,22 +19,39 @@ import torch
 import torch.distributed as dist
 
 from peagle_ext.data import TrainingExample
-from peagle_ext.train.distributed import DistContext
 from peagle_ext.model import PEagleDraftModel, PEagleOptions
+from peagle_ext.train.distributed import DistContext
 
 H, V, K = 32, 97, 3
 
 
 def make_model(seed: int, num_layers: int, attention: str) -> PEagleDraftModel:
     from transformers import LlamaConfig
-    vc = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=6, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=H // 2, max_position_embeddings=512)
+
+    vc = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=H // 2,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(seed)
-    m = PEagleDraftModel.from_verifier(vc, num_layers=num_layers, num_depths=K, mask_token_id=V,
-                                       options=PEagleOptions(attention=attention, train_embeddings="all"))
+    m = PEagleDraftModel.from_verifier(
+        vc,
+        num_layers=num_layers,
+        num_depths=K,
+        mask_token_id=V,
+        options=PEagleOptions(attention=attention, train_embeddings="all"),
+    )
     g = torch.Generator().manual_seed(seed + 1)
-    m.attach_verifier(norm_weight=torch.rand(H, generator=g) + 0.5, lm_head_weight=torch.randn(V, H, generator=g) * 3.0,
-                      embed_weight=torch.randn(V, H, generator=g))
+    m.attach_verifier(
+        norm_weight=torch.rand(H, generator=g) + 0.5,
+        lm_head_weight=torch.randn(V, H, generator=g) * 3.0,
+        embed_weight=torch.randn(V, H, generator=g),
+    )
     return m
 
 
@@ -43,7 +61,7 @@ def make_example(g: torch.Generator, n: int) -> TrainingExample:
     while p < n - 8:  # documents of random length, a padded tail
         ln = int(torch.randint(8, max(9, n // 2), (1,), generator=g))
         ln = min(ln, n - 4 - p)
-        doc[p:p + ln] = k
+        doc[p : p + ln] = k
         p, k = p + ln, k + 1
     lm = (torch.rand(n, generator=g) < 0.8) & (doc >= 0)
     ids = torch.randint(0, V, (n,), generator=g)
@@ -72,8 +90,15 @@ def run_config(cfg: dict, world: int) -> dict:
     local_w = sum(weights[u] for u in mine)
     assert ctx.sum_scalar(local_w) == wtot
     for j, u in enumerate(mine):
-        ctx.forward_backward(model, examples[u], layouts[u], segments=seg, loss_scale=1.0 / wtot, autocast_dtype=None,
-                             last=j == len(mine) - 1)
+        ctx.forward_backward(
+            model,
+            examples[u],
+            layouts[u],
+            segments=seg,
+            loss_scale=1.0 / wtot,
+            autocast_dtype=None,
+            last=j == len(mine) - 1,
+        )
     out = {}
     for n, p in model.named_parameters():
         if p.grad is None:

@@ -15,6 +15,7 @@ The kill lands at a known point through the trainer's test hook PEAGLE_TEST_PAUS
 the flag file and sleeps; the test waits for the file and sends SIGKILL. Each test runs two
 `peagle train` processes (~10-20 s on 2 cores).
 """
+
 import json
 import os
 import signal
@@ -41,9 +42,24 @@ def tiny(tmp_path_factory):
 
 def _options(tiny):
     v, data = tiny
-    return dict(verifier=str(v), data=str(data), max_steps=MAX_STEPS, seq_len=64, num_depths=3, num_layers=1,
-                draft_vocab_size=None, dtype="float32", device="cpu", checkpoint_every=CHECKPOINT_EVERY,
-                val_every=4, val_fraction=0.15, warmup_steps=1, lr=3e-3, log_every=1, num_conversations=None)
+    return dict(
+        verifier=str(v),
+        data=str(data),
+        max_steps=MAX_STEPS,
+        seq_len=64,
+        num_depths=3,
+        num_layers=1,
+        draft_vocab_size=None,
+        dtype="float32",
+        device="cpu",
+        checkpoint_every=CHECKPOINT_EVERY,
+        val_every=4,
+        val_fraction=0.15,
+        warmup_steps=1,
+        lr=3e-3,
+        log_every=1,
+        num_conversations=None,
+    )
 
 
 def _cli_args(opts: dict, out: Path, resume=False) -> list[str]:
@@ -54,14 +70,19 @@ def _cli_args(opts: dict, out: Path, resume=False) -> list[str]:
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, tmp_path_factory):
     """The reference: the same run, never killed (in-process: same settings, same bits)."""
     from peagle_ext.train import TrainSettings, train
+
     out = tmp_path_factory.mktemp("reference") / "run"
     torch.set_num_threads(1)
     r = train(TrainSettings(output=str(out), progress=False, **_options(tiny)))
@@ -70,6 +91,7 @@ def uninterrupted(tiny, tmp_path_factory):
 
 def _weights(d):
     from safetensors.torch import load_file
+
     return load_file(str(Path(d) / "model.safetensors"))
 
 
@@ -84,15 +106,22 @@ def _kill_at(tiny, out: Path, point: str, step: int, timeout=90.0):
     """Start `peagle train`, wait until it pauses at (point, step), SIGKILL it."""
     flag = out.parent / f"paused-{point}-{step}"
     log = open(out.parent / f"killed-{point}-{step}.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "peagle_ext.cli", *_cli_args(_options(tiny), out)], cwd=str(ROOT),
-                         env=_env(PEAGLE_TEST_PAUSE=f"{point}:{step}:{flag}"), stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "peagle_ext.cli", *_cli_args(_options(tiny), out)],
+        cwd=str(ROOT),
+        env=_env(PEAGLE_TEST_PAUSE=f"{point}:{step}:{flag}"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         t0 = time.time()
         while not flag.exists():
             if p.poll() is not None:
                 log.close()
-                pytest.fail(f"trainer exited (rc {p.returncode}) before pausing at {point}:{step}:\n"
-                            + (out.parent / f"killed-{point}-{step}.log").read_text()[-3000:])
+                pytest.fail(
+                    f"trainer exited (rc {p.returncode}) before pausing at {point}:{step}:\n"
+                    + (out.parent / f"killed-{point}-{step}.log").read_text()[-3000:]
+                )
             if time.time() - t0 > timeout:
                 pytest.fail(f"trainer did not reach {point}:{step} in {timeout}s")
             time.sleep(0.05)
@@ -108,6 +137,7 @@ def _kill_at(tiny, out: Path, point: str, step: int, timeout=90.0):
 def _assert_every_listed_checkpoint_loads(out: Path) -> list[int]:
     from peagle_ext.model import PEagleDraftModel
     from peagle_ext.train import TRAINER_STATE, list_checkpoints
+
     steps = []
     for step, d in list_checkpoints(out):
         PEagleDraftModel.from_pretrained(d)  # config + every tensor, validated
@@ -119,8 +149,14 @@ def _assert_every_listed_checkpoint_loads(out: Path) -> list[int]:
 
 def _resume_and_compare(tiny, out: Path, uninterrupted, *, expect_from: int):
     ref_weights, ref_losses = uninterrupted
-    r = subprocess.run([sys.executable, "-m", "peagle_ext.cli", *_cli_args(_options(tiny), out, resume=True)],
-                       cwd=str(ROOT), env=_env(), capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-m", "peagle_ext.cli", *_cli_args(_options(tiny), out, resume=True)],
+        cwd=str(ROOT),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"at step {expect_from}" in r.stderr, r.stderr[-3000:]
     assert not list(out.glob("*.tmp")) and not list(out.glob("*.old")), "leftovers of the killed write remain"

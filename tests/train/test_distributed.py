@@ -2,6 +2,7 @@
 processes against 1 process on the same global batch (parameters, reported metrics), gradient
 accumulation and sequence partition under DDP / FSDP2, resume of 2-rank checkpoints on 1 rank, the
 balanced unit assignment, and the bench's --tiny dry run."""
+
 import json
 import os
 import shutil
@@ -13,20 +14,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
-
 ROOT = Path(__file__).resolve().parents[2]
 
-requires_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                   reason="torch.distributed with the gloo backend is not available")
+requires_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available",
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _torchrun(nproc: int, args: list[str], timeout=180):
@@ -43,15 +47,32 @@ def _torchrun(nproc: int, args: list[str], timeout=180):
 # ---------------------------------------------------------------------------------------------
 # the trainer: 2 ranks vs 1 process
 # ---------------------------------------------------------------------------------------------
-COMMON = dict(seq_len=64, num_depths=3, num_layers=1, draft_vocab_size=None, dtype="float32", device="cpu",
-              checkpoint_every=2, keep_checkpoints=3, val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3,
-              schedule="constant", num_conversations=None, log_every=1)
+COMMON = dict(
+    seq_len=64,
+    num_depths=3,
+    num_layers=1,
+    draft_vocab_size=None,
+    dtype="float32",
+    device="cpu",
+    checkpoint_every=2,
+    keep_checkpoints=3,
+    val_every=2,
+    val_fraction=0.15,
+    warmup_steps=1,
+    lr=3e-3,
+    schedule="constant",
+    num_conversations=None,
+    log_every=1,
+)
 
 
 def settings(tiny, out, **kw):
     from peagle_ext.train import TrainSettings
+
     v, data = tiny
-    return TrainSettings(**{**COMMON, "verifier": str(v), "data": str(data), "output": str(out), "progress": False, **kw})
+    return TrainSettings(
+        **{**COMMON, "verifier": str(v), "data": str(data), "output": str(out), "progress": False, **kw}
+    )
 
 
 def cli_flags(tiny, out, **kw) -> list[str]:
@@ -71,6 +92,7 @@ def reference(tiny, tmp_path_factory):
     """1 process, 2 micro-batches per step, 6 steps (checkpoints at 2, 4, 6): the global batch
     that 2 ranks x 1 micro-batch take."""
     from peagle_ext.train import train
+
     out = tmp_path_factory.mktemp("ref") / "run"
     r = train(settings(tiny, out, max_steps=6, grad_accum=2))
     assert r.final_dir is not None
@@ -79,6 +101,7 @@ def reference(tiny, tmp_path_factory):
 
 def _weights(path):
     from safetensors.torch import load_file
+
     return load_file(str(Path(path) / "model.safetensors"))
 
 
@@ -88,7 +111,7 @@ def assert_same_weights(a_dir, b_dir):
     for k in a:
         if a[k].is_floating_point():
             scale = float(a[k].abs().max())
-            torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6 * scale, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6 * scale, msg=lambda m, k=k: f"{k}: {m}")
         else:
             assert torch.equal(a[k], b[k]), k
 
@@ -115,10 +138,12 @@ def assert_same_metrics(a_out, b_out, steps):
 @requires_gloo
 def test_ddp_two_ranks_equal_one_process_and_resume_on_one(tiny, reference, tmp_path):
     from peagle_ext.train import TrainError, train
+
     out = tmp_path / "ddp"
     # the on-disk hidden-state cache: rank 0 fills it, rank 1 waits and reads (same bits as in memory)
-    r = _torchrun(2, cli_flags(tiny, out, max_steps=4, grad_accum=1, dist="ddp",
-                                hidden_cache_dir=str(tmp_path / "hcache")))
+    r = _torchrun(
+        2, cli_flags(tiny, out, max_steps=4, grad_accum=1, dist="ddp", hidden_cache_dir=str(tmp_path / "hcache"))
+    )
     assert r.returncode == 0, r.stderr[-5000:]
     assert r.stdout.count("per-depth accuracy") == 1  # rank 0 reports
     assert "2 ranks (DDP, gloo)" in r.stderr
@@ -140,11 +165,17 @@ def test_ddp_two_ranks_equal_one_process_and_resume_on_one(tiny, reference, tmp_
 @requires_gloo
 def test_fsdp_two_ranks_equal_one_process_and_dcp_resume_on_one(tiny, reference, tmp_path):
     from peagle_ext.train import train
+
     out = tmp_path / "fsdp"
     # start from the 1-process run's checkpoint-2 (a full, index-keyed optimizer state that FSDP2
     # shards on load), train steps 3-4 on 2 ranks
-    shutil.copytree(reference, out, ignore=lambda d, names: [n for n in names if n in (
-        "checkpoint-4", "checkpoint-6", "final", "loss.png", "accuracy.png")])
+    shutil.copytree(
+        reference,
+        out,
+        ignore=lambda d, names: [
+            n for n in names if n in ("checkpoint-4", "checkpoint-6", "final", "loss.png", "accuracy.png")
+        ],
+    )
     r = _torchrun(2, cli_flags(tiny, out, max_steps=4, grad_accum=1, dist="fsdp", resume=True))
     assert r.returncode == 0, r.stderr[-5000:]
     assert "2 ranks (FSDP, gloo)" in r.stderr
@@ -196,6 +227,7 @@ def test_grad_accum_and_seq_partition_compose(tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_lpt_partition_balances_deterministically():
     from peagle_ext.train.distributed import lpt_partition
+
     costs = [512, 100, 480, 300, 64, 512, 200, 250]
     bins = lpt_partition(costs, 2, 4)
     assert sorted(sum(bins, [])) == list(range(8)) and [len(b) for b in bins] == [4, 4]
@@ -214,8 +246,9 @@ def test_lpt_partition_balances_deterministically():
 
 def test_dist_option_and_single_process_context():
     from peagle_ext.cli import build_parser
-    from peagle_ext.train.distributed import DistContext
     from peagle_ext.train import TrainSettings
+    from peagle_ext.train.distributed import DistContext
+
     with pytest.raises(ValueError, match="--dist must be ddp or fsdp"):
         TrainSettings(dist="zero3").validate()
     args = build_parser().parse_args(["train", "--dist", "fsdp"])

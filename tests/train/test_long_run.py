@@ -2,6 +2,7 @@
 warm-up (tools/long_run.py; the full check is `python tools/long_run.py --steps 2000`, and
 `--device cuda` on a GPU). Marked `slow` (~15 s): deselect with `pytest -m "not slow"`, run
 alone with `pytest -m slow tests/train/test_long_run.py`."""
+
 import runpy
 from pathlib import Path
 from types import SimpleNamespace

@@ -1,18 +1,15 @@
 """The trainer and the `peagle` CLI on a tiny random verifier: end-to-end smoke, bitwise resume,
 atomic checkpoints, NaN-step skipping, export, config files and bad-input messages."""
+
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import requires_cuda
-from tests.helpers import run_cli
-from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
 import peagle_ext.train as T
+from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+from tests.helpers import requires_cuda, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,27 +19,71 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def settings(tiny, out, **kw):
     from peagle_ext.train import TrainSettings
+
     v, data = tiny
-    base = dict(verifier=str(v), data=str(data), output=str(out), seq_len=64, num_depths=3, num_layers=1,
-                max_steps=4, draft_vocab_size=None, dtype="float32", device="cpu", checkpoint_every=2,
-                val_every=2, val_fraction=0.15, warmup_steps=1, lr=3e-3, progress=False, num_conversations=None,
-                log_every=1)
+    base = dict(
+        verifier=str(v),
+        data=str(data),
+        output=str(out),
+        seq_len=64,
+        num_depths=3,
+        num_layers=1,
+        max_steps=4,
+        draft_vocab_size=None,
+        dtype="float32",
+        device="cpu",
+        checkpoint_every=2,
+        val_every=2,
+        val_fraction=0.15,
+        warmup_steps=1,
+        lr=3e-3,
+        progress=False,
+        num_conversations=None,
+        log_every=1,
+    )
     base.update(kw)
     return TrainSettings(**base)
 
 
 def _weights(path):
     from safetensors.torch import load_file
+
     return load_file(str(Path(path) / "model.safetensors"))
 
 
 def test_cli_train_end_to_end_smoke(tiny, tmp_path):
     v, data = tiny
     out = tmp_path / "run"
-    r = run_cli(["train", "--verifier", str(v), "--data", str(data), "--output", str(out), "--max-steps", "3",
-                  "--seq-len", "64", "--num-depths", "3", "--num-layers", "1", "--device", "cpu",
-                  "--draft-vocab-size", "64", "--dtype", "float32", "--checkpoint-every", "2", "--log-every", "1",
-                  "--no-progress"])
+    r = run_cli(
+        [
+            "train",
+            "--verifier",
+            str(v),
+            "--data",
+            str(data),
+            "--output",
+            str(out),
+            "--max-steps",
+            "3",
+            "--seq-len",
+            "64",
+            "--num-depths",
+            "3",
+            "--num-layers",
+            "1",
+            "--device",
+            "cpu",
+            "--draft-vocab-size",
+            "64",
+            "--dtype",
+            "float32",
+            "--checkpoint-every",
+            "2",
+            "--log-every",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "per-depth accuracy" in r.stdout and "d0=" in r.stdout and "d2=" in r.stdout
     assert f"checkpoint: {out / 'final'}" in r.stdout and "accuracy.png" in r.stdout
@@ -67,6 +108,7 @@ def test_cli_train_end_to_end_smoke(tiny, tmp_path):
 
 def test_resume_is_bitwise_equal_and_ignores_tmp(tiny, tmp_path):
     from peagle_ext.train import train
+
     full = train(settings(tiny, tmp_path / "full", max_steps=5, grad_accum=2, seq_partition=2))
     out = tmp_path / "killed"
     r = train(settings(tiny, out, max_steps=5, grad_accum=2, seq_partition=2), stop_after=3)
@@ -87,13 +129,15 @@ def test_resume_is_bitwise_equal_and_ignores_tmp(tiny, tmp_path):
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log if x.get("split") == "train"] == [1, 2, 3, 4, 5]
     full_log = [json.loads(x) for x in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
-    assert [x["loss"] for x in log if x.get("split") == "train"] == \
-        [x["loss"] for x in full_log if x.get("split") == "train"]
+    assert [x["loss"] for x in log if x.get("split") == "train"] == [
+        x["loss"] for x in full_log if x.get("split") == "train"
+    ]
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
     from peagle_ext.train import COMPLETE_MARKER, list_checkpoints, save_checkpoint
     from tests.helpers import make_model
+
     m = make_model(torch.Generator().manual_seed(0), num_layers=1, k=2)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -113,8 +157,10 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
 
 def test_nan_step_is_skipped(tiny, tmp_path, monkeypatch):
     import dataclasses
+
     import peagle_ext.train as T
     from peagle_ext.train.dataset import concat_examples as orig
+
     calls = {"n": 0}
 
     def poisoned(examples):
@@ -125,6 +171,7 @@ def test_nan_step_is_skipped(tiny, tmp_path, monkeypatch):
             hidden[3] = float("nan")
             ex = dataclasses.replace(ex, hidden=hidden)
         return ex
+
     monkeypatch.setattr("peagle_ext.train.loop.concat_examples", poisoned)
     out = tmp_path / "nan"
     r = T.train(settings(tiny, out, max_steps=3, checkpoint_every=1, keep_checkpoints=3, val_every=100))
@@ -140,6 +187,7 @@ def test_nan_step_is_skipped(tiny, tmp_path, monkeypatch):
 
 def test_bad_inputs_have_clear_messages(tiny, tmp_path):
     from peagle_ext.train import TrainError, settings_from, train
+
     v, data = tiny
     with pytest.raises(ValueError, match="not found"):
         train(settings(tiny, tmp_path / "a", verifier=str(tmp_path / "nope")))
@@ -168,6 +216,7 @@ def test_bad_inputs_have_clear_messages(tiny, tmp_path):
         settings_from({}, str(cfg))
     # a tokenizer without a chat template
     import shutil
+
     nochat = tmp_path / "nochat"
     shutil.copytree(v, nochat)
     tc = json.loads((nochat / "tokenizer_config.json").read_text())
@@ -178,13 +227,25 @@ def test_bad_inputs_have_clear_messages(tiny, tmp_path):
     with pytest.raises(ValueError, match="(?i)chat template"):
         train(settings(tiny, tmp_path / "g", verifier=str(nochat)))
     # CLI: exit code 2 and a one-line message, no traceback
-    r = run_cli(["train", "--verifier", str(tmp_path / "nope"), "--data", str(data), "--output",
-                  str(tmp_path / "h"), "--max-steps", "1"])
+    r = run_cli(
+        [
+            "train",
+            "--verifier",
+            str(tmp_path / "nope"),
+            "--data",
+            str(data),
+            "--output",
+            str(tmp_path / "h"),
+            "--max-steps",
+            "1",
+        ]
+    )
     assert r.returncode == 2 and "peagle train: error:" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_truncation_is_logged_and_resume_rejects_other_verifier(tiny, tmp_path):
     from peagle_ext.train import TrainError, train
+
     out = tmp_path / "t"
     longer = make_chat_jsonl(tmp_path / "long.jsonl", n=8, turns=3, words=(8, 16))
     train(settings(tiny, out, data=str(longer), seq_len=64, max_steps=2))
@@ -199,7 +260,9 @@ def test_truncation_is_logged_and_resume_rejects_other_verifier(tiny, tmp_path):
 def test_hidden_size_mismatch_on_resume(tiny, tmp_path):
     """Same settings but the verifier directory now holds a model of another width."""
     import shutil
+
     from peagle_ext.train import TrainError, train
+
     v, data = tiny
     vdir = tmp_path / "v"
     shutil.copytree(v, vdir)
@@ -214,6 +277,7 @@ def test_hidden_size_mismatch_on_resume(tiny, tmp_path):
 def test_config_file_and_flag_precedence(tmp_path):
     from peagle_ext.cli import build_parser
     from peagle_ext.train import TrainSettings, settings_from
+
     cfg = tmp_path / "run.yaml"
     cfg.write_text("max-steps: 7\nlr: 0.01\nschedule: linear\ndraft_vocab_size: 128\n")
     args = build_parser().parse_args(["train", "--config", str(cfg), "--lr", "0.02", "--draft-vocab-size", "none"])
@@ -228,6 +292,7 @@ def test_config_file_and_flag_precedence(tmp_path):
 
 def test_lr_schedule_shapes():
     from peagle_ext.train import TrainSettings, lr_lambda
+
     f = lr_lambda(TrainSettings(max_steps=110, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1))
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
@@ -239,17 +304,21 @@ def test_lr_schedule_shapes():
 def test_train_on_cuda_smoke(tiny, tmp_path):
     """The same trainer on the GPU: bf16 autocast, fp32 master weights, finite loss, a final dir."""
     from peagle_ext.train import train
-    r = train(settings(tiny, tmp_path / "gpu", device="cuda", dtype="auto", max_steps=4, seq_partition=2,
-                       attention="cross"))
+
+    r = train(
+        settings(tiny, tmp_path / "gpu", device="cuda", dtype="auto", max_steps=4, seq_partition=2, attention="cross")
+    )
     assert r.final_dir is not None and r.skipped_steps == 0
     w = _weights(r.final_dir)
-    assert w["fc.weight"].dtype == torch.float32 and all(torch.isfinite(t).all() for t in w.values()
-                                                         if t.is_floating_point())
+    assert w["fc.weight"].dtype == torch.float32 and all(
+        torch.isfinite(t).all() for t in w.values() if t.is_floating_point()
+    )
 
 
 def test_hidden_state_disk_cache_is_reused_and_bitwise_equal(tiny, tmp_path, monkeypatch):
     import peagle_ext.data as D
     from peagle_ext.train import train
+
     mem = train(settings(tiny, tmp_path / "mem", max_steps=3))
     cache = tmp_path / "hcache"
     a = train(settings(tiny, tmp_path / "a", max_steps=3, hidden_cache_dir=str(cache)))
@@ -257,6 +326,7 @@ def test_hidden_state_disk_cache_is_reused_and_bitwise_equal(tiny, tmp_path, mon
 
     def no_verifier(*a, **k):
         raise AssertionError("the cache should have been used")
+
     monkeypatch.setattr(D, "verifier_hidden_states", no_verifier)
     b = train(settings(tiny, tmp_path / "b", max_steps=3, hidden_cache_dir=str(cache)))
     wm, wa, wb = (_weights(r.final_dir) for r in (mem, a, b))

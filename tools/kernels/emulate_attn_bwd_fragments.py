@@ -14,6 +14,7 @@ Checks, for BMQ in (32 at D=128, 64 at D=64), every warp:
  3. bank conflicts of the dS^T stores and ldmatrix phases (none expected);
  4. every dq_accum element of the block is written exactly once per CTA iteration.
 Run: python tools/kernels/emulate_attn_bwd_fragments.py  (prints 'ok' or raises)."""
+
 import numpy as np
 
 BN = 64
@@ -50,7 +51,7 @@ class Smem:
         for r in range(mat.shape[0]):
             for c in range(d // 8):
                 o = swz(d, r, c) // 2
-                self.h[o:o + 8] = mat[r, 8 * c:8 * c + 8]
+                self.h[o : o + 8] = mat[r, 8 * c : 8 * c + 8]
 
 
 def mma(c, a, b0, b1):
@@ -59,12 +60,12 @@ def mma(c, a, b0, b1):
     B = np.zeros((16, 8))
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        A[g, 2 * t:2 * t + 2] = a[lane][0]
-        A[g + 8, 2 * t:2 * t + 2] = a[lane][1]
-        A[g, 2 * t + 8:2 * t + 10] = a[lane][2]
-        A[g + 8, 2 * t + 8:2 * t + 10] = a[lane][3]
-        B[2 * t:2 * t + 2, g] = b0[lane]
-        B[2 * t + 8:2 * t + 10, g] = b1[lane]
+        A[g, 2 * t : 2 * t + 2] = a[lane][0]
+        A[g + 8, 2 * t : 2 * t + 2] = a[lane][1]
+        A[g, 2 * t + 8 : 2 * t + 10] = a[lane][2]
+        A[g + 8, 2 * t + 8 : 2 * t + 10] = a[lane][3]
+        B[2 * t : 2 * t + 2, g] = b0[lane]
+        B[2 * t + 8 : 2 * t + 10, g] = b1[lane]
     C = A @ B
     for lane in range(32):
         g, t = lane >> 2, lane & 3
@@ -97,21 +98,31 @@ def run(d, bmq, rng):
     tile_k, tile_q, tile_ds = 0, BN * d * 2, BN * d * 2 + bmq * d * 2
     sm = Smem(tile_ds + BN * bmq * 2)
     sm.store_tile(d, K)
-    sm.h[tile_q // 2:tile_q // 2 + bmq * d] = np.nan
+    sm.h[tile_q // 2 : tile_q // 2 + bmq * d] = np.nan
     qs = Smem(bmq * d * 2)
     qs.store_tile(d, Q)
-    sm.h[tile_q // 2:tile_q // 2 + bmq * d] = qs.h
+    sm.h[tile_q // 2 : tile_q // 2 + bmq * d] = qs.h
     store_banks = []
     for warp in range(4):
         # dpt[n][x] per lane: dS^T(key 16 warp + g + 8 (x >> 1), query 8 n + 2t + (x & 1))
-        dpt = [[[dST[16 * warp + (l >> 2) + 8 * (x >> 1), 8 * n + 2 * (l & 3) + (x & 1)] for x in range(4)]
-                for n in range(bmq // 8)] for l in range(32)]
-        dk = [np.zeros(4) for _ in range(32)]
+        dpt = [
+            [
+                [dST[16 * warp + (l >> 2) + 8 * (x >> 1), 8 * n + 2 * (l & 3) + (x & 1)] for x in range(4)]
+                for n in range(bmq // 8)
+            ]
+            for l in range(32)
+        ]
         dk_all = [[np.zeros(4) for _ in range(32)] for _ in range(d // 8)]
         for kq in range(bmq // 16):
-            sa = [[(dpt[l][2 * kq][0], dpt[l][2 * kq][1]), (dpt[l][2 * kq][2], dpt[l][2 * kq][3]),
-                   (dpt[l][2 * kq + 1][0], dpt[l][2 * kq + 1][1]), (dpt[l][2 * kq + 1][2], dpt[l][2 * kq + 1][3])]
-                  for l in range(32)]
+            sa = [
+                [
+                    (dpt[l][2 * kq][0], dpt[l][2 * kq][1]),
+                    (dpt[l][2 * kq][2], dpt[l][2 * kq][3]),
+                    (dpt[l][2 * kq + 1][0], dpt[l][2 * kq + 1][1]),
+                    (dpt[l][2 * kq + 1][2], dpt[l][2 * kq + 1][3]),
+                ]
+                for l in range(32)
+            ]
             # 2. the dS^T stores (one warp-wide 32-bit store per register)
             for x, (dk_row, dchunk) in enumerate([(0, 0), (8, 0), (0, 1), (8, 1)]):
                 banks = []
@@ -126,16 +137,20 @@ def run(d, bmq, rng):
                 bf = frag_b_kn(sm, d, tile_q, 16 * dp, kq)
                 mma(dk_all[2 * dp], sa, [r[0] for r in bf], [r[1] for r in bf])
                 mma(dk_all[2 * dp + 1], sa, [r[2] for r in bf], [r[3] for r in bf])
-        want_dk = dST[16 * warp:16 * warp + 16] @ Q  # [16 keys][d]
+        want_dk = dST[16 * warp : 16 * warp + 16] @ Q  # [16 keys][d]
         for n in range(d // 8):
             for l in range(32):
                 g, t = l >> 2, l & 3
                 got = dk_all[n][l]
-                exp = [want_dk[g, 8 * n + 2 * t], want_dk[g, 8 * n + 2 * t + 1], want_dk[g + 8, 8 * n + 2 * t],
-                       want_dk[g + 8, 8 * n + 2 * t + 1]]
+                exp = [
+                    want_dk[g, 8 * n + 2 * t],
+                    want_dk[g, 8 * n + 2 * t + 1],
+                    want_dk[g + 8, 8 * n + 2 * t],
+                    want_dk[g + 8, 8 * n + 2 * t + 1],
+                ]
                 assert np.array_equal(got, exp), ("model mismatch on the existing dK path", d, bmq, warp)
     assert all(store_banks), "dS^T stores have bank conflicts"
-    assert not np.isnan(sm.h[tile_ds // 2:]).any(), "dS^T tile not fully written"
+    assert not np.isnan(sm.h[tile_ds // 2 :]).any(), "dS^T tile not fully written"
     # the dQ phase, every warp (after the barrier)
     want = dST.T @ K  # dQ [bmq][d]
     written = np.zeros((bmq, d), dtype=int)
@@ -165,8 +180,8 @@ def run(d, bmq, rng):
                     row = 16 * mt + g + 8 * odd
                     col = warp * dw + 8 * n + 4 * (t >> 1)
                     assert col % 4 == 0
-                    got[row, col:col + 4] += vals
-                    written[row, col:col + 4] += 1
+                    got[row, col : col + 4] += vals
+                    written[row, col : col + 4] += 1
     assert (written == 1).all(), "dq_accum element written != once"
     assert np.array_equal(got, want), ("dQ mismatch", d, bmq, np.abs(got - want).max())
 

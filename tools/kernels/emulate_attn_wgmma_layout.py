@@ -27,6 +27,7 @@ Also the wgmma dQ kernel (cod_attn_dq_wgmma.cuh, D = 128 and 64): its carve-up (
 K-major reads of S = Q K^T, dP = dO V^T, the MN-major read of the same K tile for dQ += dS K
 (LBO = 64 * 128), and one key block through the fragment maps against the plain products.
 Run: python tools/kernels/emulate_attn_wgmma_layout.py   (prints 'ok' or raises)."""
+
 import numpy as np
 
 BN, NT, MF, KMAXCHAIN = 64, 128, 7, 64
@@ -53,8 +54,7 @@ def desc_mnmajor(rows, tile, kq):
 def smem_config(d, bmq):  # DkvWgmmaConfig
     ktile, qtile = BN * d * 2, bmq * d * 2
     tiles = 2 * ktile + 4 * qtile
-    return dict(ktile=ktile, qtile=qtile, tiles=tiles,
-                smem=1024 + tiles + (2 * MF * bmq + 6 * KMAXCHAIN + 1) * 4)
+    return dict(ktile=ktile, qtile=qtile, tiles=tiles, smem=1024 + tiles + (2 * MF * bmq + 6 * KMAXCHAIN + 1) * 4)
 
 
 # ---------------------------------------------------------------- hardware model
@@ -102,9 +102,9 @@ class Smem:
     def write16(self, addr, vals):  # one 16-byte chunk
         assert addr % 16 == 0
         i = addr // 2
-        assert not self.written[i:i + 8].any(), "chunk written twice"
-        self.h[i:i + 8] = vals
-        self.written[i:i + 8] = True
+        assert not self.written[i : i + 8].any(), "chunk written twice"
+        self.h[i : i + 8] = vals
+        self.written[i : i + 8] = True
 
     def read(self, addr):
         assert addr % 2 == 0
@@ -124,7 +124,7 @@ def load_tile_sw128(smem, tile_addr, mat, rows, d, first, limit):
             idx = tid + it * NT
             r, c = idx // chunks, idx % chunks
             g = first + r
-            vals = mat[g, 8 * c:8 * c + 8] if 0 <= g < limit else np.zeros(8)
+            vals = mat[g, 8 * c : 8 * c + 8] if 0 <= g < limit else np.zeros(8)
             a = tile_addr + sw128_offset(rows, r, c)
             smem.write16(a, vals)
             # bank groups of one 8-thread phase of a 16-byte store
@@ -154,8 +154,14 @@ def check_config(d, bmq, rng):
         base = (raw + 1023) & ~1023
         assert base - raw + cfg["tiles"] + (2 * MF * bmq + 6 * KMAXCHAIN + 1) * 4 <= cfg["smem"]
     # every tile (and panel) base is a multiple of 1024 given a 1024-aligned base
-    for off in (0, cfg["ktile"], 2 * cfg["ktile"], 2 * cfg["ktile"] + cfg["qtile"],
-                2 * cfg["ktile"] + 2 * cfg["qtile"], 2 * cfg["ktile"] + 3 * cfg["qtile"]):
+    for off in (
+        0,
+        cfg["ktile"],
+        2 * cfg["ktile"],
+        2 * cfg["ktile"] + cfg["qtile"],
+        2 * cfg["ktile"] + 2 * cfg["qtile"],
+        2 * cfg["ktile"] + 3 * cfg["qtile"],
+    ):
         assert off % 1024 == 0
     for rows in (BN, bmq):
         assert (rows * 128) % 1024 == 0
@@ -182,6 +188,7 @@ def check_config(d, bmq, rng):
             if 0 <= first + r < limit:
                 out[r] = mat[first + r]
         return out
+
     Kt, Vt = rows_of(K, j0, n_keys, BN), rows_of(V, j0, n_keys, BN)
     Qt, dOt = rows_of(Q, i0, iend, bmq), rows_of(dO, i0, iend, bmq)
 
@@ -191,14 +198,14 @@ def check_config(d, bmq, rng):
             desc = desc_kmajor(rows, desc_fn_tile, kk)
             assert decode(desc)[0] == desc_fn_tile + (kk >> 2) * rows * 128 + (kk & 3) * 32
             got = hw_kmajor(smem, desc, rows)
-            assert np.array_equal(got, ref[:, 16 * kk:16 * kk + 16]), f"K-major read kk={kk} rows={rows}"
+            assert np.array_equal(got, ref[:, 16 * kk : 16 * kk + 16]), f"K-major read kk={kk} rows={rows}"
     for kq in range(bmq // 16):
         for tile, ref in ((dot, dOt), (qt, Qt)):
             desc = desc_mnmajor(bmq, tile, kq)
             start, lbo, sbo = decode(desc)
             assert (start, lbo, sbo) == (tile + 2048 * kq, bmq * 128, 1024)
             got = hw_mnmajor(smem, desc, d)
-            assert np.array_equal(got, ref[16 * kq:16 * kq + 16, :]), f"MN-major read kq={kq}"
+            assert np.array_equal(got, ref[16 * kq : 16 * kq + 16, :]), f"MN-major read kq={kq}"
 
     # 2. one iteration through the fragment maps
     def ss(acc_n, desc_a, desc_b):  # m64 x acc_n accumulators for D/16 k-steps
@@ -227,10 +234,12 @@ def check_config(d, bmq, rng):
                 for lane in range(32):
                     g, t = lane >> 2, lane & 3
                     # pa[kq][0..3] exactly as the kernel packs them: (lo, hi) halves
-                    regs = [(frag[w, lane, 2 * kq, 0], frag[w, lane, 2 * kq, 1]),
-                            (frag[w, lane, 2 * kq, 2], frag[w, lane, 2 * kq, 3]),
-                            (frag[w, lane, 2 * kq + 1, 0], frag[w, lane, 2 * kq + 1, 1]),
-                            (frag[w, lane, 2 * kq + 1, 2], frag[w, lane, 2 * kq + 1, 3])]
+                    regs = [
+                        (frag[w, lane, 2 * kq, 0], frag[w, lane, 2 * kq, 1]),
+                        (frag[w, lane, 2 * kq, 2], frag[w, lane, 2 * kq, 3]),
+                        (frag[w, lane, 2 * kq + 1, 0], frag[w, lane, 2 * kq + 1, 1]),
+                        (frag[w, lane, 2 * kq + 1, 2], frag[w, lane, 2 * kq + 1, 3]),
+                    ]
                     # RS A fragment: a0 (g, 2t..) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
                     for j, (lo, hi) in enumerate(regs):
                         r = 16 * w + g + 8 * (j & 1)
@@ -247,8 +256,9 @@ def check_config(d, bmq, rng):
 def dq_smem_config(d):  # DqWgmmaConfig (BM = BN = 64, 4 warps)
     qtile = ktile = 64 * d * 2
     tiles = 2 * qtile + 4 * ktile
-    return dict(qtile=qtile, ktile=ktile, tiles=tiles, smem=1024 + tiles + (7 * 64 + 8 * 4) * 4,
-                chain=lambda k: 64 * k * 8)
+    return dict(
+        qtile=qtile, ktile=ktile, tiles=tiles, smem=1024 + tiles + (7 * 64 + 8 * 4) * 4, chain=lambda k: 64 * k * 8
+    )
 
 
 def rs_from_frag(smem, frag, desc_fn, n_k16, n_cols):
@@ -260,10 +270,12 @@ def rs_from_frag(smem, frag, desc_fn, n_k16, n_cols):
         for w in range(4):
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
-                regs = [(frag[w, lane, 2 * kq, 0], frag[w, lane, 2 * kq, 1]),
-                        (frag[w, lane, 2 * kq, 2], frag[w, lane, 2 * kq, 3]),
-                        (frag[w, lane, 2 * kq + 1, 0], frag[w, lane, 2 * kq + 1, 1]),
-                        (frag[w, lane, 2 * kq + 1, 2], frag[w, lane, 2 * kq + 1, 3])]
+                regs = [
+                    (frag[w, lane, 2 * kq, 0], frag[w, lane, 2 * kq, 1]),
+                    (frag[w, lane, 2 * kq, 2], frag[w, lane, 2 * kq, 3]),
+                    (frag[w, lane, 2 * kq + 1, 0], frag[w, lane, 2 * kq + 1, 1]),
+                    (frag[w, lane, 2 * kq + 1, 2], frag[w, lane, 2 * kq + 1, 3]),
+                ]
                 for j, (lo, hi) in enumerate(regs):
                     r = 16 * w + g + 8 * (j & 1)
                     c = 2 * t + 8 * (j >> 1)
@@ -280,8 +292,14 @@ def check_dq_config(d, rng):
     for raw in range(0, 4096, 16):
         base = (raw + 1023) & ~1023
         assert base - raw + cfg["tiles"] + (7 * 64 + 8 * 4) * 4 <= cfg["smem"]
-    for off in (0, cfg["qtile"], 2 * cfg["qtile"], 2 * cfg["qtile"] + cfg["ktile"],
-                2 * cfg["qtile"] + 2 * cfg["ktile"], 2 * cfg["qtile"] + 3 * cfg["ktile"]):
+    for off in (
+        0,
+        cfg["qtile"],
+        2 * cfg["qtile"],
+        2 * cfg["qtile"] + cfg["ktile"],
+        2 * cfg["qtile"] + 2 * cfg["ktile"],
+        2 * cfg["qtile"] + 3 * cfg["ktile"],
+    ):
         assert off % 1024 == 0
     base = 0x2400
     sQ, sdO = base, base + cfg["qtile"]
@@ -304,21 +322,24 @@ def check_dq_config(d, rng):
             if 0 <= first + r < limit:
                 out[r] = mat[first + r]
         return out
+
     Qt, dOt = rows_of(Q, row0, row0 + rows), rows_of(dO, row0, row0 + rows)
     Kt, Vt = rows_of(K, j0, jend), rows_of(V, j0, jend)
     for kk in range(d // 16):
         for tile, ref in ((sQ, Qt), (sdO, dOt), (kt, Kt), (vt, Vt)):
             got = hw_kmajor(smem, desc_kmajor(64, tile, kk), 64)
-            assert np.array_equal(got, ref[:, 16 * kk:16 * kk + 16]), f"dQ K-major read kk={kk}"
+            assert np.array_equal(got, ref[:, 16 * kk : 16 * kk + 16]), f"dQ K-major read kk={kk}"
     for kk in range(64 // 16):
         desc = desc_mnmajor(64, kt, kk)
         assert decode(desc) == (kt + 2048 * kk, 64 * 128, 1024)
         got = hw_mnmajor(smem, desc, d)
-        assert np.array_equal(got, Kt[16 * kk:16 * kk + 16, :]), f"dQ MN-major K read kk={kk}"
+        assert np.array_equal(got, Kt[16 * kk : 16 * kk + 16, :]), f"dQ MN-major K read kk={kk}"
 
     def ss(ta, tb):
-        return sum(hw_kmajor(smem, desc_kmajor(64, ta, kk), 64) @ hw_kmajor(smem, desc_kmajor(64, tb, kk), 64).T
-                   for kk in range(d // 16))
+        return sum(
+            hw_kmajor(smem, desc_kmajor(64, ta, kk), 64) @ hw_kmajor(smem, desc_kmajor(64, tb, kk), 64).T
+            for kk in range(d // 16)
+        )
 
     def to_frag(mat):
         f = np.empty((4, 32, 8, 4))
@@ -329,6 +350,7 @@ def check_dq_config(d, rng):
                     for x in range(4):
                         f[w, lane, n, x] = mat[16 * w + g + 8 * (x >> 1), 8 * n + 2 * t + (x & 1)]
         return f
+
     S, dP = ss(sQ, kt), ss(sdO, vt)
     assert np.allclose(S, Qt @ Kt.T) and np.allclose(dP, dOt @ Vt.T)
     dS = S * (dP - 0.25)  # any elementwise map of the fragments: here a stand-in for P (dP - delta)

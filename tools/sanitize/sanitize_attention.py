@@ -13,10 +13,9 @@ slow kernels down 10-100x.
 kernels: PEAGLE_ATTN_BWD=atomic); --soft reports CPU-vs-CUDA tolerance misses and goes on (for
 compute-sanitizer runs, whose verdict is the sanitizer's; the GPU tests judge the values) and
 ends with "tolerance misses: N"."""
+
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
@@ -111,8 +110,10 @@ def _garbage_layouts():
             ins = [torch.randn(t, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
             ctx = {}
             if cross:
-                ctx = {name: torch.randn(n, 4, d, device="cuda", dtype=torch.bfloat16,
-                                         requires_grad=True) for name in ("context_k", "context_v")}
+                ctx = {
+                    name: torch.randn(n, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for name in ("context_k", "context_v")
+                }
             out = cod_attention(*ins, lay, window=9, sink=1, **ctx)
             torch.autograd.grad(out.float().sum(), ins + list(ctx.values()))
     torch.cuda.synchronize()
@@ -122,8 +123,13 @@ def main(argv=None):
     global _check
     ap = argparse.ArgumentParser(description="COD attention shapes for compute-sanitizer")
     ap.add_argument("--soft", action="store_true", help="report tolerance misses instead of stopping")
-    ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V...]",
-                    help="environment settings of one run of the shapes (repeatable; default: one run as is)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V...]",
+        help="environment settings of one run of the shapes (repeatable; default: one run as is)",
+    )
     args = ap.parse_args(argv)
     variants = [dict(kv.split("=", 1) for kv in v.split(",")) for v in args.variant] or [{}]
     misses = []
@@ -136,6 +142,7 @@ def main(argv=None):
             except AssertionError as e:
                 misses.append(repr(e))
                 print("tolerance miss (not a sanitizer error):", repr(e), flush=True)
+
         _check = soft_check
     for env in variants:
         saved = {k: os.environ.get(k) for k in env}

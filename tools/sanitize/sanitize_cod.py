@@ -4,9 +4,8 @@
 Small sizes on purpose (the sanitizers slow kernels down 10-100x); the selection paths are
 all reached: whole-bin thresholds, partial bins ranked in shared memory, and (with a 1-bit
 histogram) the one-block radix select over thousands of keys."""
+
 import os
-import sys
-from pathlib import Path
 
 import torch
 

@@ -5,6 +5,7 @@ Small sizes on purpose (the sanitizers slow kernels down 10-100x). Every path of
 kernel is reached: fp32/fp16/bf16, vocab sizes whose rows start off a 16-byte boundary (scalar
 head and tail) and aligned ones (vectors only), a vocab below one vector, zero-weight rows,
 kind kl and ce, with and without the in-place gradient, d2t, one and many chunks."""
+
 import torch
 
 import peagle_ext  # noqa: F401
@@ -29,8 +30,18 @@ def run(inputs, weight, depth, d2t, device, kind, chunk, grad):
     xd, w_d, xt, w_t = (x.to(device) for x in inputs)
     xd = xd.clone().requires_grad_(grad)
     w_d = w_d.clone().requires_grad_(grad)
-    loss, m = fused_linear_kl(xd, w_d, xt, w_t, weight.to(device), depth.to(device), num_depths=3,
-                              d2t=None if d2t is None else d2t.to(device), chunk_size=chunk, kind=kind)
+    loss, m = fused_linear_kl(
+        xd,
+        w_d,
+        xt,
+        w_t,
+        weight.to(device),
+        depth.to(device),
+        num_depths=3,
+        d2t=None if d2t is None else d2t.to(device),
+        chunk_size=chunk,
+        kind=kind,
+    )
     if grad:
         loss.backward()
         return loss.float().cpu(), m["total"].cpu(), xd.grad.float().cpu(), w_d.grad.float().cpu()

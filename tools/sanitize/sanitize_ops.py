@@ -4,13 +4,13 @@
 Each driver exposes main() or run(); small sizes, results checked against the CPU ops. A driver
 that fails (assertion, CUDA error) is reported and the others still run; the exit code is 1 if
 any failed."""
+
 import importlib
 import sys
 import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
 
 
 def main(names=None) -> int:
@@ -26,7 +26,7 @@ def main(names=None) -> int:
         print(f"-- {name}", flush=True)
         try:
             mod = importlib.import_module(name)
-            fn = getattr(mod, "main", None) or getattr(mod, "run")
+            fn = getattr(mod, "main", None) or mod.run
             fn()
         except Exception:  # noqa: BLE001  (report, run the other drivers, fail at the end)
             traceback.print_exc()

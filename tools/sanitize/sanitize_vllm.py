@@ -3,9 +3,8 @@ copies, misaligned pointers, many rows per block, query_start_loc beyond shared 
 CUDA graph replay, garbage metadata) for compute-sanitizer:
     compute-sanitizer --tool memcheck --error-exitcode 99 python tools/sanitize/sanitize_vllm.py
 (also racecheck / initcheck / synccheck). `run()` can be imported by a shared sanitizer driver."""
+
 import os
-import sys
-from pathlib import Path
 
 import torch
 
@@ -15,10 +14,15 @@ from peagle_ext.vllm import DraftBatch, prepare_parallel_draft_inputs
 
 def run():
     g = torch.Generator().manual_seed(0)
-    cases = [(4, 3, 4096, torch.bfloat16, {}), (9, 5, 4095, torch.bfloat16, {}), (9, 5, 6, torch.bfloat16, {}),
-             (9, 5, 4, torch.bfloat16, {}), (9, 2, 3, torch.float32, {"general": True, "near_max": True}),
-             (2, 4, 16, torch.float32, {"prefill_frac": 1.0, "max_prefill": 700}),
-             (8200, 2, 8, torch.float32, {"prefill_frac": 0.0})]
+    cases = [
+        (4, 3, 4096, torch.bfloat16, {}),
+        (9, 5, 4095, torch.bfloat16, {}),
+        (9, 5, 6, torch.bfloat16, {}),
+        (9, 5, 4, torch.bfloat16, {}),
+        (9, 2, 3, torch.float32, {"general": True, "near_max": True}),
+        (2, 4, 16, torch.float32, {"prefill_frac": 1.0, "max_prefill": 700}),
+        (8200, 2, 8, torch.float32, {"prefill_frac": 0.0}),
+    ]
     for B, K, H, dtype, extra in cases:
         args, kw = random_draft_batch(g, B=B, K=K, H=H, dtype=dtype, device="cuda", **extra)
         got = prepare_parallel_draft_inputs(*args.values(), **kw)
