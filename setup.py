@@ -6,6 +6,7 @@ Environment knobs:
   MAX_JOBS=N                     (parallel compile jobs)
 Build with `pip install --no-build-isolation .` so the build uses the torch you run with.
 """
+
 import os
 import shutil
 import subprocess
@@ -31,7 +32,8 @@ class CMakeBuild(build_ext):
             raise RuntimeError(
                 "peagle_ext needs torch at build time. Install it first "
                 "(CPU: pip install torch==2.13.0) and build with "
-                "`pip install --no-build-isolation .`") from e
+                "`pip install --no-build-isolation .`"
+            ) from e
         # get_ext_fullpath("peagle_ext._C") is <build-lib>/peagle_ext/_C.<abi>.so
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,13 @@ class CMakeBuild(build_ext):
         build_temp.mkdir(parents=True, exist_ok=True)
         cfg = os.environ.get("PEAGLE_BUILD_TYPE", "Release")
         args = [
-            "cmake", "-S", str(ROOT), "-B", str(build_temp), "-G", "Ninja",
+            "cmake",
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build_temp),
+            "-G",
+            "Ninja",
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DPython_EXECUTABLE={sys.executable}",
@@ -59,7 +67,6 @@ class CMakeBuild(build_ext):
         if info.exists() and info.resolve() != src_info.resolve():
             shutil.copyfile(info, src_info)
 
-
     @staticmethod
     def _check_op_errors_raise(out_dir: Path):
         """An op's TORCH_CHECK must reach Python as ValueError. Seen on an H200 image whose CXX
@@ -76,7 +83,8 @@ class CMakeBuild(build_ext):
             " torch.ones(3, dtype=torch.bool), 2, 0.7, 0.2, -1, True, 0)\n"
             "except ValueError:\n"
             "    raise SystemExit(0)\n"
-            "raise SystemExit(3)\n")
+            "raise SystemExit(3)\n"
+        )
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(
@@ -85,7 +93,8 @@ class CMakeBuild(build_ext):
                 "does not match the libstdc++ torch loads (seen with CXX=/opt/gcc/bin/g++ on an H200 "
                 "image). Rebuild with the system compiler, e.g. CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ "
                 "pip install --no-build-isolation -e .   (PEAGLE_SKIP_BUILD_CHECK=1 skips this check)\n"
-                + r.stderr[-2000:])
+                + r.stderr[-2000:]
+            )
 
 
 setup(

@@ -56,7 +56,7 @@ TORCH_LIBRARY(peagle, m) {
 
   // ---- vLLM parallel-drafting batch step (csrc/vllm) ----------------------------------
   // [vllm schemas]
-  // DESIGN.md section 6: vLLM's parallel-drafting input step in one op. num_rejected_tokens
+  // docs/design.md section 6: vLLM's parallel-drafting input step in one op. num_rejected_tokens
   // None = no rejected tokens. Returns (input_ids int32[T_out], positions int64[T_out],
   // hidden [T_out, H], is_rejected bool[T_out], is_masked bool[T_out], token_indices_to_sample
   // int32[B*K], hidden_state_mapping int32[T_in], slot_mapping int64[T_out], query_start_loc

@@ -1,5 +1,5 @@
 // COD attention metadata rules shared by the CPU and CUDA implementations (plain C++, no torch),
-// so both back ends derive exactly the same key sets from a layout (DESIGN.md section 3).
+// so both back ends derive exactly the same key sets from a layout (docs/design.md section 3).
 //
 // For query token i (anchor a, depth d, doc start ds = first position of a's document run):
 //   window range  [lo, hi)  = [max(ds, a + d - window + 1), a + 1)        (no window: [ds, a + 1))
@@ -32,8 +32,8 @@ struct TokenRanges {
 };
 
 // window < 0: no window. sink only counts with a window (without one every key is in range).
-PEAGLE_ATTN_HD TokenRanges token_ranges(int32_t anchor, int32_t depth, int32_t doc_of_anchor,
-                                        int32_t doc_start, int64_t window, int64_t sink) {
+PEAGLE_ATTN_HD TokenRanges token_ranges(int32_t anchor, int32_t depth, int32_t doc_of_anchor, int32_t doc_start,
+                                        int64_t window, int64_t sink) {
   TokenRanges r;
   const int64_t a = anchor, ds = doc_start;
   int64_t lo = ds;
@@ -66,7 +66,10 @@ PEAGLE_ATTN_HD bool ranges_cover(const TokenRanges& r, int32_t key) {
 PEAGLE_ATTN_HD int64_t lower_bound_i32(const int32_t* v, int64_t begin, int64_t end, int64_t x) {
   while (begin < end) {
     const int64_t mid = begin + (end - begin) / 2;
-    if (v[mid] < x) begin = mid + 1; else end = mid;
+    if (v[mid] < x)
+      begin = mid + 1;
+    else
+      end = mid;
   }
   return begin;
 }

@@ -18,9 +18,9 @@ struct AttnShapes {
 
 inline void check_metadata_inputs(const at::Tensor& anchor, const at::Tensor& depth, const at::Tensor& document_ids,
                                   at::IntArrayRef depth_offsets, bool cross, int64_t window, int64_t sink) {
-  TORCH_CHECK_TYPE(anchor.scalar_type() == at::kInt && depth.scalar_type() == at::kInt &&
-                       document_ids.scalar_type() == at::kInt,
-                   "cod_attention_metadata: anchor, depth and document_ids must be int32");
+  TORCH_CHECK_TYPE(
+      anchor.scalar_type() == at::kInt && depth.scalar_type() == at::kInt && document_ids.scalar_type() == at::kInt,
+      "cod_attention_metadata: anchor, depth and document_ids must be int32");
   TORCH_CHECK_VALUE(anchor.dim() == 1 && depth.dim() == 1 && anchor.size(0) == depth.size(0),
                     "cod_attention_metadata: anchor and depth must be 1-D of the same length, got ", anchor.sizes(),
                     " and ", depth.sizes());
@@ -31,12 +31,14 @@ inline void check_metadata_inputs(const at::Tensor& anchor, const at::Tensor& de
   TORCH_CHECK_VALUE(anchor.device() == depth.device() && anchor.device() == document_ids.device(),
                     "cod_attention_metadata: anchor, depth and document_ids must be on one device");
   const int64_t K = static_cast<int64_t>(depth_offsets.size()) - 1;
-  TORCH_CHECK_VALUE(K >= 1 && K <= kMaxChain, "cod_attention_metadata: depth_offsets must hold K+1 entries with 1 <= K <= ",
-                    kMaxChain, ", got ", depth_offsets.size());
+  TORCH_CHECK_VALUE(K >= 1 && K <= kMaxChain,
+                    "cod_attention_metadata: depth_offsets must hold K+1 entries with 1 <= K <= ", kMaxChain, ", got ",
+                    depth_offsets.size());
   TORCH_CHECK_VALUE(depth_offsets[0] == 0 && depth_offsets[K] == anchor.size(0),
                     "cod_attention_metadata: depth_offsets must run from 0 to T=", anchor.size(0));
   for (int64_t e = 0; e < K; ++e)
-    TORCH_CHECK_VALUE(depth_offsets[e] <= depth_offsets[e + 1], "cod_attention_metadata: depth_offsets must be nondecreasing");
+    TORCH_CHECK_VALUE(depth_offsets[e] <= depth_offsets[e + 1],
+                      "cod_attention_metadata: depth_offsets must be nondecreasing");
   TORCH_CHECK_VALUE(cross || depth_offsets[1] == document_ids.size(0),
                     "cod_attention_metadata: symmetric mode needs the first N=", document_ids.size(0),
                     " layout tokens to be depth 0 (cod_sample depth0='all'), got ", depth_offsets[1]);
@@ -61,12 +63,13 @@ inline AttnShapes check_attention_inputs(const char* op, const at::Tensor& q, co
   s.Hkv = k.size(1);
   s.K = static_cast<int64_t>(depth_offsets.size()) - 1;
   s.cross = context_k.has_value();
-  TORCH_CHECK_VALUE(context_k.has_value() == context_v.has_value(), op, ": give both context_k and context_v or neither");
+  TORCH_CHECK_VALUE(context_k.has_value() == context_v.has_value(), op,
+                    ": give both context_k and context_v or neither");
   TORCH_CHECK_VALUE(k.size(0) == s.T && v.size(0) == s.T, op, ": k and v must have T=", s.T, " rows");
   TORCH_CHECK_VALUE(v.sizes() == k.sizes(), op, ": v must have the shape of k ", k.sizes(), ", got ", v.sizes());
   TORCH_CHECK_VALUE(k.size(2) == s.D, op, ": k must have head dim ", s.D, ", got ", k.size(2));
-  TORCH_CHECK_VALUE(s.Hkv >= 1 && s.Hq % s.Hkv == 0, op, ": q heads (", s.Hq, ") must be a multiple of kv heads (", s.Hkv,
-                    ")");
+  TORCH_CHECK_VALUE(s.Hkv >= 1 && s.Hq % s.Hkv == 0, op, ": q heads (", s.Hq, ") must be a multiple of kv heads (",
+                    s.Hkv, ")");
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
                    ": q, k, v must have one dtype");
   TORCH_CHECK_VALUE(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), op, ": q, k, v must be contiguous");

@@ -24,7 +24,7 @@ struct CodCudaProblem {
   int64_t max_anchors = -1;               // -1 = no anchor subsampling
   bool depth0_all = true;
   uint64_t seed = 0;
-  int bin_bits = 0;                       // histogram bits of the selection (1..16), see below
+  int bin_bits = 0;  // histogram bits of the selection (1..16), see below
 };
 
 // What phase 1 hands to the host: depth_offsets[0..K] and the smallest document id seen

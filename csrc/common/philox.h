@@ -30,7 +30,10 @@ PEAGLE_HD uint32_t philox_u32(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t 
     philox_mulhilo(0xCD9E8D57u, x2, hi1, lo1);
     const uint32_t n0 = hi1 ^ x1 ^ k0;
     const uint32_t n2 = hi0 ^ x3 ^ k1;
-    x0 = n0; x1 = lo1; x2 = n2; x3 = lo0;
+    x0 = n0;
+    x1 = lo1;
+    x2 = n2;
+    x3 = lo0;
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }

@@ -25,8 +25,8 @@ DraftShapes check_parallel_draft_inputs(const at::Tensor& target_token_ids, cons
                                         const at::Tensor& next_token_ids, const at::Tensor& query_start_loc,
                                         const std::optional<at::Tensor>& num_rejected_tokens,
                                         const at::Tensor& target_hidden, const at::Tensor& mask_hidden,
-                                        const at::Tensor& block_table, int64_t num_spec_tokens,
-                                        int64_t mask_token_id, int64_t block_size, int64_t max_model_len);
+                                        const at::Tensor& block_table, int64_t num_spec_tokens, int64_t mask_token_id,
+                                        int64_t block_size, int64_t max_model_len);
 
 // The nine outputs of the out= form: shapes, dtypes, device, contiguity, and no overlap with
 // an input they are computed from.
@@ -38,8 +38,8 @@ void check_parallel_draft_outputs(const DraftShapes& s, int64_t num_spec_tokens,
                                   const at::Tensor& token_indices_to_sample, const at::Tensor& hidden_state_mapping,
                                   const at::Tensor& slot_mapping, const at::Tensor& new_query_start_loc);
 
-using DraftOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                at::Tensor, at::Tensor, at::Tensor>;
+using DraftOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                at::Tensor, at::Tensor>;
 
 DraftOutputs allocate_parallel_draft_outputs(const DraftShapes& s, int64_t num_spec_tokens,
                                              const at::Tensor& target_hidden);

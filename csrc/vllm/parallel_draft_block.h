@@ -142,8 +142,8 @@ PEAGLE_HD void phase_hidden(const ParallelDraftParams& p, int64_t vecs_per_row, 
 // One thread per row: ids, positions, masks, slot mapping, sample index, hidden mapping.
 // After the copy, so its dependent loads (position -> block table) overlap the copy's stores.
 template <class Mem>
-PEAGLE_HD void phase_scalars(const ParallelDraftParams& p, const QslReader<Mem>& qsl, int64_t row_begin,
-                             int rows_here, const int32_t* s_req, int tid, int nthreads) {
+PEAGLE_HD void phase_scalars(const ParallelDraftParams& p, const QslReader<Mem>& qsl, int64_t row_begin, int rows_here,
+                             const int32_t* s_req, int tid, int nthreads) {
   const int64_t K = p.num_spec_tokens;
   for (int t = tid; t < rows_here; t += nthreads) {
     const int64_t o = row_begin + t;

@@ -1,4 +1,4 @@
-// vLLM parallel-drafting batch step (DESIGN.md section 6): the launcher of the one CUDA
+// vLLM parallel-drafting batch step (docs/design.md section 6): the launcher of the one CUDA
 // kernel, and the per-row rule shared by the CPU and CUDA implementations. Plain C++, no
 // torch: the .cu file includes this and is compiled by nvcc without any torch header.
 #pragma once
@@ -38,14 +38,13 @@ struct DraftRow {
 // num_rejected in [0, qe - qs - 1]; out_start = qs + r * (K - 1). Input reads are guarded so
 // that inconsistent metadata (unchecked on CUDA) never reads out of bounds.
 template <typename LoadTokenFn, typename LoadBlockFn>
-PEAGLE_HD DraftRow draft_row(int64_t o, int64_t r, int64_t qs, int64_t qe, int64_t num_rejected,
-                             int64_t start_position, int32_t next_token, int64_t K,
-                             int64_t num_input_tokens, int32_t mask_token_id, int64_t block_size,
-                             int64_t max_model_len, int64_t max_blocks, LoadTokenFn load_token,
+PEAGLE_HD DraftRow draft_row(int64_t o, int64_t r, int64_t qs, int64_t qe, int64_t num_rejected, int64_t start_position,
+                             int32_t next_token, int64_t K, int64_t num_input_tokens, int32_t mask_token_id,
+                             int64_t block_size, int64_t max_model_len, int64_t max_blocks, LoadTokenFn load_token,
                              LoadBlockFn load_block) {
   const int64_t len = qe - qs;
   const int64_t num_valid = len - 1 - num_rejected;  // shifted tokens copied from the input
-  const int64_t j = o - (qs + r * (K - 1));         // offset inside the request's output
+  const int64_t j = o - (qs + r * (K - 1));          // offset inside the request's output
   DraftRow row;
   row.is_rejected = j >= num_valid + K;
   row.is_masked = j > num_valid && j < num_valid + K;
@@ -73,7 +72,7 @@ PEAGLE_HD DraftRow draft_row(int64_t o, int64_t r, int64_t qs, int64_t qe, int64
   if (row.is_rejected || row.position >= max_model_len || row.position < 0) {
     row.slot = kPaddingSlotId;
   } else {
-    int64_t block = row.position / block_size;  // position < max_model_len: clamp is a no-op
+    int64_t block = row.position / block_size;        // position < max_model_len: clamp is a no-op
     if (block >= max_blocks) block = max_blocks - 1;  // guarded by a host check; memory safety
     row.slot = static_cast<int64_t>(load_block(r, block)) * block_size + row.position % block_size;
   }
@@ -98,38 +97,41 @@ PEAGLE_HD int64_t find_request(int64_t o, int64_t B, int64_t K, LoadQslFn load_q
   int64_t lo = 0, hi = B - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) >> 1;
-    if (static_cast<int64_t>(load_qsl(mid)) + mid * (K - 1) <= o) lo = mid; else hi = mid - 1;
+    if (static_cast<int64_t>(load_qsl(mid)) + mid * (K - 1) <= o)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
 
 struct ParallelDraftParams {
   // inputs
-  const int32_t* target_token_ids;    // [T_in]
-  const int64_t* target_positions;    // [T_in]
-  const int32_t* next_token_ids;      // [B]
-  const int32_t* query_start_loc;     // [B+1]
-  const int32_t* num_rejected;        // [B] or nullptr (= all zero)
-  const void* target_hidden;          // [T_in, H]
-  const void* mask_hidden;            // [H]
-  const int32_t* block_table;         // [>= B, max_blocks], row stride block_table_stride
+  const int32_t* target_token_ids;  // [T_in]
+  const int64_t* target_positions;  // [T_in]
+  const int32_t* next_token_ids;    // [B]
+  const int32_t* query_start_loc;   // [B+1]
+  const int32_t* num_rejected;      // [B] or nullptr (= all zero)
+  const void* target_hidden;        // [T_in, H]
+  const void* mask_hidden;          // [H]
+  const int32_t* block_table;       // [>= B, max_blocks], row stride block_table_stride
   // outputs
-  int32_t* input_ids;                 // [T_out]
-  int64_t* positions;                 // [T_out]
-  void* hidden;                       // [T_out, H]
-  bool* is_rejected;                  // [T_out]
-  bool* is_masked;                    // [T_out]
-  int32_t* token_indices_to_sample;   // [B*K]
-  int32_t* hidden_state_mapping;      // [T_in]
-  int64_t* slot_mapping;              // [T_out]
-  int32_t* out_query_start_loc;       // [B+1]
+  int32_t* input_ids;                // [T_out]
+  int64_t* positions;                // [T_out]
+  void* hidden;                      // [T_out, H]
+  bool* is_rejected;                 // [T_out]
+  bool* is_masked;                   // [T_out]
+  int32_t* token_indices_to_sample;  // [B*K]
+  int32_t* hidden_state_mapping;     // [T_in]
+  int64_t* slot_mapping;             // [T_out]
+  int32_t* out_query_start_loc;      // [B+1]
   // sizes
-  int64_t num_input_tokens;           // T_in
-  int64_t num_output_tokens;          // T_out = T_in + (K-1)*B
-  int64_t batch_size;                 // B
-  int64_t num_spec_tokens;            // K >= 1
-  int64_t hidden_row_bytes;           // H * element size
-  int64_t block_table_stride;         // elements between block_table rows
+  int64_t num_input_tokens;    // T_in
+  int64_t num_output_tokens;   // T_out = T_in + (K-1)*B
+  int64_t batch_size;          // B
+  int64_t num_spec_tokens;     // K >= 1
+  int64_t hidden_row_bytes;    // H * element size
+  int64_t block_table_stride;  // elements between block_table rows
   int64_t max_blocks;
   int64_t block_size;
   int64_t max_model_len;
@@ -142,7 +144,8 @@ inline int copy_unit_bytes(const ParallelDraftParams& p) {
   const int units[] = {16, 8, 4, 2};
   for (int w : units) {
     const bool ok = p.hidden_row_bytes % w == 0 && reinterpret_cast<uintptr_t>(p.target_hidden) % w == 0 &&
-                    reinterpret_cast<uintptr_t>(p.mask_hidden) % w == 0 && reinterpret_cast<uintptr_t>(p.hidden) % w == 0;
+                    reinterpret_cast<uintptr_t>(p.mask_hidden) % w == 0 &&
+                    reinterpret_cast<uintptr_t>(p.hidden) % w == 0;
     if (ok) return w;
   }
   return 0;

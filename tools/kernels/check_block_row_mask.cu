@@ -15,14 +15,18 @@ using peagle::attention::cuda::RowRanges;
 
 int main() {
   std::mt19937 rng(12345);
-  const int special[] = {INT_MIN, INT_MIN + 1, -1000, -7, -1, 0, 1, 5, 63, 64, 65, 127, 128, 129, 1000,
-                         INT_MAX - 1, INT_MAX};
+  const int special[] = {INT_MIN, INT_MIN + 1, -1000, -7,  -1,  0,    1,           5,      63,
+                         64,      65,          127,   128, 129, 1000, INT_MAX - 1, INT_MAX};
   auto pick = [&](int j0, int bn) -> int {
     switch (rng() % 4) {
-      case 0: return special[rng() % (sizeof(special) / sizeof(int))];
-      case 1: return j0 + static_cast<int>(rng() % (3 * bn)) - bn;  // around the block
-      case 2: return j0 + static_cast<int>(rng() % (bn + 1));       // inside / on the edges
-      default: return static_cast<int>(rng() % 5000);
+      case 0:
+        return special[rng() % (sizeof(special) / sizeof(int))];
+      case 1:
+        return j0 + static_cast<int>(rng() % (3 * bn)) - bn;  // around the block
+      case 2:
+        return j0 + static_cast<int>(rng() % (bn + 1));  // inside / on the edges
+      default:
+        return static_cast<int>(rng() % 5000);
     }
   };
   long long checked = 0, bad = 0;
@@ -39,8 +43,10 @@ int main() {
           const bool want = r.allows(j0 + 2 * t + jj, jend), got = m.allows(jj);
           ++checked;
           if (want != got && ++bad <= 10)
-            std::printf("MISMATCH j0=%d bn=%d jend=%d t=%d jj=%d ranges lo=%d hi=%d slo=%d shi=%d valid=%d: "
-                        "allows=%d mask=%d\n", j0, bn, jend, t, jj, r.lo, r.hi, r.slo, r.shi, r.valid, want, got);
+            std::printf(
+                "MISMATCH j0=%d bn=%d jend=%d t=%d jj=%d ranges lo=%d hi=%d slo=%d shi=%d valid=%d: "
+                "allows=%d mask=%d\n",
+                j0, bn, jend, t, jj, r.lo, r.hi, r.slo, r.shi, r.valid, want, got);
         }
     }
   }

@@ -37,20 +37,17 @@
 
 using namespace peagle::attention::cuda;
 
-#define CHECK_CUDA(x)                                                                                  \
-  do {                                                                                                 \
-    cudaError_t e_ = (x);                                                                              \
-    if (e_ != cudaSuccess) {                                                                           \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__,            \
-                  cudaGetErrorString(e_));                                                             \
-      std::exit(3);                                                                                    \
-    }                                                                                                  \
+#define CHECK_CUDA(x)                                                                                                \
+  do {                                                                                                               \
+    cudaError_t e_ = (x);                                                                                            \
+    if (e_ != cudaSuccess) {                                                                                         \
+      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(3);                                                                                                  \
+    }                                                                                                                \
   } while (0)
 
 // 1024-byte aligned shared-memory base (B128 swizzle atoms; the launch adds 1024 bytes of slack)
-__device__ __forceinline__ uint32_t aligned_smem_base(unsigned char* raw) {
-  return (smem_u32(raw) + 1023u) & ~1023u;
-}
+__device__ __forceinline__ uint32_t aligned_smem_base(unsigned char* raw) { return (smem_u32(raw) + 1023u) & ~1023u; }
 
 // accumulator fragment -> row-major C[64][N] (warp w: rows 16 w + g, + 8; columns 8 n + 2 t, + 1)
 template <int N>
@@ -215,16 +212,24 @@ __global__ void __launch_bounds__(128) dq_chain_kernel(const T* Q, const T* K, f
 template <typename T>
 T to16(float x);
 template <>
-__nv_bfloat16 to16<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+__nv_bfloat16 to16<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
 template <>
-__half to16<__half>(float x) { return __float2half(x); }
+__half to16<__half>(float x) {
+  return __float2half(x);
+}
 
 template <typename T>
 const char* tname();
 template <>
-const char* tname<__nv_bfloat16>() { return "bf16"; }
+const char* tname<__nv_bfloat16>() {
+  return "bf16";
+}
 template <>
-const char* tname<__half>() { return "fp16"; }
+const char* tname<__half>() {
+  return "fp16";
+}
 
 std::mt19937 rng(1234);
 // integer values in [-r, r]: exact in 16 bits and every sum here exact in fp32

@@ -1,4 +1,4 @@
-// COD attention on the CPU (DESIGN.md section 3): metadata, forward, backward.
+// COD attention on the CPU (docs/design.md section 3): metadata, forward, backward.
 //
 // The same algorithm as the CUDA kernels, so the index logic the GPU relies on is exercised by
 // the CPU tests: queries are processed in tiles of consecutive rows of one depth, each tile's
@@ -70,10 +70,20 @@ inline Spans merge_spans(int64_t wlo, int64_t whi, int64_t slo, int64_t shi) {
   Spans s;
   const bool has_w = wlo < whi, has_s = slo < shi;
   if (has_w && has_s && slo <= whi && wlo <= shi) {
-    s.lo[0] = std::min(slo, wlo); s.hi[0] = std::max(shi, whi); s.n = 1;
+    s.lo[0] = std::min(slo, wlo);
+    s.hi[0] = std::max(shi, whi);
+    s.n = 1;
   } else {
-    if (has_s) { s.lo[s.n] = slo; s.hi[s.n] = shi; ++s.n; }
-    if (has_w) { s.lo[s.n] = wlo; s.hi[s.n] = whi; ++s.n; }
+    if (has_s) {
+      s.lo[s.n] = slo;
+      s.hi[s.n] = shi;
+      ++s.n;
+    }
+    if (has_w) {
+      s.lo[s.n] = wlo;
+      s.hi[s.n] = whi;
+      ++s.n;
+    }
   }
   return s;
 }
@@ -85,8 +95,14 @@ Spans tile_key_spans(const Ranges& R, int64_t r0, int64_t r1, bool use_sink) {
   int64_t slo = wlo, shi = whi;
   for (int64_t i = r0; i < r1; ++i) {
     if (!R.valid[i]) continue;
-    if (R.lo[i] < R.hi[i]) { wlo = std::min<int64_t>(wlo, R.lo[i]); whi = std::max<int64_t>(whi, R.hi[i]); }
-    if (use_sink && R.slo[i] < R.shi[i]) { slo = std::min<int64_t>(slo, R.slo[i]); shi = std::max<int64_t>(shi, R.shi[i]); }
+    if (R.lo[i] < R.hi[i]) {
+      wlo = std::min<int64_t>(wlo, R.lo[i]);
+      whi = std::max<int64_t>(whi, R.hi[i]);
+    }
+    if (use_sink && R.slo[i] < R.shi[i]) {
+      slo = std::min<int64_t>(slo, R.slo[i]);
+      shi = std::max<int64_t>(shi, R.shi[i]);
+    }
   }
   return merge_spans(wlo, whi, slo, shi);
 }
@@ -127,8 +143,8 @@ struct Geometry {
 
 template <typename acc_t>
 struct Inputs {
-  const acc_t* q;   // [T, Hq, D]
-  const acc_t* k;   // [T, Hkv, D] layout tokens
+  const acc_t* q;  // [T, Hq, D]
+  const acc_t* k;  // [T, Hkv, D] layout tokens
   const acc_t* v;
   const acc_t* rk;  // range keys: symmetric = k (rows 0..N-1), cross = context_k [N, Hkv, D]
   const acc_t* rv;
@@ -210,9 +226,9 @@ void forward_impl(const Geometry& G, const Inputs<acc_t>& in, const Ranges& R, c
 // ---------------------------------------------------------------- backward
 template <typename acc_t>
 struct BwdInputs {
-  const acc_t* dout;  // [T, Hq, D]
-  const acc_t* lse;   // [Hq, T] (float64 for float64 inputs, else float32)
-  const acc_t* delta; // [Hq, T]: rowsum(dO * O)
+  const acc_t* dout;   // [T, Hq, D]
+  const acc_t* lse;    // [Hq, T] (float64 for float64 inputs, else float32)
+  const acc_t* delta;  // [Hq, T]: rowsum(dO * O)
 };
 
 // dQ: query-major, same iteration as the forward.
@@ -285,7 +301,10 @@ void dq_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<acc_t>&
 inline Spans key_block_queries(const Ranges& R, int64_t b, int64_t e, int64_t j0, int64_t j1, bool use_sink) {
   const int64_t wb = lower_bound_i32(R.hi, b, e, j0 + 1), we = lower_bound_i32(R.lo, b, e, j1);
   int64_t sb = 0, se = 0;
-  if (use_sink) { sb = lower_bound_i32(R.shi, b, e, j0 + 1); se = lower_bound_i32(R.slo, b, e, j1); }
+  if (use_sink) {
+    sb = lower_bound_i32(R.shi, b, e, j0 + 1);
+    se = lower_bound_i32(R.slo, b, e, j1);
+  }
   return merge_spans(wb, we, sb, se);
 }
 
@@ -377,7 +396,10 @@ void dkv_chain_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<
 // Calls f(double{}) for float64 compute, f(float{}) otherwise.
 template <typename F>
 void dispatch_compute(at::ScalarType t, F&& f) {
-  if (t == at::kDouble) f(double{}); else f(float{});
+  if (t == at::kDouble)
+    f(double{});
+  else
+    f(float{});
 }
 
 at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
@@ -387,9 +409,10 @@ at::Tensor as_compute(const at::Tensor& t) { return t.to(compute_type(t.scalar_t
 }  // namespace
 
 // ---------------------------------------------------------------- ops
-std::tuple<at::Tensor, at::Tensor> cod_attention_metadata_cpu(
-    const at::Tensor& anchor, const at::Tensor& depth, const at::Tensor& document_ids, at::IntArrayRef depth_offsets,
-    bool cross, int64_t window, int64_t sink) {
+std::tuple<at::Tensor, at::Tensor> cod_attention_metadata_cpu(const at::Tensor& anchor, const at::Tensor& depth,
+                                                              const at::Tensor& document_ids,
+                                                              at::IntArrayRef depth_offsets, bool cross, int64_t window,
+                                                              int64_t sink) {
   check_metadata_inputs(anchor, depth, document_ids, depth_offsets, cross, window, sink);
   const int64_t T = anchor.size(0), N = document_ids.size(0), K = static_cast<int64_t>(depth_offsets.size()) - 1;
   const int32_t* a = anchor.data_ptr<int32_t>();
@@ -410,8 +433,10 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_metadata_cpu(
     }
   if (!cross)
     for (int64_t i = 0; i < N; ++i)
-      TORCH_CHECK_VALUE(a[i] == i, "cod_attention: symmetric mode needs depth 0 = every position 0..N-1 "
-                        "(cod_sample depth0='all'); token ", i, " has anchor ", a[i]);
+      TORCH_CHECK_VALUE(a[i] == i,
+                        "cod_attention: symmetric mode needs depth 0 = every position 0..N-1 "
+                        "(cod_sample depth0='all'); token ",
+                        i, " has anchor ", a[i]);
   std::vector<int32_t> start(N);
   for (int64_t p = 0; p < N; ++p) start[p] = (p > 0 && doc[p] == doc[p - 1]) ? start[p - 1] : static_cast<int32_t>(p);
   at::Tensor ranges = at::empty({kNumRangeFields, T}, anchor.options());
@@ -427,7 +452,8 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_metadata_cpu(
     rg[kSinkHi * T + i] = r.shi;
     rg[kValid * T + i] = r.valid;
     for (int64_t e = 0; e < K; ++e) {
-      const int32_t c = chain_key(a, depth_offsets[e], depth_offsets[e + 1], a[i], dep[i], static_cast<int>(e), !cross, r);
+      const int32_t c =
+          chain_key(a, depth_offsets[e], depth_offsets[e + 1], a[i], dep[i], static_cast<int>(e), !cross, r);
       ch[i * K + e] = c;
       if (c >= 0) rc[static_cast<int64_t>(c) * K + dep[i]] = static_cast<int32_t>(i);
     }
@@ -462,8 +488,8 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_fwd_cpu(const at::Tensor& q, co
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_attention_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& context_k, const std::optional<at::Tensor>& context_v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& ranges, const at::Tensor& chains,
-    at::IntArrayRef depth_offsets, double scale, bool use_sink) {
+    const at::Tensor& lse, const at::Tensor& ranges, const at::Tensor& chains, at::IntArrayRef depth_offsets,
+    double scale, bool use_sink) {
   const AttnShapes S = check_attention_inputs("cod_attention_bwd", q, k, v, context_k, context_v, ranges, chains,
                                               depth_offsets, /*cuda=*/false);
   check_backward_inputs(S, dout, out, lse);
@@ -493,8 +519,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
     scalar_t* rdv = S.cross ? dcv.data_ptr<scalar_t>() : dv.data_ptr<scalar_t>();
     if (G.N > 0) dkv_range_impl<scalar_t>(G, in, bw, R, offsets, scale, use_sink, rdk, rdv);
     // the range pass wrote rows 0..N-1 of dk/dv in symmetric mode: the chain pass adds there
-    dkv_chain_impl<scalar_t>(G, in, bw, rchain, S.K, scale, dk.data_ptr<scalar_t>(),
-                             dv.data_ptr<scalar_t>(), S.cross ? 0 : G.N);
+    dkv_chain_impl<scalar_t>(G, in, bw, rchain, S.K, scale, dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                             S.cross ? 0 : G.N);
     // dK = scale * sum dS q
     dk.mul_(scale);
     if (S.cross) dck.mul_(scale);

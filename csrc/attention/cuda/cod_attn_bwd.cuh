@@ -249,7 +249,7 @@ struct DkvConfig {
   static constexpr int kThreads = 128;
   static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
   static constexpr int kTileBytes = (2 * kBN * D + 4 * BMQ * D) * 2;  // K, V + 2 stages of Q, dO
-  static constexpr int kDsBytes = DQ_ATOMIC ? kBN * BMQ * 2 : 0;     // dS^T [kBN keys][BMQ queries]
+  static constexpr int kDsBytes = DQ_ATOMIC ? kBN * BMQ * 2 : 0;      // dS^T [kBN keys][BMQ queries]
   static constexpr int kSmemBytes =
       kTileBytes + kDsBytes + (2 * kMetaFields * BMQ + 4 * kMaxChain + 2 * kMaxChain + 1) * 4;
 };
@@ -338,8 +338,14 @@ __device__ __forceinline__ int dkv_query_spans(const CodAttnParams& p, int j0, i
       lo0 = static_cast<int>(min(wb, sb));
       hi0 = static_cast<int>(max(we, se));
     } else {
-      if (hs) { lo0 = static_cast<int>(sb); hi0 = static_cast<int>(se); }
-      if (hw) { lo1 = static_cast<int>(wb); hi1 = static_cast<int>(we); }
+      if (hs) {
+        lo0 = static_cast<int>(sb);
+        hi0 = static_cast<int>(se);
+      }
+      if (hw) {
+        lo1 = static_cast<int>(wb);
+        hi1 = static_cast<int>(we);
+      }
     }
     s_span_lo[2 * e] = lo0;
     s_span_hi[2 * e] = hi0;
@@ -364,8 +370,8 @@ __device__ __forceinline__ int dkv_query_spans(const CodAttnParams& p, int j0, i
 // the group's heads one after the other from h0): q head h, query rows [i0, min(i0 + BMQ, iend)) of
 // one run.
 template <int BMQ>
-__device__ __forceinline__ void dkv_locate(int it, int total_blocks, int h0, const int* s_span_lo,
-                                           const int* s_span_hi, const int* s_blk_off, int& h, int& i0, int& iend) {
+__device__ __forceinline__ void dkv_locate(int it, int total_blocks, int h0, const int* s_span_lo, const int* s_span_hi,
+                                           const int* s_blk_off, int& h, int& i0, int& iend) {
   h = h0 + it / total_blocks;
   const int rem = it % total_blocks;
   int sp = 0;
@@ -386,9 +392,9 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
   // dS^T [BN keys][BMQ queries] (DQ_ATOMIC only; kTileBytes is a multiple of 128 bytes)
   unsigned char* sdS = smem + Cfg::kTileBytes;
   int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes + Cfg::kDsBytes);  // [2][MF][BMQ]
-  int* s_span_lo = s_meta + 2 * MF * BMQ;                         // [2K]
-  int* s_span_hi = s_span_lo + 2 * kMaxChain;                     // [2K]
-  int* s_blk_off = s_span_hi + 2 * kMaxChain;                     // [2K + 1]
+  int* s_span_lo = s_meta + 2 * MF * BMQ;                                        // [2K]
+  int* s_span_hi = s_span_lo + 2 * kMaxChain;                                    // [2K]
+  int* s_blk_off = s_span_hi + 2 * kMaxChain;                                    // [2K + 1]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -425,9 +431,12 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
       const int64_t i = int64_t(i0) + r;
       bool ok = i < iend && (p.use_sink || (field != kSinkLo && field != kSinkHi));
       const void* src;
-      if (field < kNumRangeFields) src = p.ranges + field * T_ + (ok ? i : 0);
-      else if (field == 5) src = p.lse + int64_t(h) * T_ + (ok ? i : 0);
-      else src = p.delta + int64_t(h) * T_ + (ok ? i : 0);
+      if (field < kNumRangeFields)
+        src = p.ranges + field * T_ + (ok ? i : 0);
+      else if (field == 5)
+        src = p.lse + int64_t(h) * T_ + (ok ? i : 0);
+      else
+        src = p.delta + int64_t(h) * T_ + (ok ? i : 0);
       cp_async4(m + x * 4, src, ok);
     }
   };
@@ -587,8 +596,10 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
           const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
           const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
           if (i < iend) {
-            if (odd) atomic_add4(row + 8 * n, r0, r1, c[2], c[3]);
-            else atomic_add4(row + 8 * n, c[0], c[1], r0, r1);
+            if (odd)
+              atomic_add4(row + 8 * n, r0, r1, c[2], c[3]);
+            else
+              atomic_add4(row + 8 * n, c[0], c[1], r0, r1);
           }
         }
       }
@@ -704,11 +715,15 @@ __global__ void __launch_bounds__(256) cod_attn_dq_finish_kernel(const CodAttnPa
     const float* src = p.dq_accum + off;
     if constexpr (EPL == 4) {
       const float4 a = *reinterpret_cast<const float4*>(src);
-      acc[0] = a.x; acc[1] = a.y; acc[2] = a.z; acc[3] = a.w;
+      acc[0] = a.x;
+      acc[1] = a.y;
+      acc[2] = a.z;
+      acc[3] = a.w;
     } else {
       static_assert(EPL == 2, "head dim 64 or 128");
       const float2 a = *reinterpret_cast<const float2*>(src);
-      acc[0] = a.x; acc[1] = a.y;
+      acc[0] = a.x;
+      acc[1] = a.y;
     }
     const int32_t* ch = p.chain + i * p.K;
     const int64_t kld = int64_t(p.Hkv) * D;
@@ -743,10 +758,10 @@ __global__ void __launch_bounds__(256) cod_attn_dq_finish_kernel(const CodAttnPa
 }
 
 // ---------------------------------------------------------------- launch
-// PEAGLE_ATTN_BWD=wgmma (p.bwd_variant kBwdWgmma / kBwdWgmma64): pass 3 runs cod_attn_dkv_wgmma_kernel (sm_90a warpgroup
-// MMAs, cod_attn_bwd_wgmma.cuh) instead of cod_attn_dkv_kernel<..., false>; delta and chain dK/dV
-// are the deterministic default's. Defined in cod_attn_bwd_wgmma_sm90a.cu (compiled for sm_90a alone),
-// or, in builds without it, in cod_attn_launch.cu as "not supported".
+// PEAGLE_ATTN_BWD=wgmma (p.bwd_variant kBwdWgmma / kBwdWgmma64): pass 3 runs cod_attn_dkv_wgmma_kernel (sm_90a
+// warpgroup MMAs, cod_attn_bwd_wgmma.cuh) instead of cod_attn_dkv_kernel<..., false>; delta and chain dK/dV are the
+// deterministic default's. Defined in cod_attn_bwd_wgmma_sm90a.cu (compiled for sm_90a alone), or, in builds without
+// it, in cod_attn_launch.cu as "not supported".
 cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 // With it, pass 2 runs cod_attn_dq_wgmma_kernel (cod_attn_dq_wgmma.cuh: the same tiles and outputs
 // on warpgroup MMAs) instead of cod_attn_dq_kernel; defined in cod_attn_dq_wgmma_sm90a.cu (or as

@@ -35,7 +35,7 @@ struct DkvWgmmaConfig {
   static constexpr int kStages = STAGES;
   static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
   static constexpr int kKTileBytes = kBN * D * 2;
-  static constexpr int kQTileBytes = BMQ * D * 2;  // one stage of Q (or dO)
+  static constexpr int kQTileBytes = BMQ * D * 2;                                // one stage of Q (or dO)
   static constexpr int kTileBytes = 2 * kKTileBytes + 2 * STAGES * kQTileBytes;  // K, V + the stages of Q, dO
   static_assert(kKTileBytes % 1024 == 0 && kQTileBytes % 1024 == 0, "tiles must keep 1024-byte alignment");
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes in the kernel
@@ -118,7 +118,8 @@ __device__ __forceinline__ void dkv_wgmma_elementwise_as(const float (&st)[BMQ /
       const int n = 2 * kq + h;
 #pragma unroll
       for (int x = 0; x < 4; ++x)
-        dkv_p_ds<BMQ, MASKED>(st[n][x], dpt[n][x], m, 8 * n + 2 * t + (x & 1), key_row[x >> 1], sl2, pv[h][x], ds[h][x]);
+        dkv_p_ds<BMQ, MASKED>(st[n][x], dpt[n][x], m, 8 * n + 2 * t + (x & 1), key_row[x >> 1], sl2, pv[h][x],
+                              ds[h][x]);
     }
     pa[kq][0] = Pack<T>::two(pv[0][0], pv[0][1]);
     pa[kq][1] = Pack<T>::two(pv[0][2], pv[0][3]);
@@ -208,8 +209,8 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
   const uint32_t sKa = base, sVa = base + Cfg::kKTileBytes;
-  const uint32_t sQa = base + 2 * Cfg::kKTileBytes;         // [stages] B128 tiles [BMQ][D]
-  const uint32_t sdOa = sQa + Cfg::kStages * Cfg::kQTileBytes;  // [stages]
+  const uint32_t sQa = base + 2 * Cfg::kKTileBytes;              // [stages] B128 tiles [BMQ][D]
+  const uint32_t sdOa = sQa + Cfg::kStages * Cfg::kQTileBytes;   // [stages]
   int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [stages][MF][BMQ]
   int* s_span_lo = s_meta + Cfg::kStages * MF * BMQ;             // [2K]
   int* s_span_hi = s_span_lo + 2 * kMaxChain;                    // [2K]
@@ -240,8 +241,8 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
     locate(it, h, i0, iend);
     wg::load_tile_sw128<BMQ, D, NT>(sQa + stage * kStageBytes, static_cast<const T*>(p.q) + int64_t(h) * D, qld, i0,
                                     iend, tid);
-    wg::load_tile_sw128<BMQ, D, NT>(sdOa + stage * kStageBytes, static_cast<const T*>(p.dout) + int64_t(h) * D, qld,
-                                    i0, iend, tid);
+    wg::load_tile_sw128<BMQ, D, NT>(sdOa + stage * kStageBytes, static_cast<const T*>(p.dout) + int64_t(h) * D, qld, i0,
+                                    iend, tid);
     // rows past the run are zero-filled, i.e. invalid (and never read as valid)
     const uint32_t m = smem_u32(s_meta + stage * MF * BMQ);
     for (int x = tid; x < MF * BMQ; x += NT) {
@@ -249,9 +250,12 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
       const int64_t i = int64_t(i0) + r;
       bool ok = i < iend && (p.use_sink || (field != kSinkLo && field != kSinkHi));
       const void* src;
-      if (field < kNumRangeFields) src = p.ranges + field * T_ + (ok ? i : 0);
-      else if (field == 5) src = p.lse + int64_t(h) * T_ + (ok ? i : 0);
-      else src = p.delta + int64_t(h) * T_ + (ok ? i : 0);
+      if (field < kNumRangeFields)
+        src = p.ranges + field * T_ + (ok ? i : 0);
+      else if (field == 5)
+        src = p.lse + int64_t(h) * T_ + (ok ? i : 0);
+      else
+        src = p.delta + int64_t(h) * T_ + (ok ? i : 0);
       cp_async4(m + x * 4, src, ok);
     }
   };

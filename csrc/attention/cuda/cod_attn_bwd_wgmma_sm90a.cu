@@ -31,8 +31,10 @@ cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, c
   const bool bf = dtype == AttnDtype::kBF16;
   if (p.D == 128 && p.bwd_variant == kBwdWgmma64)
     return bf ? launch_dkv_wgmma<128, __nv_bfloat16, 64>(p, stream) : launch_dkv_wgmma<128, __half, 64>(p, stream);
-  if (p.D == 128) return bf ? launch_dkv_wgmma<128, __nv_bfloat16, 32>(p, stream) : launch_dkv_wgmma<128, __half, 32>(p, stream);
-  if (p.D == 64) return bf ? launch_dkv_wgmma<64, __nv_bfloat16, 64>(p, stream) : launch_dkv_wgmma<64, __half, 64>(p, stream);
+  if (p.D == 128)
+    return bf ? launch_dkv_wgmma<128, __nv_bfloat16, 32>(p, stream) : launch_dkv_wgmma<128, __half, 32>(p, stream);
+  if (p.D == 64)
+    return bf ? launch_dkv_wgmma<64, __nv_bfloat16, 64>(p, stream) : launch_dkv_wgmma<64, __half, 64>(p, stream);
   return cudaErrorInvalidValue;
 }
 

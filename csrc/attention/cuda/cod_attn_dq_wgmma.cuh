@@ -35,7 +35,7 @@ struct DqWgmmaConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 128;
   static constexpr int kQTileBytes = kBM * D * 2;
-  static constexpr int kKTileBytes = kBN * D * 2;  // one stage of K (or V)
+  static constexpr int kKTileBytes = kBN * D * 2;                       // one stage of K (or V)
   static constexpr int kTileBytes = 2 * kQTileBytes + 4 * kKTileBytes;  // Q, dO + 2 stages of K, V
   static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0, "tiles must keep 1024-byte alignment");
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes in the kernel;
@@ -146,8 +146,8 @@ __device__ __forceinline__ void dq_wgmma_issue_mma2(float (&dq)[D / 8][4], uint3
 // per-score `full ||` is if-converted into the whole mask test on every block).
 template <int BN, bool MASKED>
 __device__ __forceinline__ void dq_wgmma_ds_ntile(const float (&s)[BN / 8][4], const float (&dpv)[BN / 8][4],
-                                                  const BlockRowMask (&bm)[2], int n, float sl2,
-                                                  const float (&lse2)[2], const float (&dlt)[2], float (&ds)[4]) {
+                                                  const BlockRowMask (&bm)[2], int n, float sl2, const float (&lse2)[2],
+                                                  const float (&dlt)[2], float (&ds)[4]) {
 #pragma unroll
   for (int x = 0; x < 4; ++x) {
     const int r = x >> 1;
@@ -194,7 +194,8 @@ __device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], co
 // first verified form); >= 1 = dQ += dS K of key block b left in flight over the wait for block
 // b + 1's copies, the barrier and the issue of block b + 1's S / dP (see the loop).
 template <int D, typename T, int PIPE>
-__global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_dq_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
+__global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1)
+    cod_attn_dq_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
 #if PEAGLE_WGMMA_DEVICE
   using Cfg = DqWgmmaConfig<D>;
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, NT = Cfg::kThreads;
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1) cod_attn_d
   const uint32_t sQa = base, sdOa = base + Cfg::kQTileBytes;  // B128 tiles [BM][D]
   const uint32_t sKa = base + 2 * Cfg::kQTileBytes;           // [2 stages] B128 tiles [BN][D]
   const uint32_t sVa = sKa + 2 * Cfg::kKTileBytes;            // [2 stages]
-  const unsigned char* sQ = smem;  // generic views (the chain keys' dot products)
+  const unsigned char* sQ = smem;                             // generic views (the chain keys' dot products)
   const unsigned char* sdO = smem + Cfg::kQTileBytes;
   int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);
   float* s_lse2 = reinterpret_cast<float*>(s_meta + 5 * BM);

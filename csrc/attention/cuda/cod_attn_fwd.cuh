@@ -125,7 +125,7 @@ __device__ __forceinline__ void fwd_rescale_acc(float (&acc)[D / 8][4], const fl
 // s *= sl2 (scores to the log2 domain), keys the row may not see -> -inf (MASKED only), row maxima
 // into mx. The caller branches on `full` (uniform over the CTA) and instantiates both: a single loop
 // with `full ||` per score was if-converted by ptxas into the whole mask test (2 IADD3, 3 ISETP,
-// PLOP3, FSEL per score) on EVERY block, the forward's busiest pipe (ALU 59%, run 28), while 91-98%
+// PLOP3, FSEL per score) on EVERY block, the forward's busiest pipe (ALU 59% in Nsight Compute), while 91-98%
 // of the blocks are full on the bench layouts. Same float operations either way (bitwise the same).
 template <int BN, bool MASKED>
 __device__ __forceinline__ void fwd_scale_mask_max(float (&s)[BN / 8][4], float (&mx)[2], const RowRanges (&rf)[2],
@@ -188,8 +188,8 @@ __device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], floa
 // fwd_softmax_fragment: that one is inlined into the default kernels' code. Change both together.
 template <int BN>
 __device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
-                                                           const RowRanges (&rf)[2], bool full, int j0, int jend,
-                                                           int t, float sl2, float (&alpha)[2]) {
+                                                           const RowRanges (&rf)[2], bool full, int j0, int jend, int t,
+                                                           float sl2, float (&alpha)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
   if (full)
     fwd_scale_mask_max<BN, false>(s, mx, rf, j0, jend, t, sl2);
@@ -214,7 +214,6 @@ __device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4]
     }
   }
 }
-
 
 // Epilogue of one query row i (fragment row half r of acc): out = acc / l (zeros for rows that
 // are invalid or have no keys) and LSE (natural log; +inf for rows without keys, the backward's
@@ -514,8 +513,10 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
       const int row = wrow0 + 16 * f + g + 8 * r;
       if (row < qt.rows) {
         int valid;
-        if constexpr (Cfg::kRangesInRegs) valid = rr[f][r].valid;
-        else valid = s_meta[4 * BM + row];
+        if constexpr (Cfg::kRangesInRegs)
+          valid = rr[f][r].valid;
+        else
+          valid = s_meta[4 * BM + row];
         fwd_store_row<D, T>(p, acc[f], r, m[f][r], lsum, valid, qt.row0 + row, h, t, qld);
       }
     }
@@ -541,8 +542,8 @@ cudaError_t launch_fwd(const CodAttnParams& p, cudaStream_t stream) {
   if constexpr (MF > 1) {
     // a hint: two CTAs of 4 warps per SM need ~2 x 107 KiB of shared memory (MF = 2, D = 128);
     // if refused, clear the error it left and go on
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared) != cudaSuccess)
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
+        cudaSuccess)
       (void)cudaGetLastError();
   }
   kernel<<<dim3(ntiles, p.Hq), Cfg::kThreads, smem, stream>>>(p, tm);

@@ -30,7 +30,7 @@ struct FwdWgmmaConfig {
   static constexpr int kBM = 64;  // query rows per CTA: the m64 of the warpgroup MMA
   static constexpr int kThreads = 128;
   static constexpr int kQTileBytes = kBM * D * 2;
-  static constexpr int kKVTileBytes = BN * D * 2;  // one stage of K (or V)
+  static constexpr int kKVTileBytes = BN * D * 2;                    // one stage of K (or V)
   static constexpr int kTileBytes = kQTileBytes + 4 * kKVTileBytes;  // Q + 2 stages of K and V
   static_assert(kQTileBytes % 1024 == 0 && kKVTileBytes % 1024 == 0, "tiles must keep 1024-byte alignment");
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes in the kernel;
@@ -167,7 +167,7 @@ __device__ __forceinline__ void fwd_wgmma_blocks_pipe1(const TileKeys& tk, uint3
     cp_async_commit();
     wg::wgmma_wait<0>();  // S(b + 1) complete
     wg::fence_operands(s);
-    softmax(b + 1);  // rescales acc: PV(b) is complete
+    softmax(b + 1);                   // rescales acc: PV(b) is complete
     wg::pack_acc_as_a<T, BN>(s, pa);  // PV(b), the last reader of pa, is complete
   }
   // ---- the last block: its V was made visible by the last barrier (or the kernel's prologue's)
@@ -253,7 +253,7 @@ __device__ __forceinline__ void fwd_wgmma_blocks_pipe2(const TileKeys& tk, uint3
     fwd_wgmma_issue_pv<D, T, BN>(acc, pa, sVa + stage * kStageBytes);
     wg::wgmma_wait<1>();  // S(b + 1) complete; PV(b) may run on (it touches only acc, pa, V stage(b))
     wg::fence_operands(s);
-    softmax(b + 1);  // s, m, l, alpha only
+    softmax(b + 1);       // s, m, l, alpha only
     wg::wgmma_wait<0>();  // PV(b) complete: acc and pa free
     wg::fence_operands(acc);
     wg::fence_operands(pa);
@@ -284,9 +284,9 @@ __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAtt
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
-  const uint32_t sQa = base;                              // B128 tile [BM][D]
-  const uint32_t sKa = base + Cfg::kQTileBytes;           // [2 stages] B128 tiles [BN][D]
-  const uint32_t sVa = sKa + 2 * Cfg::kKVTileBytes;       // [2 stages]
+  const uint32_t sQa = base;                                     // B128 tile [BM][D]
+  const uint32_t sKa = base + Cfg::kQTileBytes;                  // [2 stages] B128 tiles [BN][D]
+  const uint32_t sVa = sKa + 2 * Cfg::kKVTileBytes;              // [2 stages]
   int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [5][BM]
   int* s_red = s_meta + 5 * BM;                                  // [4 warps][8]
   float* s_chain_s = reinterpret_cast<float*>(s_red + 8 * 4);
@@ -329,9 +329,9 @@ __global__ void __launch_bounds__(128, 1) cod_attn_fwd_wgmma_kernel(const CodAtt
 
   // ---- chain keys (Q rows read from the B128 tile with ordinary shared loads)
   if (tk.any_chain)
-    fwd_chain_keys<D, T, 1>(p, qt, hk, warp, lane, g, t, wrow0, kld, sl2, s_chain_s, s_chain_c,
-                            [&](int row, const T* grow) { return dot_sw128_global<BM, D, T>(smem, row, grow); },
-                            acc, m, l);
+    fwd_chain_keys<D, T, 1>(
+        p, qt, hk, warp, lane, g, t, wrow0, kld, sl2, s_chain_s, s_chain_c,
+        [&](int row, const T* grow) { return dot_sw128_global<BM, D, T>(smem, row, grow); }, acc, m, l);
 
   // S accumulators: the first k-step of each block overwrites them (scale-d = 0)
   float s[BN / 8][4];

@@ -39,8 +39,9 @@ int fwd_warps_from_env() {
 // elsewhere. On an H200 the wgmma kernels give the same outputs and gradients bit for bit at
 // D = 128 (at D = 64 the mma.sync forward's 128-row tiles partition the keys otherwise: rounding
 // differences) and are faster: forward 1.9-2.1x at D = 128 and 2.7-3.1x at 64, backward
-// 1.7-2.1x (64-query blocks) at 128 and 1.6-2.1x at 64 (bench/RESULTS.md, run 29). "mma" forces the mma.sync kernels, "wgmma" forces the Hopper ones (an error
-// where they cannot run), and PEAGLE_ATTN_BWD=atomic the FlashAttention-2-style backward.
+// 1.7-2.1x (64-query blocks) at 128 and 1.6-2.1x at 64 (bench/RESULTS.md, run 29). "mma" forces the mma.sync kernels,
+// "wgmma" forces the Hopper ones (an error where they cannot run), and PEAGLE_ATTN_BWD=atomic the
+// FlashAttention-2-style backward.
 enum class KernelChoice { kAuto, kMma, kWgmma, kAtomic };
 KernelChoice kernel_choice_from_env(const char* var, bool allow_atomic) {
   const char* v = std::getenv(var);
@@ -89,7 +90,8 @@ int wgmma_pipe_from_env() {
   const char* v = std::getenv("PEAGLE_ATTN_WGMMA_PIPE");
   if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return 2;
   if (std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0) return v[0] - '0';
-  TORCH_CHECK_VALUE(false, "cod_attention: PEAGLE_ATTN_WGMMA_PIPE=", v, " is not a pipelining level; use 0, 1, 2 or auto");
+  TORCH_CHECK_VALUE(false, "cod_attention: PEAGLE_ATTN_WGMMA_PIPE=", v,
+                    " is not a pipelining level; use 0, 1, 2 or auto");
   return 2;
 }
 
@@ -149,7 +151,9 @@ CodAttnParams base_params(const AttnShapes& s, const at::Tensor& q, const at::Te
   return p;
 }
 
-AttnDtype attn_dtype(const at::Tensor& q) { return q.scalar_type() == at::kBFloat16 ? AttnDtype::kBF16 : AttnDtype::kFP16; }
+AttnDtype attn_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kBFloat16 ? AttnDtype::kBF16 : AttnDtype::kFP16;
+}
 
 }  // namespace
 

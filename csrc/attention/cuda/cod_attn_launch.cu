@@ -35,8 +35,8 @@ struct Offsets {
 
 // One thread per (token i, chain slot e): slot 0 also writes the token's ranges.
 __global__ void metadata_kernel(const int32_t* anchor, const int32_t* depth, const int32_t* doc,
-                                const int32_t* run_start, int T, int N, int K, Offsets off, bool cross,
-                                int64_t window, int64_t sink, int32_t* ranges, int32_t* chain, int32_t* rchain) {
+                                const int32_t* run_start, int T, int N, int K, Offsets off, bool cross, int64_t window,
+                                int64_t sink, int32_t* ranges, int32_t* chain, int32_t* rchain) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(T) * K) return;
   const int64_t i = idx / K;

@@ -186,11 +186,15 @@ __device__ __forceinline__ void load_floats(const T* p, float (&out)[EPL]) {
   if constexpr (EPL == 4) {
     const uint2 u = *reinterpret_cast<const uint2*>(p);
     const float2 a = Pack<T>::unpack(u.x), b = Pack<T>::unpack(u.y);
-    out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
+    out[0] = a.x;
+    out[1] = a.y;
+    out[2] = b.x;
+    out[3] = b.y;
   } else {
     static_assert(EPL == 2, "EPL must be 2 or 4");
     const float2 a = Pack<T>::unpack(*reinterpret_cast<const uint32_t*>(p));
-    out[0] = a.x; out[1] = a.y;
+    out[0] = a.x;
+    out[1] = a.y;
   }
 }
 template <int EPL, typename T>

@@ -16,8 +16,8 @@ namespace peagle::cod {
 namespace {
 
 // Keeps the `k` candidates with the smallest keys, returned in ascending position order.
-std::vector<int32_t> keep_smallest_keys(const std::vector<int32_t>& cand, int64_t k, uint64_t seed,
-                                        uint32_t stream, uint32_t depth) {
+std::vector<int32_t> keep_smallest_keys(const std::vector<int32_t>& cand, int64_t k, uint64_t seed, uint32_t stream,
+                                        uint32_t depth) {
   if (static_cast<int64_t>(cand.size()) <= k) return cand;
   std::vector<uint64_t> keys(cand.size());
   for (size_t i = 0; i < cand.size(); ++i) keys[i] = cod_key(seed, stream, depth, cand[i]);
@@ -31,9 +31,9 @@ std::vector<int32_t> keep_smallest_keys(const std::vector<int32_t>& cand, int64_
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cod_sample_cpu(const at::Tensor& document_ids,
-                                                              const at::Tensor& loss_mask, int64_t num_depths,
-                                                              double r, double r_min, int64_t max_anchors,
-                                                              bool depth0_all, int64_t seed) {
+                                                              const at::Tensor& loss_mask, int64_t num_depths, double r,
+                                                              double r_min, int64_t max_anchors, bool depth0_all,
+                                                              int64_t seed) {
   check_cod_inputs(document_ids, loss_mask, num_depths, r, r_min, max_anchors);
   const int64_t n = document_ids.size(0);
   const int32_t* doc = document_ids.data_ptr<int32_t>();

@@ -67,15 +67,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor&
   C10_CUDA_CHECK(cod_cuda_sample(problem, scratch.data_ptr(), result, stream));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));  // the one host sync: sizes T
 
-  TORCH_CHECK_VALUE(result->min_document_id >= -1,
-                    "cod_sample: document_ids must be >= -1 (-1 = padding), got ", result->min_document_id);
+  TORCH_CHECK_VALUE(result->min_document_id >= -1, "cod_sample: document_ids must be >= -1 (-1 = padding), got ",
+                    result->min_document_id);
   std::memcpy(offsets.data_ptr<int64_t>(), result->offsets, sizeof(int64_t) * (K + 1));
   const int64_t total = result->offsets[K];
   at::Tensor anchor = at::empty({total}, document_ids.options());
   at::Tensor depth = at::empty({total}, document_ids.options());
   if (total > 0)
-    C10_CUDA_CHECK(cod_cuda_write(problem, scratch.data_ptr(), anchor.data_ptr<int32_t>(),
-                                  depth.data_ptr<int32_t>(), stream));
+    C10_CUDA_CHECK(
+        cod_cuda_write(problem, scratch.data_ptr(), anchor.data_ptr<int32_t>(), depth.data_ptr<int32_t>(), stream));
   return {anchor, depth, offsets};
 }
 

@@ -1,4 +1,4 @@
-// COD sampling on the GPU (DESIGN.md section 2), bit-identical to the CPU op.
+// COD sampling on the GPU (docs/design.md section 2), bit-identical to the CPU op.
 //
 // Draw: a "level" is one random selection. Level 0 is the max_anchors subsampling of the
 // seeds (only when max_anchors >= 0), level d >= 1 is depth d. Candidate p of level L has
@@ -43,9 +43,9 @@ enum LevelMode : unsigned { kModeNone = 0, kModeAll = 1, kModeThreshold = 2, kMo
 struct LevelState {
   u64 thr_excl;
   long long pool_size;
-  long long k;             // requested sample size
-  long long rank_in_bin;   // partial-bin mode: 1-based rank of the threshold key inside bin b*
-  unsigned bin;            // partial-bin mode: b*
+  long long k;            // requested sample size
+  long long rank_in_bin;  // partial-bin mode: 1-based rank of the threshold key inside bin b*
+  unsigned bin;           // partial-bin mode: b*
   unsigned mode;
   unsigned gather_count;
   unsigned unused;
@@ -62,14 +62,14 @@ struct DeviceArgs {
   long long max_anchors;
   u64 seed;
   double ratio[kMaxDepths];
-  CodCudaResult* result;    // device copy; the host gets it with one memcpy
-  LevelState* states;       // [levels]
-  unsigned* tickets;        // one counter per launch that ends in a last-block step
-  unsigned* hist;           // [levels][1 << bin_bits]
-  unsigned* tile_counts;    // [K lists][tiles]: per-tile counts, then their exclusive prefix
-  uint8_t* pool;            // [levels][n]
-  uint8_t* sel;             // [levels][n]
-  u64* gather;              // [n] keys of the threshold bin
+  CodCudaResult* result;  // device copy; the host gets it with one memcpy
+  LevelState* states;     // [levels]
+  unsigned* tickets;      // one counter per launch that ends in a last-block step
+  unsigned* hist;         // [levels][1 << bin_bits]
+  unsigned* tile_counts;  // [K lists][tiles]: per-tile counts, then their exclusive prefix
+  uint8_t* pool;          // [levels][n]
+  uint8_t* sel;           // [levels][n]
+  u64* gather;            // [n] keys of the threshold bin
 };
 
 // Rows of the per-level arrays: levels 0..K-1, and row 1 always exists because the selected
@@ -87,15 +87,23 @@ ScratchLayout scratch_layout(int64_t n, int num_depths, int bin_bits) {
   const size_t tiles = static_cast<size_t>((n + kTile - 1) / kTile);
   ScratchLayout s{};
   size_t off = 0;
-  s.result = off;      off = align_up(off + sizeof(CodCudaResult));
-  s.states = off;      off = align_up(off + rows * sizeof(LevelState));
-  s.tickets = off;     off = align_up(off + kMaxTickets * sizeof(unsigned));
-  s.hist = off;        off = align_up(off + rows * (size_t(1) << bin_bits) * sizeof(unsigned));
+  s.result = off;
+  off = align_up(off + sizeof(CodCudaResult));
+  s.states = off;
+  off = align_up(off + rows * sizeof(LevelState));
+  s.tickets = off;
+  off = align_up(off + kMaxTickets * sizeof(unsigned));
+  s.hist = off;
+  off = align_up(off + rows * (size_t(1) << bin_bits) * sizeof(unsigned));
   s.header_end = off;  // everything above starts zeroed
-  s.tile_counts = off; off = align_up(off + static_cast<size_t>(num_depths) * tiles * sizeof(unsigned));
-  s.pool = off;        off = align_up(off + rows * static_cast<size_t>(n));
-  s.sel = off;         off = align_up(off + rows * static_cast<size_t>(n));
-  s.gather = off;      off = align_up(off + static_cast<size_t>(n) * sizeof(u64));
+  s.tile_counts = off;
+  off = align_up(off + static_cast<size_t>(num_depths) * tiles * sizeof(unsigned));
+  s.pool = off;
+  off = align_up(off + rows * static_cast<size_t>(n));
+  s.sel = off;
+  off = align_up(off + rows * static_cast<size_t>(n));
+  s.gather = off;
+  off = align_up(off + static_cast<size_t>(n) * sizeof(u64));
   s.total = off;
   return s;
 }
@@ -181,16 +189,22 @@ __device__ void finish_histogram(const DeviceArgs& a, int level) {
     st->k = k;
   }
   if (k <= 0) {
-    if (threadIdx.x == 0) { st->mode = kModeNone; st->thr_excl = 0ull; }
+    if (threadIdx.x == 0) {
+      st->mode = kModeNone;
+      st->thr_excl = 0ull;
+    }
   } else if (k >= total) {
-    if (threadIdx.x == 0) { st->mode = kModeAll; st->thr_excl = ~0ull; }
+    if (threadIdx.x == 0) {
+      st->mode = kModeAll;
+      st->thr_excl = ~0ull;
+    }
   } else if (before < k && k <= before + mine) {  // exactly one thread: the one whose bins hold rank k
     long long cum = before;
     for (int b = lo; b < hi; ++b) {
       const long long hb = __ldcg(h + b);
       if (cum + hb >= k) {
         const long long rank = k - cum;  // 1 <= rank <= hb
-        if (rank == hb) {  // the whole bin is in: threshold = start of the next bin
+        if (rank == hb) {                // the whole bin is in: threshold = start of the next bin
           st->mode = kModeThreshold;
           st->thr_excl = (b + 1 == bins) ? ~0ull : (static_cast<u64>(b + 1) << (64 - a.bin_bits));
         } else {
@@ -459,8 +473,7 @@ size_t cod_cuda_scratch_bytes(int64_t n, int num_depths, int bin_bits) {
   return scratch_layout(n, num_depths, bin_bits).total;
 }
 
-cudaError_t cod_cuda_sample(const CodCudaProblem& pb, void* scratch, CodCudaResult* result_host,
-                            cudaStream_t stream) {
+cudaError_t cod_cuda_sample(const CodCudaProblem& pb, void* scratch, CodCudaResult* result_host, cudaStream_t stream) {
   if (pb.n < 1 || pb.num_depths < 1 || pb.num_depths > kMaxDepths || pb.bin_bits < 1 || pb.bin_bits > 16)
     return cudaErrorInvalidValue;
   const ScratchLayout layout = scratch_layout(pb.n, pb.num_depths, pb.bin_bits);

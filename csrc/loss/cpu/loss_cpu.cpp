@@ -62,8 +62,7 @@ void accumulate_fp32(at::Tensor& acc, const at::Tensor& g_t, const at::Tensor& x
 
 void check_inputs(const at::Tensor& draft_hidden, const at::Tensor& draft_head, const at::Tensor& target_hidden,
                   const at::Tensor& target_head, const at::Tensor& weight, const at::Tensor& depth,
-                  const std::optional<at::Tensor>& d2t, int64_t num_depths, int64_t chunk_rows,
-                  c10::string_view kind) {
+                  const std::optional<at::Tensor>& d2t, int64_t num_depths, int64_t chunk_rows, c10::string_view kind) {
   TORCH_CHECK_VALUE(kind == "kl" || kind == "ce", "fused_linear_kl: kind must be 'kl' or 'ce', got '", kind, "'");
   TORCH_CHECK_VALUE(draft_hidden.dim() == 2, "fused_linear_kl: draft_hidden must be 2-D [T, H], got shape ",
                     draft_hidden.sizes());
@@ -76,12 +75,13 @@ void check_inputs(const at::Tensor& draft_hidden, const at::Tensor& draft_head, 
   const int64_t t = draft_hidden.size(0);
   TORCH_CHECK_VALUE(target_hidden.size(0) == t, "fused_linear_kl: target_hidden must have T = ", t,
                     " rows like draft_hidden, got shape ", target_hidden.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == t, "fused_linear_kl: weight must have shape [", t,
-                    "], got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == t, "fused_linear_kl: weight must have shape [", t, "], got ",
+                    weight.sizes());
   TORCH_CHECK_VALUE(depth.dim() == 1 && depth.size(0) == t, "fused_linear_kl: depth must have shape [", t, "], got ",
                     depth.sizes());
-  TORCH_CHECK_VALUE(draft_head.size(1) == draft_hidden.size(1), "fused_linear_kl: draft_head [Vd, H] must have H = ",
-                    draft_hidden.size(1), " (draft_hidden's), got shape ", draft_head.sizes());
+  TORCH_CHECK_VALUE(draft_head.size(1) == draft_hidden.size(1),
+                    "fused_linear_kl: draft_head [Vd, H] must have H = ", draft_hidden.size(1),
+                    " (draft_hidden's), got shape ", draft_head.sizes());
   TORCH_CHECK_VALUE(target_head.size(1) == target_hidden.size(1),
                     "fused_linear_kl: target_head [V, H] must have H = ", target_hidden.size(1),
                     " (target_hidden's), got shape ", target_head.sizes());
@@ -93,12 +93,11 @@ void check_inputs(const at::Tensor& draft_hidden, const at::Tensor& draft_head, 
 
   const auto dtype = draft_hidden.scalar_type();
   TORCH_CHECK_TYPE(at::isFloatingType(dtype), "fused_linear_kl: draft_hidden must be floating point, got ", dtype);
-  TORCH_CHECK_TYPE(draft_head.scalar_type() == dtype && target_hidden.scalar_type() == dtype &&
-                       target_head.scalar_type() == dtype,
-                   "fused_linear_kl: draft_hidden, draft_head, target_hidden and target_head must share one dtype, "
-                   "got ",
-                   dtype, ", ", draft_head.scalar_type(), ", ", target_hidden.scalar_type(), ", ",
-                   target_head.scalar_type());
+  TORCH_CHECK_TYPE(
+      draft_head.scalar_type() == dtype && target_hidden.scalar_type() == dtype && target_head.scalar_type() == dtype,
+      "fused_linear_kl: draft_hidden, draft_head, target_hidden and target_head must share one dtype, "
+      "got ",
+      dtype, ", ", draft_head.scalar_type(), ", ", target_hidden.scalar_type(), ", ", target_head.scalar_type());
   const auto acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK_TYPE(weight.scalar_type() == acc, "fused_linear_kl: weight must be ", acc, " for ", dtype,
                    " inputs, got ", weight.scalar_type());
@@ -209,8 +208,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_lin
     const at::Tensor& target_head, const at::Tensor& weight, const at::Tensor& depth,
     const std::optional<at::Tensor>& d2t, int64_t num_depths, int64_t chunk_rows, c10::string_view kind,
     bool compute_grad_hidden, bool compute_grad_head) {
-  return fused_linear_kl_driver(draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t,
-                                num_depths, chunk_rows, kind, compute_grad_hidden, compute_grad_head, rows_cpu);
+  return fused_linear_kl_driver(draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t, num_depths,
+                                chunk_rows, kind, compute_grad_hidden, compute_grad_head, rows_cpu);
 }
 
 }  // namespace
@@ -220,8 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_lin
     const at::Tensor& target_head, const at::Tensor& weight, const at::Tensor& depth,
     const std::optional<at::Tensor>& d2t, int64_t num_depths, int64_t chunk_rows, c10::string_view kind,
     bool compute_grad_hidden, bool compute_grad_head, const RowsFn& rows_fn) {
-  check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t, num_depths, chunk_rows,
-               kind);
+  check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t, num_depths, chunk_rows, kind);
   const int64_t t = draft_hidden.size(0);
   const int64_t vd = draft_head.size(0);
   const int64_t v = target_head.size(0);

@@ -55,8 +55,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_lin
                    "fused_linear_kl (CUDA): float64 is not supported on CUDA; use float32, float16 or bfloat16");
   TORCH_CHECK_VALUE(num_depths <= (int64_t(1) << 30), "fused_linear_kl: num_depths too large: ", num_depths);
   const c10::cuda::CUDAGuard device_guard(draft_hidden.device());
-  return fused_linear_kl_driver(draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t,
-                                num_depths, chunk_rows, kind, compute_grad_hidden, compute_grad_head, rows_cuda);
+  return fused_linear_kl_driver(draft_hidden, draft_head, target_hidden, target_head, weight, depth, d2t, num_depths,
+                                chunk_rows, kind, compute_grad_hidden, compute_grad_head, rows_cuda);
 }
 
 }  // namespace

@@ -33,11 +33,17 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 template <typename T>
 struct VecWidth {
@@ -375,11 +381,11 @@ cudaError_t launch_typed(const FusedKlRowsArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.rows));
   const int vocab = static_cast<int>(a.vocab);
   if (a.kind == LossKind::kCE) {
-    fused_kl_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(
-        draft, target, vocab, a.weight, a.depth, a.row_loss, correct, total, a.num_depths, a.write_grad);
+    fused_kl_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(draft, target, vocab, a.weight, a.depth, a.row_loss,
+                                                                 correct, total, a.num_depths, a.write_grad);
   } else {
-    fused_kl_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(
-        draft, target, vocab, a.weight, a.depth, a.row_loss, correct, total, a.num_depths, a.write_grad);
+    fused_kl_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(draft, target, vocab, a.weight, a.depth, a.row_loss,
+                                                                  correct, total, a.num_depths, a.write_grad);
   }
   return cudaGetLastError();
 }

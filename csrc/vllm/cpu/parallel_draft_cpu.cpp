@@ -1,4 +1,4 @@
-// vLLM parallel-drafting batch step on the CPU (DESIGN.md section 6), plus the checks and
+// vLLM parallel-drafting batch step on the CPU (docs/design.md section 6), plus the checks and
 // allocation shared with the CUDA glue. Per output row the rule is draft_row() of
 // parallel_draft_kernels.h, the same function the CUDA kernel calls.
 //
@@ -38,9 +38,7 @@ void check_device(const at::Tensor& t, const char* name, const at::Device& devic
                     t.device());
 }
 
-bool is_hidden_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
+bool is_hidden_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 // Byte ranges of two tensors intersect (outputs must not alias the inputs they are read from).
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
@@ -58,8 +56,8 @@ DraftShapes check_parallel_draft_inputs(const at::Tensor& target_token_ids, cons
                                         const at::Tensor& next_token_ids, const at::Tensor& query_start_loc,
                                         const std::optional<at::Tensor>& num_rejected_tokens,
                                         const at::Tensor& target_hidden, const at::Tensor& mask_hidden,
-                                        const at::Tensor& block_table, int64_t num_spec_tokens,
-                                        int64_t mask_token_id, int64_t block_size, int64_t max_model_len) {
+                                        const at::Tensor& block_table, int64_t num_spec_tokens, int64_t mask_token_id,
+                                        int64_t block_size, int64_t max_model_len) {
   check_1d(target_token_ids, "target_token_ids", at::kInt, "int32");
   check_1d(target_positions, "target_positions", at::kLong, "int64");
   check_1d(next_token_ids, "next_token_ids", at::kInt, "int32");
@@ -85,9 +83,8 @@ DraftShapes check_parallel_draft_inputs(const at::Tensor& target_token_ids, cons
   TORCH_CHECK_TYPE(mask_hidden.scalar_type() == target_hidden.scalar_type(), kOp,
                    "mask_hidden must have the dtype of target_hidden (", target_hidden.scalar_type(), "), got ",
                    mask_hidden.scalar_type());
-  TORCH_CHECK_VALUE(mask_hidden.dim() == 1 && mask_hidden.size(0) == H, kOp,
-                    "mask_hidden must have shape [H] = [", H, "] (the hidden size of target_hidden), got ",
-                    mask_hidden.sizes());
+  TORCH_CHECK_VALUE(mask_hidden.dim() == 1 && mask_hidden.size(0) == H, kOp, "mask_hidden must have shape [H] = [", H,
+                    "] (the hidden size of target_hidden), got ", mask_hidden.sizes());
   TORCH_CHECK_VALUE(mask_hidden.is_contiguous(), kOp, "mask_hidden must be contiguous");
 
   TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, kOp, "block_table must be int32, got ",
@@ -95,8 +92,9 @@ DraftShapes check_parallel_draft_inputs(const at::Tensor& target_token_ids, cons
   TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) >= B && block_table.size(1) >= 1, kOp,
                     "block_table must have shape [B, max_blocks] with B = ", B,
                     " rows (extra rows are ignored) and max_blocks >= 1, got ", block_table.sizes());
-  TORCH_CHECK_VALUE(block_table.stride(1) == 1 && (block_table.size(0) <= 1 || block_table.stride(0) >= block_table.size(1)),
-                    kOp, "block_table rows must be contiguous (stride(1) == 1), got strides ", block_table.strides());
+  TORCH_CHECK_VALUE(
+      block_table.stride(1) == 1 && (block_table.size(0) <= 1 || block_table.stride(0) >= block_table.size(1)), kOp,
+      "block_table rows must be contiguous (stride(1) == 1), got strides ", block_table.strides());
 
   const at::Device device = target_token_ids.device();
   check_device(target_positions, "target_positions", device);
@@ -156,8 +154,9 @@ void check_parallel_draft_outputs(const DraftShapes& s, int64_t K, const at::Ten
     TORCH_CHECK_VALUE(w.t->is_contiguous(), kOp, w.name, " must be contiguous");
     check_device(*w.t, w.name, device);
   }
-  TORCH_CHECK_TYPE(hidden.scalar_type() == target_hidden.scalar_type(), kOp, "out.hidden must have the dtype of target_hidden (",
-                   target_hidden.scalar_type(), "), got ", hidden.scalar_type());
+  TORCH_CHECK_TYPE(hidden.scalar_type() == target_hidden.scalar_type(), kOp,
+                   "out.hidden must have the dtype of target_hidden (", target_hidden.scalar_type(), "), got ",
+                   hidden.scalar_type());
   TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(0) == s.num_output_tokens && hidden.size(1) == s.hidden_size, kOp,
                     "out.hidden must have shape [T_out, H] = [", s.num_output_tokens, ", ", s.hidden_size, "], got ",
                     hidden.sizes());
@@ -173,25 +172,22 @@ void check_parallel_draft_outputs(const DraftShapes& s, int64_t K, const at::Ten
 
 DraftOutputs allocate_parallel_draft_outputs(const DraftShapes& s, int64_t K, const at::Tensor& target_hidden) {
   const auto opts = target_hidden.options();
-  return {at::empty({s.num_output_tokens}, opts.dtype(at::kInt)),
-          at::empty({s.num_output_tokens}, opts.dtype(at::kLong)),
-          at::empty({s.num_output_tokens, s.hidden_size}, opts),
-          at::empty({s.num_output_tokens}, opts.dtype(at::kBool)),
-          at::empty({s.num_output_tokens}, opts.dtype(at::kBool)),
-          at::empty({s.batch_size * K}, opts.dtype(at::kInt)),
-          at::empty({s.num_input_tokens}, opts.dtype(at::kInt)),
-          at::empty({s.num_output_tokens}, opts.dtype(at::kLong)),
-          at::empty({s.batch_size + 1}, opts.dtype(at::kInt))};
+  return {
+      at::empty({s.num_output_tokens}, opts.dtype(at::kInt)),  at::empty({s.num_output_tokens}, opts.dtype(at::kLong)),
+      at::empty({s.num_output_tokens, s.hidden_size}, opts),   at::empty({s.num_output_tokens}, opts.dtype(at::kBool)),
+      at::empty({s.num_output_tokens}, opts.dtype(at::kBool)), at::empty({s.batch_size * K}, opts.dtype(at::kInt)),
+      at::empty({s.num_input_tokens}, opts.dtype(at::kInt)),   at::empty({s.num_output_tokens}, opts.dtype(at::kLong)),
+      at::empty({s.batch_size + 1}, opts.dtype(at::kInt))};
 }
 
 ParallelDraftParams make_parallel_draft_params(
     const DraftShapes& s, const at::Tensor& target_token_ids, const at::Tensor& target_positions,
     const at::Tensor& next_token_ids, const at::Tensor& query_start_loc,
     const std::optional<at::Tensor>& num_rejected_tokens, const at::Tensor& target_hidden,
-    const at::Tensor& mask_hidden, const at::Tensor& block_table, int64_t K, int64_t mask_token_id,
-    int64_t block_size, int64_t max_model_len, at::Tensor& input_ids, at::Tensor& positions, at::Tensor& hidden,
-    at::Tensor& is_rejected, at::Tensor& is_masked, at::Tensor& token_indices_to_sample,
-    at::Tensor& hidden_state_mapping, at::Tensor& slot_mapping, at::Tensor& new_query_start_loc) {
+    const at::Tensor& mask_hidden, const at::Tensor& block_table, int64_t K, int64_t mask_token_id, int64_t block_size,
+    int64_t max_model_len, at::Tensor& input_ids, at::Tensor& positions, at::Tensor& hidden, at::Tensor& is_rejected,
+    at::Tensor& is_masked, at::Tensor& token_indices_to_sample, at::Tensor& hidden_state_mapping,
+    at::Tensor& slot_mapping, at::Tensor& new_query_start_loc) {
   ParallelDraftParams p{};
   p.target_token_ids = target_token_ids.const_data_ptr<int32_t>();
   p.target_positions = target_positions.const_data_ptr<int64_t>();
@@ -229,8 +225,8 @@ namespace {
 void check_values_cpu(const ParallelDraftParams& p) {
   const int32_t* qsl = p.query_start_loc;
   TORCH_CHECK_VALUE(qsl[0] == 0, kOp, "query_start_loc[0] must be 0, got ", qsl[0]);
-  TORCH_CHECK_VALUE(qsl[p.batch_size] == p.num_input_tokens, kOp, "query_start_loc[B] must equal T_in = ",
-                    p.num_input_tokens, ", got ", qsl[p.batch_size]);
+  TORCH_CHECK_VALUE(qsl[p.batch_size] == p.num_input_tokens, kOp,
+                    "query_start_loc[B] must equal T_in = ", p.num_input_tokens, ", got ", qsl[p.batch_size]);
   for (const auto r : c10::irange(p.batch_size)) {
     const int64_t len = static_cast<int64_t>(qsl[r + 1]) - qsl[r];
     TORCH_CHECK_VALUE(len >= 1, kOp, "every request needs at least one input token: query_start_loc[", r + 1,
@@ -263,9 +259,9 @@ void run_cpu(const ParallelDraftParams& p) {
     const int64_t out_start = qs + r * (K - 1);
     const int64_t out_len = qe - qs + K - 1;
     for (int64_t o = out_start; o < out_start + out_len; ++o) {
-      const DraftRow row = draft_row(o, r, qs, qe, nrej, p.target_positions[qs], p.next_token_ids[r], K,
-                                     p.num_input_tokens, p.mask_token_id, p.block_size, p.max_model_len,
-                                     p.max_blocks, load_token, load_block);
+      const DraftRow row =
+          draft_row(o, r, qs, qe, nrej, p.target_positions[qs], p.next_token_ids[r], K, p.num_input_tokens,
+                    p.mask_token_id, p.block_size, p.max_model_len, p.max_blocks, load_token, load_block);
       p.input_ids[o] = row.input_id;
       p.positions[o] = row.position;
       p.is_rejected[o] = row.is_rejected;
@@ -284,25 +280,26 @@ void run_cpu(const ParallelDraftParams& p) {
   }
 }
 
-void prepare_parallel_draft_inputs_out_cpu(
-    const at::Tensor& target_token_ids, const at::Tensor& target_positions, const at::Tensor& next_token_ids,
-    const at::Tensor& query_start_loc, const std::optional<at::Tensor>& num_rejected_tokens,
-    const at::Tensor& target_hidden, const at::Tensor& mask_hidden, const at::Tensor& block_table,
-    int64_t num_spec_tokens, int64_t mask_token_id, int64_t block_size, int64_t max_model_len, at::Tensor& input_ids,
-    at::Tensor& positions, at::Tensor& hidden, at::Tensor& is_rejected, at::Tensor& is_masked,
-    at::Tensor& token_indices_to_sample, at::Tensor& hidden_state_mapping, at::Tensor& slot_mapping,
-    at::Tensor& new_query_start_loc) {
+void prepare_parallel_draft_inputs_out_cpu(const at::Tensor& target_token_ids, const at::Tensor& target_positions,
+                                           const at::Tensor& next_token_ids, const at::Tensor& query_start_loc,
+                                           const std::optional<at::Tensor>& num_rejected_tokens,
+                                           const at::Tensor& target_hidden, const at::Tensor& mask_hidden,
+                                           const at::Tensor& block_table, int64_t num_spec_tokens,
+                                           int64_t mask_token_id, int64_t block_size, int64_t max_model_len,
+                                           at::Tensor& input_ids, at::Tensor& positions, at::Tensor& hidden,
+                                           at::Tensor& is_rejected, at::Tensor& is_masked,
+                                           at::Tensor& token_indices_to_sample, at::Tensor& hidden_state_mapping,
+                                           at::Tensor& slot_mapping, at::Tensor& new_query_start_loc) {
   const DraftShapes s = check_parallel_draft_inputs(target_token_ids, target_positions, next_token_ids, query_start_loc,
                                                     num_rejected_tokens, target_hidden, mask_hidden, block_table,
                                                     num_spec_tokens, mask_token_id, block_size, max_model_len);
   check_parallel_draft_outputs(s, num_spec_tokens, target_token_ids, target_positions, query_start_loc, target_hidden,
                                mask_hidden, input_ids, positions, hidden, is_rejected, is_masked,
                                token_indices_to_sample, hidden_state_mapping, slot_mapping, new_query_start_loc);
-  run_cpu(make_parallel_draft_params(s, target_token_ids, target_positions, next_token_ids, query_start_loc,
-                                     num_rejected_tokens, target_hidden, mask_hidden, block_table, num_spec_tokens,
-                                     mask_token_id, block_size, max_model_len, input_ids, positions, hidden,
-                                     is_rejected, is_masked, token_indices_to_sample, hidden_state_mapping,
-                                     slot_mapping, new_query_start_loc));
+  run_cpu(make_parallel_draft_params(
+      s, target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected_tokens, target_hidden,
+      mask_hidden, block_table, num_spec_tokens, mask_token_id, block_size, max_model_len, input_ids, positions, hidden,
+      is_rejected, is_masked, token_indices_to_sample, hidden_state_mapping, slot_mapping, new_query_start_loc));
 }
 
 DraftOutputs prepare_parallel_draft_inputs_cpu(const at::Tensor& target_token_ids, const at::Tensor& target_positions,

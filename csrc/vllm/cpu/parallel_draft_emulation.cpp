@@ -20,9 +20,13 @@ namespace {
 
 struct HostMem {
   template <typename T>
-  static T ld(const T* p) { return *p; }
+  static T ld(const T* p) {
+    return *p;
+  }
   template <typename T>
-  static T ld_stream(const T* p) { return *p; }
+  static T ld_stream(const T* p) {
+    return *p;
+  }
 };
 
 // Copy units standing in for uint4 / uint2 / unsigned / unsigned short.
@@ -71,8 +75,8 @@ DraftOutputs parallel_draft_kernel_emulation(const at::Tensor& target_token_ids,
   auto& [ids, pos, hid, rej, msk, tis, hsm, slot, qsl] = outs;
   const ParallelDraftParams p = make_parallel_draft_params(
       s, target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected_tokens, target_hidden,
-      mask_hidden, block_table, num_spec_tokens, mask_token_id, block_size, max_model_len, ids, pos, hid, rej, msk,
-      tis, hsm, slot, qsl);
+      mask_hidden, block_table, num_spec_tokens, mask_token_id, block_size, max_model_len, ids, pos, hid, rej, msk, tis,
+      hsm, slot, qsl);
   const int auto_bytes = copy_unit_bytes(p);
   if (vec_bytes == 0) vec_bytes = auto_bytes;
   TORCH_CHECK_VALUE(vec_bytes == 16 || vec_bytes == 8 || vec_bytes == 4 || vec_bytes == 2,
@@ -80,10 +84,18 @@ DraftOutputs parallel_draft_kernel_emulation(const at::Tensor& target_token_ids,
   TORCH_CHECK_VALUE(auto_bytes % vec_bytes == 0, "_parallel_draft_kernel_emulation: vec_bytes ", vec_bytes,
                     " does not divide the hidden row / align the pointers (widest allowed: ", auto_bytes, ")");
   switch (vec_bytes) {
-    case 16: emulate<Unit<16>>(p); break;
-    case 8: emulate<Unit<8>>(p); break;
-    case 4: emulate<Unit<4>>(p); break;
-    default: emulate<Unit<2>>(p); break;
+    case 16:
+      emulate<Unit<16>>(p);
+      break;
+    case 8:
+      emulate<Unit<8>>(p);
+      break;
+    case 4:
+      emulate<Unit<4>>(p);
+      break;
+    default:
+      emulate<Unit<2>>(p);
+      break;
   }
   return outs;
 }

@@ -1,4 +1,4 @@
-// vLLM parallel-drafting batch step in ONE kernel (DESIGN.md section 6). No torch includes.
+// vLLM parallel-drafting batch step in ONE kernel (docs/design.md section 6). No torch includes.
 //
 // What vLLM does in a Triton kernel (copy_and_expand_eagle_inputs_kernel), an index_put of the
 // hidden states, a torch.where with mask_hidden and ~6 ops of slot mapping, this kernel does
@@ -31,14 +31,18 @@ namespace {
 // else, mask_hidden included (read by every masked row).
 struct DeviceMem {
   template <typename T>
-  __device__ __forceinline__ static T ld(const T* p) { return __ldg(p); }
+  __device__ __forceinline__ static T ld(const T* p) {
+    return __ldg(p);
+  }
   template <typename T>
-  __device__ __forceinline__ static T ld_stream(const T* p) { return __ldcs(p); }
+  __device__ __forceinline__ static T ld_stream(const T* p) {
+    return __ldcs(p);
+  }
 };
 
 template <typename Vec>
 __global__ void __launch_bounds__(kThreads)
-parallel_draft_kernel(const ParallelDraftParams p, int rows_per_block, int64_t vecs_per_row, bool qsl_in_smem) {
+    parallel_draft_kernel(const ParallelDraftParams p, int rows_per_block, int64_t vecs_per_row, bool qsl_in_smem) {
   extern __shared__ int32_t s_qsl[];           // [B+1] when qsl_in_smem
   __shared__ int32_t s_src[kMaxRowsPerBlock];  // hidden source of each row of this block
   __shared__ int32_t s_req[kMaxRowsPerBlock];  // request of each row of this block
@@ -62,8 +66,9 @@ template <typename Vec>
 int launch_with(const ParallelDraftParams& p, cudaStream_t stream) {
   const LaunchPlan plan = plan_launch(p, sizeof(Vec));
   if (plan.blocks > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidConfiguration);
-  parallel_draft_kernel<Vec><<<static_cast<unsigned>(plan.blocks), kThreads, static_cast<size_t>(plan.smem_bytes),
-                               stream>>>(p, plan.rows_per_block, plan.vecs_per_row, plan.qsl_in_smem);
+  parallel_draft_kernel<Vec>
+      <<<static_cast<unsigned>(plan.blocks), kThreads, static_cast<size_t>(plan.smem_bytes), stream>>>(
+          p, plan.rows_per_block, plan.vecs_per_row, plan.qsl_in_smem);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -72,11 +77,16 @@ int launch_with(const ParallelDraftParams& p, cudaStream_t stream) {
 int launch_parallel_draft(const ParallelDraftParams& p, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   switch (copy_unit_bytes(p)) {
-    case 16: return launch_with<uint4>(p, stream);
-    case 8: return launch_with<uint2>(p, stream);
-    case 4: return launch_with<unsigned int>(p, stream);
-    case 2: return launch_with<unsigned short>(p, stream);
-    default: return static_cast<int>(cudaErrorMisalignedAddress);  // element sizes are >= 2 bytes
+    case 16:
+      return launch_with<uint4>(p, stream);
+    case 8:
+      return launch_with<uint2>(p, stream);
+    case 4:
+      return launch_with<unsigned int>(p, stream);
+    case 2:
+      return launch_with<unsigned short>(p, stream);
+    default:
+      return static_cast<int>(cudaErrorMisalignedAddress);  // element sizes are >= 2 bytes
   }
 }
 
