@@ -1,6 +1,6 @@
-"""Verifier and training data for P-EAGLE (docs/design.md section 7). All offline: nothing is downloaded.
+"""Verifier and training data for P-EAGLE (docs/design.md section 7).
 
-    model, tok = load_verifier("smollm2")                       # or a local HF directory
+    model, tok = load_verifier("smollm2")                       # or a hub id / local HF directory
     convs = load_conversations("sharegpt", limit=2000)          # or "my.jsonl"
     tokenized, stats = tokenize_conversations(tok, convs, max_len=seq_len)
     rows = pack_conversations(tokenized, seq_len, pad_token_id=pad_id)
@@ -30,19 +30,22 @@ from .conversations import (
     normalize_messages,
     sharegpt_path,
 )
+from .gguf import convert_gguf_to_hf
 from .hidden_states import verifier_hidden_states
 from .packing import pack_conversations
 from .records import DataError, PackedSequence, TrainingExample
 from .shift import eagle_shift
 from .verifier import (
+    SMOLLM2_HUB_ID,
     cache_root,
     check_aux_layer_ids,
-    convert_gguf_to_hf,
     decoder_parts,
     default_aux_layer_ids,
+    hub_cache_dir,
     load_verifier,
     resolve_verifier_path,
     smollm2_gguf_path,
+    verifier_name,
 )
 
 __all__ = [
@@ -71,4 +74,7 @@ __all__ = [
     "load_verifier",
     "resolve_verifier_path",
     "smollm2_gguf_path",
+    "SMOLLM2_HUB_ID",
+    "hub_cache_dir",
+    "verifier_name",
 ]
