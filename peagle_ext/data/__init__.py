@@ -24,6 +24,7 @@ Conventions (those of vLLM / speculators, so a drafter trained here serves in vL
 from .cache import HiddenStateCache, packed_fingerprint
 from .chat import TokenizeStats, assistant_char_spans, tokenize_conversation, tokenize_conversations
 from .conversations import (
+    Conversation,
     iter_sharegpt_records,
     load_conversations,
     load_eval_prompts,
@@ -35,6 +36,7 @@ from .hidden_states import verifier_hidden_states
 from .packing import pack_conversations
 from .records import DataError, PackedSequence, TrainingExample
 from .shift import eagle_shift
+from .sources import iter_records
 from .verifier import (
     SMOLLM2_HUB_ID,
     cache_root,
@@ -58,6 +60,7 @@ __all__ = [
     "assistant_char_spans",
     "tokenize_conversation",
     "tokenize_conversations",
+    "Conversation",
     "iter_sharegpt_records",
     "load_conversations",
     "load_eval_prompts",
@@ -66,6 +69,7 @@ __all__ = [
     "verifier_hidden_states",
     "pack_conversations",
     "eagle_shift",
+    "iter_records",
     "cache_root",
     "check_aux_layer_ids",
     "convert_gguf_to_hf",

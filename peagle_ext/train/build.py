@@ -33,7 +33,7 @@ class RunInputs:
 def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> RunInputs:
     t0 = time.time()
     vdtype = amp if amp is not None else torch.float32
-    verifier, tokenizer = D.load_verifier(s.verifier, device=device, dtype=vdtype)
+    verifier, tokenizer = D.load_verifier(s.verifier, device=device, dtype=vdtype, revision=s.verifier_revision)
     vcfg = getattr(verifier.config, "text_config", None) or verifier.config
     vocab = int(vcfg.vocab_size)
     aux_ids = list(s.aux_layer_ids) if s.aux_layer_ids else D.default_aux_layer_ids(int(vcfg.num_hidden_layers))
@@ -87,7 +87,7 @@ def build_model(s: TrainSettings, inp: RunInputs, device: torch.device, log: Run
         aux_layer_ids=inp.aux_layer_ids,
         layer_type=s.layer_type,
         d2t=d2t,
-        verifier_name_or_path=s.verifier,
+        verifier_name_or_path=D.verifier_name(s.verifier),
         options=s.options(),
         norm_before_residual=s.norm_before_residual,
     )

@@ -20,7 +20,10 @@ class TrainError(ValueError):
 class TrainSettings:
     # what to train on
     verifier: str = "smollm2"
-    data: str = "sharegpt"
+    verifier_revision: str | None = None  # a hub verifier's branch, tag or commit
+    data: str | list[str] = "sharegpt"  # one source or several, mixed
+    data_split: str | None = None  # split of a dataset directory / hub dataset (default train)
+    chat_template_kwargs: dict | None = None  # options for the chat template, e.g. enable_thinking
     output: str = "runs/peagle"
     num_conversations: int | None = 400
     val_fraction: float = 0.05
@@ -166,7 +169,10 @@ def _cpu_has_bf16() -> bool:
 # (grad_accum is checked as the global micro-batch count per step, grad_accum x world size)
 RESUME_FIXED = (
     "verifier",
+    "verifier_revision",
     "data",
+    "data_split",
+    "chat_template_kwargs",
     "num_conversations",
     "val_fraction",
     "seq_len",
