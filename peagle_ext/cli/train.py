@@ -139,6 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_bool,
         help="CPU: compute verifier hidden states on a second thread while training runs (default true)",
     )
+    g.add_argument(
+        "--hidden-timeout-s",
+        type=float,
+        help="under torchrun: fail when no rank added a shard to --hidden-cache-dir for this long. "
+        f"Default {d.hidden_timeout_s:.0f}",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
     g.add_argument(
         "--dist",

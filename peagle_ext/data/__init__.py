@@ -44,11 +44,14 @@ from .verifier import (
     decoder_parts,
     default_aux_layer_ids,
     hub_cache_dir,
+    load_config,
+    load_tokenizer,
     load_verifier,
     resolve_verifier_path,
     smollm2_gguf_path,
     verifier_name,
 )
+from .verifier_head import VerifierHead, load_verifier_head, verifier_head_from_model
 
 __all__ = [
     "DataError",
@@ -81,4 +84,9 @@ __all__ = [
     "SMOLLM2_HUB_ID",
     "hub_cache_dir",
     "verifier_name",
+    "load_config",
+    "load_tokenizer",
+    "VerifierHead",
+    "load_verifier_head",
+    "verifier_head_from_model",
 ]

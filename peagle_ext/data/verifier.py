@@ -194,6 +194,36 @@ def verifier_name(spec: str, *, cache_dir: str | None = None) -> str:
     return spec
 
 
+def load_tokenizer(
+    spec: str, *, cache_dir: str | None = None, revision: str | None = None, require_chat_template: bool = True
+):
+    """The verifier's tokenizer alone (see load_verifier)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_verifier_path(spec, cache_dir=cache_dir, revision=revision)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types here; say which directory failed
+        raise DataError(f"verifier {spec!r}: cannot load the tokenizer from {path}: {e}") from e
+    if require_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"verifier {spec!r}: tokenizer at {path} has no chat template; training "
+            "data is rendered with it (set tokenizer.chat_template / chat_template.jinja)"
+        )
+    return tokenizer
+
+
+def load_config(spec: str, *, cache_dir: str | None = None, revision: str | None = None):
+    """The verifier's transformers config alone."""
+    from transformers import AutoConfig
+
+    path = resolve_verifier_path(spec, cache_dir=cache_dir, revision=revision)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise DataError(f"verifier {spec!r}: cannot load the config from {path}: {e}") from e
+
+
 def load_verifier(
     spec: str,
     *,
@@ -210,18 +240,12 @@ def load_verifier(
     error, since training data is rendered through it. device_map / max_memory go to
     from_pretrained (accelerate places the layers, e.g. "auto" across the GPUs); `device` is
     then ignored."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    tokenizer = load_tokenizer(
+        spec, cache_dir=cache_dir, revision=revision, require_chat_template=require_chat_template
+    )
     path = resolve_verifier_path(spec, cache_dir=cache_dir, revision=revision)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # transformers raises many types here; say which directory failed
-        raise DataError(f"verifier {spec!r}: cannot load the tokenizer from {path}: {e}") from e
-    if require_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f"verifier {spec!r}: tokenizer at {path} has no chat template; training "
-            "data is rendered with it (set tokenizer.chat_template / chat_template.jinja)"
-        )
     placed = {"device_map": device_map, "max_memory": max_memory} if device_map is not None else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **placed)
