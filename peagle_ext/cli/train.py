@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss", choices=["kl", "ce"], help=f"Default {d.loss}")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-steps", type=int, help=f"Default {d.max_steps}")
+    g.add_argument("--epochs", type=float, help="passes over the training rows (sets --max-steps)")
+    g.add_argument("--init-from", help="warm start from a drafter checkpoint or export directory (a fresh optimizer)")
     g.add_argument("--batch-size", type=int, help=f"packed rows per micro-batch. Default {d.batch_size}")
     g.add_argument("--grad-accum", type=int, help=f"micro-batches per step. Default {d.grad_accum}")
     g.add_argument("--lr", type=float, help=f"peak learning rate. Default {d.lr}")
@@ -123,7 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help=f"Default {d.seed}")
     g.add_argument("--checkpoint-every", type=int, help=f"Default {d.checkpoint_every}")
     g.add_argument("--keep-checkpoints", type=int, help=f"Default {d.keep_checkpoints}")
-    g.add_argument("--val-every", type=int, help=f"Default {d.val_every}")
+    g.add_argument(
+        "--val-every",
+        "--eval-every",
+        dest="val_every",
+        type=int,
+        help=f"validation every N steps. Default {d.val_every}",
+    )
     g.add_argument("--log-every", type=int, help=f"Default {d.log_every}")
     g.add_argument(
         "--hidden-cache-gb",
@@ -144,6 +152,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="under torchrun: fail when no rank added a shard to --hidden-cache-dir for this long. "
         f"Default {d.hidden_timeout_s:.0f}",
+    )
+    g.add_argument(
+        "--report-to",
+        action="append",
+        help="none | tensorboard | wandb (repeat or comma-separate for several; wandb runs offline unless "
+        "WANDB_MODE=online). Default none",
     )
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
     g.add_argument(

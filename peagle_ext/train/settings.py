@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..model import PEagleOptions
+from .tracking import check_report_to
 
 
 class TrainError(ValueError):
@@ -49,6 +50,8 @@ class TrainSettings:
     loss: str = "kl"
     # optimisation
     max_steps: int = 1200
+    epochs: float | None = None  # passes over the training rows; sets max_steps when given
+    init_from: str | None = None  # warm start: a drafter checkpoint / export dir (new optimizer)
     batch_size: int = 1  # packed rows per micro-batch
     grad_accum: int = 1
     lr: float = 2e-3
@@ -78,6 +81,7 @@ class TrainSettings:
     hidden_timeout_s: float = 1800.0
     resume: bool = False
     progress: bool = True
+    report_to: str | list[str] = "none"  # none | tensorboard | wandb, several allowed
     # under torchrun (WORLD_SIZE > 1): ddp | fsdp (peagle_ext.distributed); ignored by one process
     dist: str = "ddp"
 
@@ -121,6 +125,11 @@ class TrainSettings:
         need(self.dist in ("ddp", "fsdp"), f"--dist must be ddp or fsdp, got {self.dist!r}")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
+        need(self.epochs is None or self.epochs > 0, f"--epochs must be > 0, got {self.epochs}")
+        try:
+            check_report_to(self.report_to)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TrainError("--device cuda was asked for but torch sees no CUDA GPU (use --device cpu)")
         try:
