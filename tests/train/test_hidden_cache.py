@@ -152,6 +152,7 @@ def test_fp8_quantization_per_position():
 
 
 def test_device_map_placement_gives_the_same_states(setup):
+    pytest.importorskip("accelerate")
     v, _ = setup
     plain, tok = D.load_verifier(str(v))
     placed, _ = D.load_verifier(str(v), device_map="auto", max_memory={"cpu": "2GiB"})
