@@ -218,3 +218,41 @@ def test_two_ranks_train_from_a_complete_cache(setup, one_rank_cache, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "only its final norm, lm_head and embeddings loaded" in (tmp_path / "two" / "log.jsonl").read_text()
     assert_same_weights(ref.final_dir, tmp_path / "two" / "final")
+
+
+needs_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+
+
+@pytest.mark.cuda
+@needs_two_gpus
+def test_device_map_over_two_gpus_equals_one_gpu(tmp_path):
+    """A random Qwen3-shaped verifier split over 2 GPUs by device_map + max_memory gives the
+    one-GPU hidden states (bit for bit expected; the check allows bf16 rounding)."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from peagle_ext.testing import make_tokenizer
+
+    cfg = Qwen3Config(
+        vocab_size=300,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    make_tokenizer(tmp_path)
+    one, _ = D.load_verifier(str(tmp_path), device="cuda:0", dtype=torch.bfloat16)
+    split, _ = D.load_verifier(
+        str(tmp_path), dtype=torch.bfloat16, device_map="auto", max_memory={0: "100MiB", 1: "10GiB"}
+    )
+    assert len({str(d) for d in split.hf_device_map.values()}) >= 2
+    ids = torch.randint(3, 300, (512,))
+    row = D.PackedSequence(ids, torch.zeros(512, dtype=torch.int32), torch.ones(512, dtype=torch.bool))
+    for a, b in zip(D.verifier_hidden_states(one, row, [2, 6, 9]), D.verifier_hidden_states(split, row, [2, 6, 9])):
+        torch.testing.assert_close(b.to(a.device).float(), a.float(), rtol=2**-7, atol=2**-7)
