@@ -324,3 +324,24 @@ def random_draft_batch(
         max_model_len=max_model_len,
     )
     return args, kw
+
+
+def make_fake_hub_cache(hf_home, repo_id: str, source_dir, *, repo_type: str = "model", commit: str | None = None):
+    """Put the files of `source_dir` into a Hugging Face cache under `hf_home` the way the hub
+    client lays out a download (hub/<type>s--org--name/snapshots/<commit>/..., refs/main), so that
+    offline resolution of `repo_id` finds them. Returns the snapshot directory."""
+    import hashlib
+    import shutil
+
+    commit = commit or hashlib.sha1(repo_id.encode()).hexdigest()
+    repo = Path(hf_home) / "hub" / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / commit
+    src = Path(source_dir)
+    for f in src.rglob("*"):
+        if f.is_file():
+            dst = snap / f.relative_to(src)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snap

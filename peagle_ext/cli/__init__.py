@@ -8,9 +8,15 @@ import sys
 
 from . import eval as eval_cmd
 from . import export as export_cmd
+from . import hidden_states as hidden_states_cmd
 from . import train as train_cmd
 
-SUBCOMMANDS = {"train": train_cmd, "export": export_cmd, "eval": eval_cmd}
+SUBCOMMANDS = {
+    "train": train_cmd,
+    "hidden-states": hidden_states_cmd,
+    "export": export_cmd,
+    "eval": eval_cmd,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,18 @@ def _opt_int(v: str):
     return None if v.lower() in ("none", "null", "") else int(v)
 
 
+def _json_object(v: str) -> dict:
+    import json
+
+    try:
+        d = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 def _bool(v: str) -> bool:
     if v.lower() in ("1", "true", "yes", "on"):
         return True
@@ -28,9 +40,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to train on")
     g.add_argument(
         "--verifier",
-        help=f"local HF causal-LM directory or 'smollm2' (bundled SmolLM2-135M-Instruct). Default {d.verifier}",
+        help="hub id (org/name, from the local HF cache, downloaded when missing unless offline), local HF "
+        f"causal-LM directory, .gguf file or 'smollm2' (bundled SmolLM2-135M-Instruct). Default {d.verifier}",
     )
-    g.add_argument("--data", help=f"JSONL of {{\"messages\": [...]}} per line, or 'sharegpt'. Default {d.data}")
+    g.add_argument("--verifier-revision", help="branch, tag or commit of a hub verifier")
+    g.add_argument(
+        "--data",
+        action="append",
+        help="JSON / JSONL(.gz/.xz) / Parquet file, datasets.save_to_disk directory, hub dataset id or "
+        f"'sharegpt'; give it several times to mix sources. Default {d.data}",
+    )
+    g.add_argument("--data-split", help="split of a dataset directory or hub dataset (default train)")
+    g.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        help="JSON object of chat-template options, e.g. '{\"enable_thinking\": false}'",
+    )
     g.add_argument("--output", help=f"output directory. Default {d.output}")
     g.add_argument(
         "--num-conversations",
@@ -74,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss", choices=["kl", "ce"], help=f"Default {d.loss}")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-steps", type=int, help=f"Default {d.max_steps}")
+    g.add_argument("--epochs", type=float, help="passes over the training rows (sets --max-steps)")
+    g.add_argument("--init-from", help="warm start from a drafter checkpoint or export directory (a fresh optimizer)")
     g.add_argument("--batch-size", type=int, help=f"packed rows per micro-batch. Default {d.batch_size}")
     g.add_argument("--grad-accum", type=int, help=f"micro-batches per step. Default {d.grad_accum}")
     g.add_argument("--lr", type=float, help=f"peak learning rate. Default {d.lr}")
@@ -98,7 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help=f"Default {d.seed}")
     g.add_argument("--checkpoint-every", type=int, help=f"Default {d.checkpoint_every}")
     g.add_argument("--keep-checkpoints", type=int, help=f"Default {d.keep_checkpoints}")
-    g.add_argument("--val-every", type=int, help=f"Default {d.val_every}")
+    g.add_argument(
+        "--val-every",
+        "--eval-every",
+        dest="val_every",
+        type=int,
+        help=f"validation every N steps. Default {d.val_every}",
+    )
     g.add_argument("--log-every", type=int, help=f"Default {d.log_every}")
     g.add_argument(
         "--hidden-cache-gb",
@@ -113,6 +146,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--background-hidden",
         type=_bool,
         help="CPU: compute verifier hidden states on a second thread while training runs (default true)",
+    )
+    g.add_argument(
+        "--hidden-timeout-s",
+        type=float,
+        help="under torchrun: fail when no rank added a shard to --hidden-cache-dir for this long. "
+        f"Default {d.hidden_timeout_s:.0f}",
+    )
+    g.add_argument(
+        "--report-to",
+        action="append",
+        help="none | tensorboard | wandb (repeat or comma-separate for several; wandb runs offline unless "
+        "WANDB_MODE=online). Default none",
     )
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
     g.add_argument(
@@ -131,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     from ..train import TrainSettings, settings_from, train
 
     cli = {k: getattr(args, k) for k in TrainSettings.field_names() if hasattr(args, k)}
+    if isinstance(cli.get("data"), list) and len(cli["data"]) == 1:
+        cli["data"] = cli["data"][0]  # one --data: the plain string, as a config file writes it
     s = settings_from(cli, getattr(args, "config", None))
     r = train(s)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports

@@ -1,6 +1,6 @@
-"""Verifier and training data for P-EAGLE (docs/design.md section 7). All offline: nothing is downloaded.
+"""Verifier and training data for P-EAGLE (docs/design.md section 7).
 
-    model, tok = load_verifier("smollm2")                       # or a local HF directory
+    model, tok = load_verifier("smollm2")                       # or a hub id / local HF directory
     convs = load_conversations("sharegpt", limit=2000)          # or "my.jsonl"
     tokenized, stats = tokenize_conversations(tok, convs, max_len=seq_len)
     rows = pack_conversations(tokenized, seq_len, pad_token_id=pad_id)
@@ -24,26 +24,34 @@ Conventions (those of vLLM / speculators, so a drafter trained here serves in vL
 from .cache import HiddenStateCache, packed_fingerprint
 from .chat import TokenizeStats, assistant_char_spans, tokenize_conversation, tokenize_conversations
 from .conversations import (
+    Conversation,
     iter_sharegpt_records,
     load_conversations,
     load_eval_prompts,
     normalize_messages,
     sharegpt_path,
 )
+from .gguf import convert_gguf_to_hf
 from .hidden_states import verifier_hidden_states
 from .packing import pack_conversations
 from .records import DataError, PackedSequence, TrainingExample
 from .shift import eagle_shift
+from .sources import iter_records
 from .verifier import (
+    SMOLLM2_HUB_ID,
     cache_root,
     check_aux_layer_ids,
-    convert_gguf_to_hf,
     decoder_parts,
     default_aux_layer_ids,
+    hub_cache_dir,
+    load_config,
+    load_tokenizer,
     load_verifier,
     resolve_verifier_path,
     smollm2_gguf_path,
+    verifier_name,
 )
+from .verifier_head import VerifierHead, load_verifier_head, verifier_head_from_model
 
 __all__ = [
     "DataError",
@@ -55,6 +63,7 @@ __all__ = [
     "assistant_char_spans",
     "tokenize_conversation",
     "tokenize_conversations",
+    "Conversation",
     "iter_sharegpt_records",
     "load_conversations",
     "load_eval_prompts",
@@ -63,6 +72,7 @@ __all__ = [
     "verifier_hidden_states",
     "pack_conversations",
     "eagle_shift",
+    "iter_records",
     "cache_root",
     "check_aux_layer_ids",
     "convert_gguf_to_hf",
@@ -71,4 +81,12 @@ __all__ = [
     "load_verifier",
     "resolve_verifier_path",
     "smollm2_gguf_path",
+    "SMOLLM2_HUB_ID",
+    "hub_cache_dir",
+    "verifier_name",
+    "load_config",
+    "load_tokenizer",
+    "VerifierHead",
+    "load_verifier_head",
+    "verifier_head_from_model",
 ]

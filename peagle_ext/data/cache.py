@@ -7,18 +7,26 @@ Layout of a cache directory:
     shard-000000.safetensors      rows [0, R) stacked: input_ids [R, N] int64, document_ids [R, N]
                                   int32, loss_mask [R, N] bool, hidden [R, N, n_aux*H],
                                   last_hidden [R, N, H]
+                                  (fp8 storage: hidden / last_hidden in float8_e4m3fn plus
+                                  hidden_scale [R, N] / last_hidden_scale [R, N] float32, one
+                                  scale per position, dequantized on read)
 Every file is written to a temporary name and renamed into place, so an interrupted run leaves
 either a complete shard or none; a shard not (yet) in the index is regenerated. Reads verify the
-recorded sha256 and raise DataError on mismatch. One writer at a time per directory.
+recorded sha256 and raise DataError on mismatch. Several processes may fill one cache at once
+(generate(rank=, world=) gives each its own shards): index updates are serialised by an flock on
+index.json.lock and merge what the others wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
 import tempfile
+import time
 
 import torch
 
@@ -28,6 +36,21 @@ from .shift import eagle_shift
 
 INDEX = "index.json"
 _FIELDS = ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden")
+_QUANTIZED = ("hidden", "last_hidden")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., F] -> (float8_e4m3fn [..., F], float32 scale [...]): one scale per row (position),
+    amax / 448, so every row uses the full fp8 range; all-zero rows (padding) get scale 1."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[..., None]
 
 
 def _atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
@@ -64,23 +87,48 @@ class HiddenStateCache:
     def __init__(self, directory: str | os.PathLike, *, meta: dict | None = None):
         self.dir = pathlib.Path(directory).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            index = self._read_index()
+            if index is not None:
+                self.index = index
+                if meta is not None and self.index.get("meta") != _jsonable(meta):
+                    raise DataError(
+                        f"cache {self.dir} was built with different settings:\n  cached: "
+                        f"{self.index.get('meta')}\n  wanted: {_jsonable(meta)}\nuse another directory "
+                        "or delete this one"
+                    )
+            else:
+                self.index = {"version": 1, "meta": _jsonable(meta or {}), "shards": {}}
+                self._save_index()
+
+    def _read_index(self) -> dict | None:
         index_path = self.dir / INDEX
-        if index_path.is_file():
+        if not index_path.is_file():
+            return None
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"cache index {index_path} is corrupted: {e}") from None
+        if not isinstance(index, dict) or index.get("version") != 1:
+            raise DataError(f"cache index {index_path} has an unknown format")
+        return index
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Exclusive use of the index among the processes filling this cache."""
+        with open(self.dir / (INDEX + ".lock"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
             try:
-                self.index = json.loads(index_path.read_text())
-            except json.JSONDecodeError as e:
-                raise DataError(f"cache index {index_path} is corrupted: {e}") from None
-            if not isinstance(self.index, dict) or self.index.get("version") != 1:
-                raise DataError(f"cache index {index_path} has an unknown format")
-            if meta is not None and self.index.get("meta") != _jsonable(meta):
-                raise DataError(
-                    f"cache {self.dir} was built with different settings:\n  cached: "
-                    f"{self.index.get('meta')}\n  wanted: {_jsonable(meta)}\nuse another directory "
-                    "or delete this one"
-                )
-        else:
-            self.index = {"version": 1, "meta": _jsonable(meta or {}), "shards": {}}
-            self._save_index()
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def refresh(self) -> None:
+        """Re-read the index (the shards other processes have written since)."""
+        with self._locked():
+            index = self._read_index()
+        if index is not None:
+            self.index = index
 
     @property
     def meta(self) -> dict:
@@ -111,7 +159,9 @@ class HiddenStateCache:
         p = self.dir / rec["file"]
         return p.is_file() and p.stat().st_size == rec["bytes"]
 
-    def write_shard(self, i: int, examples: list[TrainingExample]) -> None:
+    def write_shard(self, i: int, examples: list[TrainingExample], *, fp8: bool = False) -> None:
+        """Store examples as shard i; fp8: hidden / last_hidden as float8_e4m3fn with a float32
+        scale per position (see quantize_fp8)."""
         from safetensors.torch import save
 
         if not examples:
@@ -120,16 +170,18 @@ class HiddenStateCache:
             tensors = {f: torch.stack([getattr(e, f).detach().cpu() for e in examples]).contiguous() for f in _FIELDS}
         except RuntimeError as e:
             raise ValueError(f"examples of one shard must have equal shapes: {e}") from None
+        if fp8:
+            for f in _QUANTIZED:
+                tensors[f], tensors[f + "_scale"] = quantize_fp8(tensors[f])
         data = save(tensors, metadata={"rows": str(len(examples))})
         path = self.shard_path(i)
         _atomic_write_bytes(path, data)
-        self.index["shards"][str(i)] = {
-            "file": path.name,
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data),
-            "rows": len(examples),
-        }
-        self._save_index()
+        sha = hashlib.sha256(data).hexdigest()
+        entry = {"file": path.name, "sha256": sha, "bytes": len(data), "rows": len(examples)}
+        with self._locked():  # merge with what other writers recorded meanwhile
+            self.index = self._read_index() or self.index
+            self.index["shards"][str(i)] = entry
+            self._save_index()
 
     def read_shard(self, i: int, *, verify: bool = True) -> list[TrainingExample]:
         from safetensors.torch import load
@@ -151,6 +203,9 @@ class HiddenStateCache:
             t = load(data)
         except Exception as e:  # safetensors raises its own error types
             raise DataError(f"cache shard {path} cannot be parsed: {e}") from None
+        for f in _QUANTIZED:
+            if f + "_scale" in t:
+                t[f] = dequantize_fp8(t[f], t.pop(f + "_scale"))
         return [TrainingExample(**{f: t[f][r] for f in _FIELDS}) for r in range(t["input_ids"].shape[0])]
 
     def __iter__(self):
@@ -165,15 +220,25 @@ class HiddenStateCache:
         *,
         rows_per_shard: int = 16,
         dtype: torch.dtype | None = None,
+        fp8: bool = False,
         progress: bool = False,
+        rank: int = 0,
+        world: int = 1,
+        after_shard=None,
     ) -> int:
         """Compute (verifier_hidden_states + eagle_shift) for every packed row and store it, shard i
         holding rows [i*R, (i+1)*R). Shards already present are skipped (resume). The data
-        fingerprint, aux ids and shard size are recorded in meta and must match on resume.
-        dtype: storage dtype of hidden/last_hidden (default: the verifier's). Returns the shard count."""
+        fingerprint, aux ids and shard size are recorded in the index and must match on resume.
+        dtype: storage dtype of hidden/last_hidden (default: the verifier's); fp8: float8 with a
+        scale per position instead. rank / world: this process writes shards i with
+        i % world == rank (the others write theirs into the same cache at the same time; see
+        wait_complete). after_shard(i): called after each shard this process writes. Returns
+        the shard count of the whole cache."""
 
         if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
             raise ValueError(f"rows_per_shard must be a positive int, got {rows_per_shard!r}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world), got rank {rank}, world {world}")
         if not packed_rows:
             raise DataError("packed_rows is empty: nothing to cache")
         layout = {
@@ -182,31 +247,73 @@ class HiddenStateCache:
             "rows_per_shard": rows_per_shard,
             "aux_layer_ids": list(aux_layer_ids),
         }
-        recorded = self.index.get("layout")
-        if recorded is not None and recorded != layout:
-            raise DataError(
-                f"cache {self.dir} holds other data/settings ({recorded}); wanted {layout}: use another directory"
-            )
-        if recorded is None:
-            self.index["layout"] = layout
-            self._save_index()
+        with self._locked():
+            self.index = self._read_index() or self.index
+            recorded = self.index.get("layout")
+            if recorded is not None and recorded != layout:
+                raise DataError(
+                    f"cache {self.dir} holds other data/settings ({recorded}); wanted {layout}: use another directory"
+                )
+            if recorded is None:
+                self.index["layout"] = layout
+                self._save_index()
         n_shards = (len(packed_rows) + rows_per_shard - 1) // rows_per_shard
-        it = range(n_shards)
-        if progress:
+        mine = [i for i in range(rank, n_shards, world) if not self.has_shard(i)]
+        if mine:  # one storage format per cache: a resume with other flags must not mix them
+            want = "fp8" if fp8 else str(dtype) if dtype is not None else "verifier dtype"
+            with self._locked():
+                self.index = self._read_index() or self.index
+                have = self.index.setdefault("storage", want)
+                if have != want:
+                    raise DataError(
+                        f"cache {self.dir} stores hidden states as {have}; this run would add {want}: "
+                        "use the same storage dtype or another directory"
+                    )
+                self._save_index()
+        it = mine
+        if progress and mine:
             from tqdm import tqdm
 
-            it = tqdm(it, desc="verifier hidden states", unit="shard")
+            it = tqdm(mine, desc="verifier hidden states" + (f" (rank {rank})" if world > 1 else ""), unit="shard")
         for i in it:
-            if self.has_shard(i):
-                continue
+            if verifier is None:
+                raise DataError(f"cache {self.dir} lacks shard {i} and no verifier was loaded to compute it")
             rows = packed_rows[i * rows_per_shard : (i + 1) * rows_per_shard]
             out = []
             for p in rows:
                 aux, last = hidden_states.verifier_hidden_states(verifier, p, aux_layer_ids)
                 ex = eagle_shift(p, aux, last)
                 out.append(ex.to("cpu", dtype) if dtype is not None else ex.to("cpu"))
-            self.write_shard(i, out)
+            self.write_shard(i, out, fp8=fp8)
+            if after_shard is not None:
+                after_shard(i)
         return n_shards
+
+    def missing_shards(self, n_shards: int) -> list[int]:
+        return [i for i in range(n_shards) if not self.has_shard(i)]
+
+    def wait_complete(self, n_shards: int, *, timeout_s: float = 600.0, poll_s: float = 1.0, world: int = 1) -> None:
+        """Until every one of n_shards is in the index (written by any process). Gives up with a
+        DataError naming the missing shards (and, with `world`, the ranks that own them) when no
+        new shard has appeared for timeout_s seconds: a rank that died or hangs never leaves the
+        others waiting forever. Rerunning resumes from the shards that exist."""
+        last_count, last_change = -1, time.monotonic()
+        while True:
+            self.refresh()
+            missing = self.missing_shards(n_shards)
+            if not missing:
+                return
+            if len(missing) != last_count:
+                last_count, last_change = len(missing), time.monotonic()
+            elif time.monotonic() - last_change > timeout_s:
+                owners = sorted({i % world for i in missing})
+                raise DataError(
+                    f"cache {self.dir}: {len(missing)} of {n_shards} shards (e.g. {missing[:5]}) did not appear "
+                    f"within {timeout_s:.0f} s"
+                    + (f"; they belong to rank(s) {owners}, which died or stalled" if world > 1 else "")
+                    + ". Run again to resume: the shards written so far are kept"
+                )
+            time.sleep(poll_s)
 
 
 def _jsonable(obj):

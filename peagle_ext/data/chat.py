@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -25,36 +26,94 @@ def _common_prefix_len(a, b) -> int:
     return i
 
 
-def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages, *, add_generation_prompt: bool, tools=None, template_kwargs=None) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages),
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
+        )
+    except Exception as e:  # jinja raises TemplateError, TypeError, ... for what a template refuses
+        raise DataError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from None
 
 
-def assistant_char_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
+def _assistant_footer(tokenizer, tools, template_kwargs) -> str:
+    """What the template writes after an assistant turn's text (e.g. "<|im_end|>\n"): the common
+    tail of two renders that differ only in the assistant's last character."""
+    a, b = (
+        _render(
+            tokenizer,
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "footer probe " + c}],
+            add_generation_prompt=False,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+        for c in "AB"
+    )
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n :] if n else ""
+
+
+def assistant_char_spans(tokenizer, messages, *, tools=None, template_kwargs=None) -> tuple[str, list[tuple[int, int]]]:
     """Render `messages` with the tokenizer's chat template and find each assistant turn's
     character span [start, end) in the rendered text, by incremental prefix rendering:
 
-      start = end of render(messages[:j], add_generation_prompt=True)   (the "<assistant>\\n" header
+      start = end of render(messages[:j], add_generation_prompt=True)   (the "<assistant>\n" header
               is context, like at inference where the server writes it)
-      end   = end of render(messages[:j+1])                             (content + end-of-turn
-              tokens such as "<|im_end|>\\n", which the model must learn to emit)
+      end   = end of render(messages[:j+1])                             (reasoning, tool calls,
+              content and end-of-turn tokens such as "<|im_end|>\n", which the model must learn
+              to emit)
 
-    When the template is not prefix-stable (e.g. it rewrites history or its generation prompt
-    differs from the history header), the longest common prefix with the full render is used,
-    which keeps every span inside the turn (speculators' boundary rule).
+    Everything between is what the assistant generates: its reasoning when the template renders
+    it, its tool calls and its text. Tool results, user and system text are never inside a span.
+    When the template is not prefix-stable, the longest common prefix with the full render is
+    used, which keeps every span inside the turn (speculators' boundary rule); a template that
+    renders the last assistant turn differently from the same turn in the history (Qwen3 shows
+    the reasoning, or an empty think block, only after the last user query) starts the span
+    after the turn's header (the generation prompt) and ends it at its end-of-turn text (the
+    template's assistant footer), found in the full render after the previous turn.
     """
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    kw = dict(tools=tools, template_kwargs=template_kwargs)
+    full = _render(tokenizer, messages, add_generation_prompt=False, **kw)
     spans = []
+    footer = None
+    prev_end = 0
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         if j == 0:
             start = 0
         else:
-            start = _common_prefix_len(_render(tokenizer, messages[:j], add_generation_prompt=True), full)
-        end = _common_prefix_len(_render(tokenizer, messages[: j + 1], add_generation_prompt=False), full)
+            prompt = _render(tokenizer, messages[:j], add_generation_prompt=True, **kw)
+            start = _common_prefix_len(prompt, full)
+            if start < len(prompt):
+                # the history renders differently once this turn follows it: find this turn's
+                # header (the generation prompt, or its longest prefix) after the previous turn
+                history = _render(tokenizer, messages[:j], add_generation_prompt=False, **kw)
+                header = prompt[_common_prefix_len(history, prompt) :]
+                for n in range(len(header), 0, -1):
+                    k = full.find(header[:n], max(prev_end, 0))
+                    if k >= 0:
+                        start = k + n
+                        break
+        upto = _render(tokenizer, messages[: j + 1], add_generation_prompt=False, **kw)
+        end = _common_prefix_len(upto, full)
+        if end < len(upto) and j + 1 < len(messages):
+            footer = _assistant_footer(tokenizer, tools, template_kwargs) if footer is None else footer
+            k = full.find(footer, start) if footer.strip() else -1
+            if k >= 0:
+                end = k + len(footer)
         if end > start:
             spans.append((start, end))
+            prev_end = end
     return full, spans
+
+
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def _check_tokenizer(tokenizer):
@@ -66,7 +125,7 @@ def _check_tokenizer(tokenizer):
 
 
 def tokenize_conversation(
-    tokenizer, messages, *, max_len: int, _use_offsets: bool | None = None
+    tokenizer, messages, *, max_len: int, template_kwargs: dict | None = None, _use_offsets: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Render a conversation with the tokenizer's chat template and tokenize it.
 
@@ -78,14 +137,33 @@ def tokenize_conversation(
 
     The ids equal tokenizer.apply_chat_template(messages, tokenize=True) (the rendered text
     tokenized without extra special tokens). Fast tokenizers map spans via offsets; others by
-    tokenizing each prefix (same result for prefix-stable tokenizations).
+    tokenizing each prefix (same result for prefix-stable tokenizations). A template that marks
+    what the assistant generates with {% generation %} blocks gives the mask itself
+    (transformers' return_assistant_tokens_mask). `messages.tools` (a Conversation's tool
+    definitions) and `template_kwargs` (e.g. {"enable_thinking": False}) go to the template. A
+    conversation the template refuses raises DataError (tokenize_conversations counts them).
     """
     _check_tokenizer(tokenizer)
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
     if not isinstance(messages, list) or not messages:
         raise DataError("messages must be a non-empty list of {role, content} dicts")
-    text, spans = assistant_char_spans(tokenizer, messages)
+    tools = getattr(messages, "tools", None)
+    if _GENERATION_BLOCK.search(tokenizer.chat_template) and getattr(tokenizer, "is_fast", False):
+        try:
+            enc = tokenizer.apply_chat_template(
+                list(messages),
+                tools=tools,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **(template_kwargs or {}),
+            )
+        except Exception as e:
+            raise DataError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from None
+        ids, mask = list(enc["input_ids"])[:max_len], [bool(x) for x in enc["assistant_masks"]][:max_len]
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+    text, spans = assistant_char_spans(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     use_offsets = getattr(tokenizer, "is_fast", False) if _use_offsets is None else _use_offsets
     if use_offsets:
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -121,23 +199,30 @@ class TokenizeStats:
     conversations: int = 0
     truncated: int = 0  # longer than max_len: cut to max_len
     dropped_no_loss: int = 0  # no assistant token left (e.g. truncated before the answer)
+    unrenderable: int = 0  # the chat template refused the conversation (e.g. roles it cannot alternate)
     tokens: int = 0
     loss_tokens: int = 0
     lengths: list[int] = field(default_factory=list, repr=False)
 
 
 def tokenize_conversations(
-    tokenizer, conversations, *, max_len: int
+    tokenizer, conversations, *, max_len: int, template_kwargs: dict | None = None
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], TokenizeStats]:
-    """tokenize_conversation over a list, dropping results without any loss token, with counts
-    (the caller logs `stats.truncated` etc.)."""
+    """tokenize_conversation over a list, dropping results without any loss token and the
+    conversations the chat template cannot render, with counts (the caller logs
+    `stats.truncated`, `stats.unrenderable` etc.)."""
     _check_tokenizer(tokenizer)
     out = []
     st = TokenizeStats()
     for msgs in conversations:
         st.conversations += 1
         # Truncation check needs the untruncated length: ask for one more token than allowed.
-        ids, mask = tokenize_conversation(tokenizer, msgs, max_len=max_len + 1)
+        try:
+            ids, mask = tokenize_conversation(tokenizer, msgs, max_len=max_len + 1, template_kwargs=template_kwargs)
+        except DataError as e:
+            st.unrenderable += 1
+            log.debug("skipping a conversation: %s", e)
+            continue
         if len(ids) > max_len:
             st.truncated += 1
             ids, mask = ids[:max_len], mask[:max_len]
@@ -148,6 +233,12 @@ def tokenize_conversations(
         st.tokens += len(ids)
         st.loss_tokens += int(mask.sum())
         st.lengths.append(len(ids))
+    if st.unrenderable:
+        log.warning(
+            "%d of %d conversations cannot be rendered by the chat template and were skipped",
+            st.unrenderable,
+            st.conversations,
+        )
     if st.truncated:
         log.warning(
             "%d of %d conversations were longer than %d tokens and were truncated",

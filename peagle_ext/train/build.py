@@ -19,7 +19,8 @@ from .settings import TrainError, TrainSettings
 
 @dataclass
 class RunInputs:
-    """The verifier (model, tokenizer, its text config), the aux layer ids, the data and the MASK id."""
+    """The verifier (model or None, tokenizer, its text config, its head parts), the aux layer
+    ids, the data, the MASK id and the on-disk hidden-state caches (train, val) if any."""
 
     verifier: object
     tokenizer: object
@@ -28,20 +29,59 @@ class RunInputs:
     dataset: Dataset
     mask_token_id: int
     train_tokens: int
+    head: D.VerifierHead | None = None
+    disks: tuple = (None, None)
+
+
+ROWS_PER_SHARD = HiddenStates.ROWS_PER_SHARD
+
+
+def cache_meta(s: TrainSettings, aux_ids: list[int]) -> dict:
+    """What the cached hidden states depend on (besides the packed rows, fingerprinted by the
+    cache itself); `peagle hidden-states` and `peagle train` build the same one."""
+    return {
+        "verifier": s.verifier,
+        "verifier_revision": s.verifier_revision,
+        "aux_layer_ids": list(aux_ids),
+        "seq_len": s.seq_len,
+        "data": s.data,
+        "data_split": s.data_split,
+        "chat_template_kwargs": s.chat_template_kwargs,
+        "num_conversations": s.num_conversations,
+        "val_fraction": s.val_fraction,
+        "seed": s.seed,
+    }
+
+
+def open_hidden_caches(s: TrainSettings, aux_ids: list[int]) -> tuple:
+    """(train, val) HiddenStateCache under --hidden-cache-dir (DataError on other settings)."""
+    meta = cache_meta(s, aux_ids)
+    return tuple(
+        D.HiddenStateCache(Path(s.hidden_cache_dir) / split, meta={**meta, "split": split})
+        for split in ("train", "val")
+    )
+
+
+def cache_is_complete(cache, rows) -> bool:
+    """Whether `cache` holds every shard of exactly these packed rows."""
+    if not rows:
+        return True
+    layout = cache.index.get("layout") or {}
+    if layout.get("data_sha256") != D.packed_fingerprint(rows) or layout.get("rows_per_shard") != ROWS_PER_SHARD:
+        return False
+    return not cache.missing_shards(-(-len(rows) // ROWS_PER_SHARD))
 
 
 def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> RunInputs:
+    """Tokenizer, config and data first; then the verifier, or, when --hidden-cache-dir already
+    holds every row's hidden states, only its final norm, lm_head and embeddings (read from its
+    safetensors by name), so a verifier of any size trains on any number of ranks."""
     t0 = time.time()
-    vdtype = amp if amp is not None else torch.float32
-    verifier, tokenizer = D.load_verifier(s.verifier, device=device, dtype=vdtype)
-    vcfg = getattr(verifier.config, "text_config", None) or verifier.config
+    tokenizer = D.load_tokenizer(s.verifier, revision=s.verifier_revision)
+    config = D.load_config(s.verifier, revision=s.verifier_revision)
+    vcfg = getattr(config, "text_config", None) or config
     vocab = int(vcfg.vocab_size)
     aux_ids = list(s.aux_layer_ids) if s.aux_layer_ids else D.default_aux_layer_ids(int(vcfg.num_hidden_layers))
-    log.event(
-        "verifier",
-        f"verifier {s.verifier}: {vcfg.model_type}, {vcfg.num_hidden_layers} layers, hidden "
-        f"{vcfg.hidden_size}, vocab {vocab}, aux layers {aux_ids} ({time.time() - t0:.1f}s)",
-    )
     ds = prepare_data(s, tokenizer, vocab, log)
     mask_id, how = resolve_mask_token_id(tokenizer, vocab, s.mask_token_id)
     for rows, where in ((ds.train_rows, "the training data"), (ds.val_rows, "the validation data")):
@@ -51,6 +91,24 @@ def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> Run
                     f"mask_token_id {mask_id} ({how}) occurs as a real token in {where}; "
                     "pick an id the data never uses (--mask-token-id)"
                 )
+    disks = open_hidden_caches(s, aux_ids) if s.hidden_cache_dir else (None, None)
+    cached = s.hidden_cache_dir and all(
+        cache_is_complete(c, rows) for c, rows in zip(disks, (ds.train_rows, ds.val_rows))
+    )
+    if cached:
+        verifier = None
+        head = D.load_verifier_head(s.verifier, revision=s.verifier_revision)
+        loaded = f"hidden states from {s.hidden_cache_dir}: only its final norm, lm_head and embeddings loaded"
+    else:
+        vdtype = amp if amp is not None else torch.float32
+        verifier, _ = D.load_verifier(s.verifier, device=device, dtype=vdtype, revision=s.verifier_revision)
+        head = D.verifier_head_from_model(verifier)
+        loaded = "loaded"
+    log.event(
+        "verifier",
+        f"verifier {s.verifier}: {vcfg.model_type}, {vcfg.num_hidden_layers} layers, hidden "
+        f"{vcfg.hidden_size}, vocab {vocab}, aux layers {aux_ids}; {loaded} ({time.time() - t0:.1f}s)",
+    )
     ntok = sum(int((r.document_ids >= 0).sum()) for r in ds.train_rows)
     log.event(
         "data",
@@ -58,13 +116,13 @@ def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> Run
         f"-> {len(ds.train_rows)} train / {len(ds.val_rows)} val rows of {s.seq_len} tokens "
         f"({ntok} train tokens, {int(ds.token_counts.sum())} assistant tokens); mask token {mask_id} ({how})",
     )
-    return RunInputs(verifier, tokenizer, vcfg, aux_ids, ds, mask_id, ntok)
+    return RunInputs(verifier, tokenizer, vcfg, aux_ids, ds, mask_id, ntok, head, disks)
 
 
 def build_model(s: TrainSettings, inp: RunInputs, device: torch.device, log: RunLog) -> PEagleDraftModel:
     """The drafter for the verifier: draft vocab from the data's token counts, verifier head and
     embeddings attached (on the CPU; the caller moves it)."""
-    vcfg, ds, verifier = inp.verifier_config, inp.dataset, inp.verifier
+    vcfg, ds = inp.verifier_config, inp.dataset
     vocab = int(vcfg.vocab_size)
     d2t = None
     dv = s.draft_vocab_size
@@ -87,14 +145,11 @@ def build_model(s: TrainSettings, inp: RunInputs, device: torch.device, log: Run
         aux_layer_ids=inp.aux_layer_ids,
         layer_type=s.layer_type,
         d2t=d2t,
-        verifier_name_or_path=s.verifier,
+        verifier_name_or_path=D.verifier_name(s.verifier),
         options=s.options(),
         norm_before_residual=s.norm_before_residual,
     )
-    model.config.speculators_config["verifier"]["architectures"] = list(
-        getattr(verifier.config, "architectures", None) or []
-    )
-    _, _, norm = D.decoder_parts(verifier)
+    model.config.speculators_config["verifier"]["architectures"] = list(inp.head.architectures)
     if int(vcfg.hidden_size) != model.config.hidden_size:
         raise TrainError(
             f"verifier/draft hidden size mismatch: verifier {vcfg.hidden_size}, draft {model.config.hidden_size}"
@@ -108,10 +163,10 @@ def build_model(s: TrainSettings, inp: RunInputs, device: torch.device, log: Run
             f"with head dim 64/128"
         )
     model.attach_verifier(
-        norm_weight=norm.weight.detach().float().cpu(),
-        lm_head_weight=verifier.get_output_embeddings().weight.detach().float().cpu(),
-        norm_eps=getattr(vcfg, "rms_norm_eps", 1e-6),
-        embed_weight=verifier.get_input_embeddings().weight.detach().float().cpu(),
+        norm_weight=inp.head.norm_weight,
+        lm_head_weight=inp.head.lm_head_weight,
+        norm_eps=inp.head.norm_eps,
+        embed_weight=inp.head.embed_weight,
     )
     return model
 
@@ -130,28 +185,14 @@ def build_hidden_states(
 ) -> tuple[HiddenStates, HiddenStates]:
     """(train, val) hidden-state sources: in memory when they fit --hidden-cache-gb (on CPU computed on
     a background thread in the order training reads them), on disk with --hidden-cache-dir, else
-    recomputed per step. Drops the verifier when every row is cached."""
+    recomputed per step. Drops the verifier when every row is cached. Under torchrun every rank
+    fills its own slice of the on-disk cache (train/distributed.py)."""
     vcfg, ds, aux_ids = inp.verifier_config, inp.dataset, inp.aux_layer_ids
     feat = (len(aux_ids) + 1) * int(vcfg.hidden_size)
     store_dtype = torch.bfloat16 if amp is not None else torch.float32
     per_row = s.seq_len * feat * (2 if store_dtype == torch.bfloat16 else 4)
     cache = per_row * (len(ds.train_rows) + len(ds.val_rows)) <= s.hidden_cache_gb * 2**30
-    disks = (None, None)
-    if s.hidden_cache_dir:
-        meta = {
-            "verifier": s.verifier,
-            "aux_layer_ids": aux_ids,
-            "seq_len": s.seq_len,
-            "dtype": str(store_dtype),
-            "data": s.data,
-            "num_conversations": s.num_conversations,
-            "val_fraction": s.val_fraction,
-            "seed": s.seed,
-        }
-        disks = tuple(
-            D.HiddenStateCache(Path(s.hidden_cache_dir) / split, meta={**meta, "split": split})
-            for split in ("train", "val")
-        )
+    disks = inp.disks
     train_h = HiddenStates(
         inp.verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device, disk=disks[0]
     )
@@ -161,7 +202,7 @@ def build_hidden_states(
     t0 = time.time()
     background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden and ctx.world == 1
     if ctx.world > 1:  # each rank: only the rows it trains on (train/distributed.py)
-        log.event("hidden", ctx.prepare_hidden_states((train_h, val_h), s.progress))
+        log.event("hidden", ctx.prepare_hidden_states((train_h, val_h), s.progress, s.hidden_timeout_s))
     elif background:
         # rows in the order this epoch consumes them; training starts as soon as the first is ready
         first_val = (s.val_every - step % s.val_every) * s.batch_size * s.grad_accum

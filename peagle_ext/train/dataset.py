@@ -25,7 +25,7 @@ class Dataset:
 
 
 def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> Dataset:
-    convs = D.load_conversations(s.data, limit=s.num_conversations)
+    convs = D.load_conversations(s.data, limit=s.num_conversations, split=s.data_split)
     if not convs:
         raise TrainError(f"--data {s.data}: empty dataset (no conversations)")
     order = list(range(len(convs)))
@@ -33,10 +33,16 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
     n_val = int(round(len(convs) * s.val_fraction)) if len(convs) > 1 else 0
     val_idx = set(order[:n_val])
     tok_train, tok_val = [], []
-    truncated = dropped = 0
+    truncated = dropped = unrenderable = 0
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i, msgs in enumerate(convs):
-        ids, mask = D.tokenize_conversation(tokenizer, msgs, max_len=s.seq_len + 1)
+        try:
+            ids, mask = D.tokenize_conversation(
+                tokenizer, msgs, max_len=s.seq_len + 1, template_kwargs=s.chat_template_kwargs
+            )
+        except D.DataError:
+            unrenderable += 1
+            continue
         if ids.shape[0] > s.seq_len:
             truncated += 1
             ids, mask = ids[: s.seq_len], mask[: s.seq_len]
@@ -56,6 +62,12 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
             "truncated",
             f"{truncated} conversation(s) longer than --seq-len {s.seq_len} were truncated to {s.seq_len} tokens",
             count=truncated,
+        )
+    if unrenderable:
+        log.event(
+            "unrenderable",
+            f"{unrenderable} conversation(s) the verifier's chat template cannot render were skipped",
+            count=unrenderable,
         )
     if dropped:
         log.event("dropped", f"{dropped} conversation(s) without assistant tokens were skipped", count=dropped)

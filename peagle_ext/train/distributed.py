@@ -29,8 +29,10 @@ What is global and what is per rank (N ranks, --batch-size B, --grad-accum G):
   module with the root group kept gathered across its backward passes (each pass reduce-scatters,
   or with sync off accumulates, what it produced; FSDP2 sums them into the sharded gradients).
 - Verifier hidden states: the verifier is replicated; each rank computes (and, when they fit,
-  keeps) the hidden states of the rows it trains on. With --hidden-cache-dir, rank 0 fills the
-  on-disk cache and the other ranks wait for it, then every rank reads its rows.
+  keeps) the hidden states of the rows it trains on. With --hidden-cache-dir, every rank fills
+  its own slice of the one on-disk cache and waits (with a no-progress timeout) for the others,
+  then every rank reads its rows; a cache that is already complete (`peagle hidden-states`)
+  needs no verifier layers at all.
 - Checkpoints: rank 0 writes the section-5 model and the trainer state; DDP's optimizer state is
   rank 0's `optimizer.state_dict()` (the single-process format); FSDP2's is saved sharded with
   torch.distributed.checkpoint (DCP) under checkpoint-<step>/optimizer/ and loads on any rank
@@ -41,10 +43,8 @@ What is global and what is per rank (N ranks, --batch-size B, --grad-accum G):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -393,26 +393,34 @@ class DistContext:
         return mine
 
     # -- hidden states ----------------------------------------------------------------------
-    def prepare_hidden_states(self, parts, progress: bool) -> str:
+    def prepare_hidden_states(self, parts, progress: bool, timeout_s: float = 1800.0) -> str:
         """World > 1: without a disk cache nothing happens up front (each rank computes its rows'
-        states on first use); with one, rank 0 fills it and the others wait until it is complete.
+        states on first use); with one, every rank fills its own slice of it (shards i with
+        i % world == rank; those already there are skipped) and then waits until all slices
+        are there, giving up with an error when no shard has appeared for timeout_s seconds.
         parts: HiddenStates objects (train, val). Returns a sentence for the log."""
         disk = [h for h in parts if h.disk is not None and h.rows]
         if not disk:
             return "verifier hidden states: each rank computes those of the rows it trains on, on first use" + (
                 " (kept in memory)" if parts[0].cache else ""
             )
-        if self.is_main:
-            for h in disk:
-                h.disk.generate(
-                    h.verifier, h.rows, h.aux, rows_per_shard=h.ROWS_PER_SHARD, dtype=h.store_dtype, progress=progress
-                )
-        else:
-            # a file poll, not a barrier: filling a large cache can outlast any collective timeout
-            for h in disk:
-                _wait_for_cache(h)
+        for h in disk:
+            h.disk.generate(
+                h.verifier,
+                h.rows,
+                h.aux,
+                rows_per_shard=h.ROWS_PER_SHARD,
+                dtype=h.store_dtype,
+                progress=progress,
+                rank=self.rank,
+                world=self.world,
+            )
+        # a file poll with a no-progress timeout, not a barrier: filling a large cache can
+        # outlast any collective timeout, and a dead rank must not leave the others waiting
+        for h in disk:
+            h.disk.wait_complete(-(-len(h.rows) // h.ROWS_PER_SHARD), timeout_s=timeout_s, world=self.world)
         self.barrier()
-        return f"verifier hidden states: on-disk cache filled by rank 0, read by all {self.world} ranks"
+        return f"verifier hidden states: on-disk cache filled by all {self.world} ranks, read by all"
 
     # -- checkpoints ------------------------------------------------------------------------
     def _holder(self, model) -> nn.Module:
@@ -540,18 +548,3 @@ class DistContext:
             C.replace_dir(tmp, directory)  # a kill leaves the old or the new final/, never neither
         self.barrier()
         return self.is_main
-
-
-def _wait_for_cache(h, poll_s: float = 2.0):
-    """Until rank 0 has written every shard of h's on-disk cache (its index lists them all)."""
-    n_shards = (len(h.rows) + h.ROWS_PER_SHARD - 1) // h.ROWS_PER_SHARD
-    index = Path(h.disk.dir) / "index.json"
-    while True:
-        try:
-            shards = json.loads(index.read_text()).get("shards", {})
-        except (OSError, json.JSONDecodeError):
-            shards = {}
-        if all(str(i) in shards for i in range(n_shards)):
-            break
-        time.sleep(poll_s)
-    h.disk = type(h.disk)(h.disk.dir, meta=h.disk.meta)  # re-read the completed index

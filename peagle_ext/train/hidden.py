@@ -35,7 +35,7 @@ class HiddenStates:
             k, j = divmod(i, self.ROWS_PER_SHARD)
             if self._shard is None or self._shard[0] != k:
                 self._shard = (k, self.disk.read_shard(k))
-            return self._shard[1][j]
+            return self._shard[1][j].to("cpu", self.store_dtype)  # a cache may store bf16 / fp8
         aux, last = D.verifier_hidden_states(self.verifier, self.rows[i], self.aux)
         ex = D.eagle_shift(self.rows[i], aux, last)
         return ex.to("cpu", self.store_dtype) if self.cache else ex

@@ -46,6 +46,7 @@ from .optim import lr_lambda
 from .plots import make_plots
 from .run_log import NullLog, RunLog, progress_bar
 from .settings import RESUME_FIXED, TrainError, TrainSettings
+from .tracking import Trackers, peak_memory_gib
 
 
 @dataclass
@@ -125,20 +126,25 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     ctx.barrier()  # every rank has decided before rank 0 writes anything
     if ctx.is_main:
         log = RunLog(out / "log.jsonl", echo=True)
+        trackers = Trackers(s.report_to, out, dataclasses.asdict(s))
     else:
         log = NullLog()
+        trackers = Trackers("none", out, {})
         s = dataclasses.replace(s, progress=False)
     threads = torch.get_num_threads()
     if s.threads and not s.device.startswith("cuda"):
         torch.set_num_threads(s.threads)
     try:
-        return _train(s, out, log, resume_from, stop_after, t_start, ctx)
+        return _train(s, out, log, resume_from, stop_after, t_start, ctx, trackers)
     finally:
         torch.set_num_threads(threads)
+        trackers.close()
         log.close()
 
 
-def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx) -> TrainResult:
+def _train(
+    s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx, trackers
+) -> TrainResult:
     device = ctx.device
     amp = s.autocast_dtype()
     torch.manual_seed(s.seed)
@@ -163,7 +169,14 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
 
     inp = load_inputs(s, device, amp, log)
     ds = inp.dataset
+    if s.epochs is not None:  # --epochs: the step count that passes over the rows that often
+        rows_per_step = s.batch_size * s.grad_accum * ctx.world
+        s = dataclasses.replace(s, max_steps=max(1, math.ceil(s.epochs * len(ds.train_rows) / rows_per_step)))
+        log.event("epochs", f"--epochs {s.epochs:g}: {s.max_steps} steps of {rows_per_step} rows", steps=s.max_steps)
     model = build_model(s, inp, device, log)
+    if s.init_from and resume_from is None:
+        warm_start(model, s.init_from, inp.head)
+        log.event("init", f"weights from {s.init_from} (warm start; a fresh optimizer and schedule)")
     if resume_from is not None:  # the weights before any DDP/FSDP wrapping
         ck = read_trainer_state(resume_from)
         ckcfg = json.loads((resume_from / "config.json").read_text())
@@ -319,6 +332,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
                 **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {}),
             }
             log.write(rec)
+            trackers.log({**rec, "memory_gib": peak_memory_gib(device)})
             bar.set_postfix(
                 loss=f"{summ['loss']:.3f}",
                 acc0=f"{summ['acc'][0]:.3f}",
@@ -330,6 +344,13 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
             val_summary = evaluate(model, val_h, s, autocast, device, ctx)
             log.write({"step": step, "split": "val", **val_summary})
+            trackers.log({"step": step, "split": "val", **val_summary})
+            log.event(
+                "validation",
+                f"step {step}: validation loss {val_summary['loss']:.4f}, accuracy "
+                + " ".join(f"d{i}={a:.3f}" for i, a in enumerate(val_summary["acc"]))
+                + f", estimated acceptance length {val_summary['accept_len']:.2f}",
+            )
         if step % s.checkpoint_every == 0 or step == s.max_steps:
             ctx.save_checkpoint(
                 out,
@@ -411,3 +432,26 @@ def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autoca
     if was:
         model.train()
     return m.summary()
+
+
+def warm_start(model: PEagleDraftModel, src: str, head) -> None:
+    """--init-from: the weights of a drafter checkpoint (config.json + model.safetensors, e.g. an
+    export, a final/ or checkpoint-<step>/ directory, or a training output's final/) for a
+    drafter of the same shape; the verifier head rows follow the loaded draft vocab."""
+    from safetensors.torch import load_file
+
+    p = Path(src)
+    pick = p if (p / "model.safetensors").is_file() else p / "final"
+    if not (pick / "model.safetensors").is_file():
+        raise TrainError(f"--init-from {src}: no model.safetensors there (nor in its final/)")
+    try:
+        model.load_checkpoint_state_dict(load_file(str(pick / "model.safetensors")))
+    except Exception as e:  # shape / key / dtype mismatches, unreadable file
+        raise TrainError(f"--init-from {src}: not a drafter of this shape: {e}") from None
+    model.attach_verifier(
+        norm_weight=head.norm_weight,
+        lm_head_weight=head.lm_head_weight,
+        norm_eps=head.norm_eps,
+        embed_weight=head.embed_weight,
+        init_from_verifier=False,
+    )

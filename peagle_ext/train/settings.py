@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..model import PEagleOptions
+from .tracking import check_report_to
 
 
 class TrainError(ValueError):
@@ -20,7 +21,10 @@ class TrainError(ValueError):
 class TrainSettings:
     # what to train on
     verifier: str = "smollm2"
-    data: str = "sharegpt"
+    verifier_revision: str | None = None  # a hub verifier's branch, tag or commit
+    data: str | list[str] = "sharegpt"  # one source or several, mixed
+    data_split: str | None = None  # split of a dataset directory / hub dataset (default train)
+    chat_template_kwargs: dict | None = None  # options for the chat template, e.g. enable_thinking
     output: str = "runs/peagle"
     num_conversations: int | None = 400
     val_fraction: float = 0.05
@@ -46,6 +50,8 @@ class TrainSettings:
     loss: str = "kl"
     # optimisation
     max_steps: int = 1200
+    epochs: float | None = None  # passes over the training rows; sets max_steps when given
+    init_from: str | None = None  # warm start: a drafter checkpoint / export dir (new optimizer)
     batch_size: int = 1  # packed rows per micro-batch
     grad_accum: int = 1
     lr: float = 2e-3
@@ -71,8 +77,11 @@ class TrainSettings:
     hidden_cache_gb: float = 6.0
     hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
     background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
+    # torchrun: give up when no shard of the shared --hidden-cache-dir appeared for this long
+    hidden_timeout_s: float = 1800.0
     resume: bool = False
     progress: bool = True
+    report_to: str | list[str] = "none"  # none | tensorboard | wandb, several allowed
     # under torchrun (WORLD_SIZE > 1): ddp | fsdp (peagle_ext.distributed); ignored by one process
     dist: str = "ddp"
 
@@ -116,6 +125,11 @@ class TrainSettings:
         need(self.dist in ("ddp", "fsdp"), f"--dist must be ddp or fsdp, got {self.dist!r}")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
+        need(self.epochs is None or self.epochs > 0, f"--epochs must be > 0, got {self.epochs}")
+        try:
+            check_report_to(self.report_to)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TrainError("--device cuda was asked for but torch sees no CUDA GPU (use --device cpu)")
         try:
@@ -166,7 +180,10 @@ def _cpu_has_bf16() -> bool:
 # (grad_accum is checked as the global micro-batch count per step, grad_accum x world size)
 RESUME_FIXED = (
     "verifier",
+    "verifier_revision",
     "data",
+    "data_split",
+    "chat_template_kwargs",
     "num_conversations",
     "val_fraction",
     "seq_len",
