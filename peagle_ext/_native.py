@@ -54,3 +54,15 @@ def build_info() -> dict:
 
 def has_cuda_kernels() -> bool:
     return "cuda" in build_info()["backends"]
+
+
+def has_hopper_kernels() -> bool:
+    """Whether this build holds the sm_90a (Hopper warpgroup MMA) COD attention kernels."""
+    return "90" in build_info()["cuda_archs"]
+
+
+def attention_kernel_choice(cc_major: int, cc_minor: int, head_dim: int, build_has_sm90a: bool, override: str = ""):
+    """csrc/attention/attention_dispatch.h's choice for explicit inputs (the CUDA ops ask it with the
+    device's compute capability, this build and PEAGLE_ATTN_KERNEL); ValueError for an unknown
+    override."""
+    return dict(_C.attention_kernel_choice(cc_major, cc_minor, head_dim, build_has_sm90a, override))

@@ -6,18 +6,14 @@ no host sync on CUDA) and runs the native forward; autograd runs the native, det
 backward. No T x T mask exists anywhere on this path; `peagle_ext.reference` holds the dense
 statement that the tests compare against.
 
-CUDA kernels (env read per call): PEAGLE_ATTN_FWD / PEAGLE_ATTN_BWD = auto (or unset) runs the
-Hopper kernels on sm_90a warpgroup MMAs where the GPU is compute capability 9.0 and the build has
-90, the mma.sync kernels elsewhere; both give the same outputs and gradients bit for bit at head
-dim 128 (at 64 the forwards use other query tiles and agree to rounding), the Hopper ones faster
-(bench/RESULTS.md). "mma" forces the mma.sync kernels, "wgmma" the Hopper ones
-(an error where they cannot run). PEAGLE_ATTN_BWD=atomic selects a FlashAttention-2-style
-backward instead: dq is summed with fp32 atomics inside the key-major dK/dV pass (5 matmuls per
-allowed pair instead of 7, plus a T x Hq x D float32 workspace). dq is then NOT bitwise
-reproducible between runs (it varies at the level of one bf16/fp16 rounding step); dk and dv
-still are. PEAGLE_ATTN_WGMMA_PIPE = 0, 1 or 2 (default 2) is the software-pipelining level of the
-Hopper kernels (bitwise the same results at every level). Any other value is refused with a
-ValueError.
+CUDA kernels: one heuristics function (csrc/attention/attention_dispatch.h, `attention_kernel`
+below) picks the family. On compute capability 9.0 with sm_90a code in the build it runs the Hopper
+kernels (warpgroup MMAs, FlashAttention-3-style pipelining); everywhere else (Ampere, Ada,
+Blackwell, Hopper builds without sm_90a) the portable mma.sync kernels. Both are deterministic and
+give the same outputs and gradients bit for bit at head dim 128 (at 64 the forwards use other
+query tiles and agree to rounding). The one override, for debugging and tests, is the environment
+variable PEAGLE_ATTN_KERNEL: unset / "auto" = that choice, "portable" = the mma.sync kernels on
+any GPU; any other value is a ValueError.
 
 Set PEAGLE_ATTN_CHECK=1 to also validate the layout's contents (sorted anchors, depth segments,
 depth-0 rows, contiguous documents) on CUDA; this syncs with the host. The CPU path always does.
@@ -32,12 +28,24 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_int, check_tensor
-from .._native import ops
+from .._native import attention_kernel_choice, has_hopper_kernels, ops
 from .cod import CodLayout
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _CUDA_HEAD_DIMS = (64, 128)
+KERNEL_ENV = "PEAGLE_ATTN_KERNEL"
+
+
+def attention_kernel(head_dim: int = 128, device=None) -> dict:
+    """The COD attention kernels that run for `head_dim` on a CUDA `device` (default: the current
+    one) with this build and PEAGLE_ATTN_KERNEL: {"family": "hopper" | "portable" | "unsupported",
+    "fwd_block_q", "dq_block_q", "dkv_block_k", "dkv_block_q"}. The CUDA ops ask the same function."""
+    check_int("head_dim", head_dim, lo=1)
+    if not torch.cuda.is_available():
+        raise ValueError("attention_kernel: no CUDA device here")
+    major, minor = torch.cuda.get_device_capability(device)
+    return attention_kernel_choice(major, minor, head_dim, has_hopper_kernels(), os.environ.get(KERNEL_ENV, ""))
 
 
 @dataclass
