@@ -38,10 +38,7 @@ struct CodAttnParams {
   int T = 0, N = 0, Hq = 0, Hkv = 0, D = 0, K = 0, group = 1;
   int symmetric = 1, use_sink = 0;
   float scale = 1.f, scale_log2 = 1.f;
-  int unused_fwd_warps = 0, unused_fwd_mf = 1, unused_bwd_variant = 0;
-  float* unused_dq_accum = nullptr;
   int depth_offsets[kMaxChain + 1] = {};
-  int unused_wgmma_pipe = 0;
 };
 
 // workspace for the metadata build (the document-run scan); query with ws == nullptr.
