@@ -6,7 +6,7 @@
 `dump` compiles each kernel file with `nvcc -O3 -ptx` (the build's flags, PEAGLE_ATTN_WGMMA on)
 for compute_90 and compute_90a, cuts the PTX into its `.entry` functions and normalises each one:
 comment and `.file` / `.loc` lines dropped, the anonymous-namespace hashes (`_GLOBAL__N__<hex>_`,
-`_INTERNAL_<hex>_`) replaced by a constant, basic-block labels stripped of the function's index in its file
+`_INTERNAL_<hex>_`, the file hash in `_ANON_..._cu_<hex>`) replaced by a constant, basic-block labels stripped of the function's index in its file
 (`$L__BB<i>_<n>`), and the kernel's own mangled name (which its parameter
 names repeat) replaced by `KERNEL`, so a kernel that only lost a template parameter compares
 equal. It writes {arch: {demangled name: normalised body}}.
@@ -33,6 +33,7 @@ from pathlib import Path
 ARCHS = ("compute_90", "compute_90a")
 _HASHES = (re.compile(r"_GLOBAL__N__[0-9a-fA-F]+_"), re.compile(r"_INTERNAL_[0-9a-fA-F]+_"))
 _LABEL = re.compile(r"\$L__BB\d+_")  # block labels carry the function's index in its file
+_FILE_HASH = re.compile(r"(_cu_)[0-9a-f]{8}")  # anonymous-namespace names carry a hash of their file
 _ENTRY = re.compile(r"^(?:\.visible |\.weak )?\.entry (\S+?)\(", re.M)
 
 
@@ -88,7 +89,7 @@ def dump(root: Path, dest: Path, jobs: int) -> None:
             src, arch, ents = fut.result()
             names = demangle(list(ents))
             for mangled, body in ents.items():
-                result[arch][names[mangled]] = body
+                result[arch][_FILE_HASH.sub(r"\1H", names[mangled])] = _FILE_HASH.sub(r"\1H", body)
             print(f"{src} {arch}: {len(ents)} kernels", flush=True)
     dest.write_text(json.dumps(result, indent=0, sort_keys=True))
 
