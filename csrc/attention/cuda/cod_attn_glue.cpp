@@ -11,6 +11,7 @@
 
 #include "attention/attention_host.h"
 #include "attention/attention_kernels.h"
+#include "common/cuda_kernel_image.h"
 
 namespace peagle::attention {
 namespace {
@@ -27,6 +28,7 @@ void check_launch(cudaError_t err, const char* what) {
 // The kernel family for head dim D on the current device (attention_dispatch.h). The override
 // PEAGLE_ATTN_KERNEL is read per call (one getenv), so a test can compare the families in one process.
 AttnKernelFamily kernel_family(int64_t D) {
+  check_kernel_image("cod_attention");
   const char* env = std::getenv(kAttnKernelEnv);
   AttnKernelOverride choice = AttnKernelOverride::kAuto;
   TORCH_CHECK_VALUE(parse_attn_kernel_override(env, choice), "cod_attention: ", kAttnKernelEnv, "=", env,
@@ -93,6 +95,7 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_metadata_cuda(const at::Tensor&
                                                                int64_t window, int64_t sink) {
   check_metadata_inputs(anchor, depth, document_ids, depth_offsets, cross, window, sink);
   const c10::cuda::CUDAGuard guard(anchor.device());
+  check_kernel_image("cod_attention_metadata");
   const int64_t T = anchor.size(0), N = document_ids.size(0), K = static_cast<int64_t>(depth_offsets.size()) - 1;
   at::Tensor ranges = at::empty({kNumRangeFields, T}, anchor.options());
   at::Tensor chains = at::empty({2, T, K}, anchor.options());

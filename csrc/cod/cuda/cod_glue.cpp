@@ -12,6 +12,7 @@
 #include "cod/cod_checks.h"
 #include "cod/cod_common.h"
 #include "cod/cod_kernels.h"
+#include "common/cuda_kernel_image.h"
 
 namespace peagle::cod {
 namespace {
@@ -25,6 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor&
                     "cod_sample: document_ids and loss_mask must both be CUDA tensors here, got ",
                     document_ids.device(), " and ", loss_mask.device());
   const c10::cuda::CUDAGuard guard(document_ids.device());
+  check_kernel_image("cod_sample");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(document_ids.device().index()).stream();
   const int64_t n = document_ids.size(0);
   const int K = static_cast<int>(num_depths);
