@@ -52,8 +52,8 @@ inline std::string missing_kernel_image_message(const char* op, int cc_major, in
   return std::string(op) + ": this peagle_ext build has no CUDA kernels for this GPU (compute capability " +
          std::to_string(cc_major) + "." + std::to_string(cc_minor) + ", sm_" + arch + "); it holds SASS for " +
          (sass.empty() ? "no arch" : sass) + " and PTX for " + (ptx.empty() ? "no arch" : ptx) +
-         ". Rebuild it for this GPU: PEAGLE_CUDA_ARCHS=\"" + arch +
-         "\" pip install --no-build-isolation . (or add " + arch + " to the list you build for)";
+         ". Rebuild it for this GPU: PEAGLE_CUDA_ARCHS=\"" + arch + "\" pip install --no-build-isolation . (or add " +
+         arch + " to the list you build for)";
 }
 
 }  // namespace peagle

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
     for (int pi = lane; pi < 16 * K; pi += 32) {
       const int rl = pi / K, e = pi - rl * K;
       const int row = 16 * warp + rl;
-      const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+      const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
       float ds = 0.f;
       if (c >= 0) {
         const float sv = dot_smem_global<D, T>(sQ, row, kb + int64_t(c) * kld);
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(128) cod_attn_dkv_chain_kernel(const CodAttnPa
   for (int x = 0; x < EPL; ++x) dk[x] = dv[x] = 0.f;
   const float sl2 = p.scale_log2;
   for (int e = 0; e < p.K; ++e) {
-    const int64_t i = rc[e];
+    const int64_t i = chain_row(rc[e], p.T);  // a layout row, or -1
     if (i < 0) continue;
     for (int h = hk * p.group; h < (hk + 1) * p.group; ++h) {
       float qv[EPL], dov[EPL];

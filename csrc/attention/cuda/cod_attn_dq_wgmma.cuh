@@ -80,7 +80,7 @@ __device__ __forceinline__ void dq_chain_keys_sw128(const CodAttnParams& p, cons
   for (int pi = lane; pi < 16 * K; pi += 32) {
     const int rl = pi / K, e = pi - rl * K;
     const int row = 16 * warp + rl;
-    const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+    const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
     float ds = 0.f;
     if (c >= 0) {
       const float sv = dot_sw128_global<D, T, BM>(sQ, row, kb + int64_t(c) * kld);

@@ -50,7 +50,7 @@ __device__ __forceinline__ void fwd_chain_keys(const CodAttnParams& p, const QTi
   for (int pi = lane; pi < 16 * K; pi += 32) {
     const int rl = pi / K, e = pi - rl * K;
     const int row = wrow0 + rl;
-    const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+    const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
     cs[pi] = c >= 0 ? qrow_dot(row, kb + int64_t(c) * kld) * sl2 : -INFINITY;
     ci[pi] = c;
   }
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
     for (int pi = lane; pi < 16 * K; pi += 32) {
       const int rl = pi / K, e = pi - rl * K;
       const int row = wrow0 + rl;
-      const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+      const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
       cs[pi] = c >= 0 ? dot_smem_global<D, T>(sQ, row, kb + int64_t(c) * kld) * sl2 : -INFINITY;
       ci[pi] = c;
     }
