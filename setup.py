@@ -2,7 +2,8 @@
 
 Environment knobs:
   PEAGLE_WITH_CUDA=AUTO|ON|OFF   (AUTO: build CUDA when torch has CUDA and nvcc is found)
-  PEAGLE_CUDA_ARCHS="80;90"      (CMake CUDA architecture list)
+  PEAGLE_CUDA_ARCHS=AUTO         (default: SASS for 80, 90 (+90a), 100, 120 where nvcc has them, PTX of
+                                 the newest; or a CMake CUDA architecture list, e.g. "90" or "100-real;120")
   MAX_JOBS=N                     (parallel compile jobs)
 Build with `pip install --no-build-isolation .` so the build uses the torch you run with.
 """

@@ -5,19 +5,14 @@ causal over all T tokens (flash backend, a dense kernel doing more work).
 Layouts: one document of N tokens, every position loss-masked (the issue's reference numbers:
 N=8K max_anchors=1024 -> T~10.6K, N=4K uncapped -> T~13.8K), r=0.7, K=8. 32 q heads, 8 kv
 heads, D=128 (BENCH_D=64 for the other head dim), bf16. Times include the metadata build (ours) /
-create_block_mask (flex). "ours" runs the default kernels (wgmma on sm_90); at two sizes the
-mma.sync kernels are timed too.
+create_block_mask (flex). "ours" runs the kernels the heuristics pick (csrc/attention/
+attention_dispatch.h: the Hopper wgmma kernels on sm_90); at two sizes the portable mma.sync kernels
+(PEAGLE_ATTN_KERNEL=portable, what Ampere / Ada / Blackwell run) are timed too.
 
   python bench/bench_attention.py            # table + $OUT/bench_attention.json (or ./bench_out)
   QUICK=1 python bench/bench_attention.py    # fewer sizes
-  python bench/bench_attention.py --fwd-configs   # forward only, every CTA shape (FWD_CONFIGS, incl.
-                                                  # the sm_90 wgmma forward; FWD_NAMES=mma,wgmma
-                                                  # to pick) vs the first: ms, TF/s, ratio, max|diff|
-  python bench/bench_attention.py --bwd-configs   # fwd+bwd under each backward variant
-                                                  # (BWD_CONFIGS: deterministic / atomic dQ / wgmma
-                                                  # dQ+dK/dV; BWD_NAMES=mma,wgmma to pick) vs the
-                                                  # first: ms, bwd TF/s, ratio, grad diffs, memory
-  python bench/bench_attention.py --sanitize # one small fwd+bwd (for compute-sanitizer)
+  python bench/bench_attention.py --kernels  # the chosen kernels vs the portable ones: fwd, fwd+bwd
+                                             # and bwd ms, bwd TF/s, ratio, grad diffs, memory
   pytest bench/bench_attention.py            # pytest-benchmark entries (GPU ones skip without a GPU)
 
 Useful FLOPs = allowed (query, key) pairs x 4 x D x Hq per forward (pairs counted in O(T) from
@@ -87,87 +82,33 @@ def peagle_mask_mod(anchor, depth, document_ids, window=None, sink=0):
     return mask_mod
 
 
-# Forward kernels (env read per call by the CUDA glue): the mma.sync forward's CTA shapes
-# (csrc/attention/cuda/cod_attn_configs.cuh), 16 or 32 query rows per warp (PEAGLE_ATTN_FWD_MF=1|2)
-# x 4 or 8 warps (PEAGLE_ATTN_FWD_WARPS); the sm_90a wgmma forward; "auto" = what runs without the
-# env (wgmma on sm_90, mma elsewhere).
-FWD_CONFIGS = {
-    "mma": {"PEAGLE_ATTN_FWD": "mma"},  # mma.sync, 16 rows per warp; 8 warps at D=64, 4 at D=128
-    "mf1w8": {"PEAGLE_ATTN_FWD_WARPS": "8"},
-    "mf1w4": {"PEAGLE_ATTN_FWD_WARPS": "4"},
-    "mf2w4": {"PEAGLE_ATTN_FWD_MF": "2"},
-    "mf2w8": {"PEAGLE_ATTN_FWD_MF": "2", "PEAGLE_ATTN_FWD_WARPS": "8"},
-    # one warpgroup per 64 query rows on sm_90a warpgroup MMAs (only where the GPU is sm_90)
-    "wgmma": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "0"},  # unpipelined (unset = 2)
-    # its pipelined key-block loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same results): 1 = O += P V
-    # left in flight; 2 = the softmax of the next block overlapped with P V (FlashAttention-3 style)
-    "wgmma_pipe1": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
-    "wgmma_pipe": {"PEAGLE_ATTN_FWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
-    "auto": {},
-}
-_FWD_ENV_KEYS = ("PEAGLE_ATTN_FWD_MF", "PEAGLE_ATTN_FWD_WARPS", "PEAGLE_ATTN_FWD", "PEAGLE_ATTN_WGMMA_PIPE")
+# PEAGLE_ATTN_KERNEL: the one override of the kernel choice ("portable" = the mma.sync kernels).
+KERNEL_ENV = "PEAGLE_ATTN_KERNEL"
+FAMILIES = ("auto", "portable")
 
 
-class env_config:
-    """Context manager: clear the variables `keys`, set `env`, restore all of `keys` on exit."""
+class kernel_family:
+    """Context manager: run the CUDA kernels of `family` ("auto": the heuristics' choice)."""
 
-    def __init__(self, env, keys):
-        self.env, self.keys = env, keys
+    def __init__(self, family):
+        self.family = family
 
     def __enter__(self):
-        self.saved = {k: os.environ.pop(k) for k in self.keys if k in os.environ}
-        os.environ.update(self.env)
+        self.saved = os.environ.pop(KERNEL_ENV, None)
+        if self.family != "auto":
+            os.environ[KERNEL_ENV] = self.family
 
     def __exit__(self, *exc):
-        for k in self.keys:
-            os.environ.pop(k, None)
-        os.environ.update(self.saved)
+        os.environ.pop(KERNEL_ENV, None)
+        if self.saved is not None:
+            os.environ[KERNEL_ENV] = self.saved
 
 
-def fwd_config(name):
-    """Context manager: run the CUDA forward as `name` of FWD_CONFIGS."""
-    return env_config(FWD_CONFIGS[name], _FWD_ENV_KEYS)
+def chosen_family(head_dim=D):
+    from peagle_ext.ops.attention import attention_kernel
 
-
-# Backward variants (env PEAGLE_ATTN_BWD, read per call by the CUDA glue, csrc/attention/cuda/
-# cod_attn_bwd.cuh launch_bwd): "mma", the deterministic mma.sync backward (separate query-major dQ
-# pass: 7 matmuls per pair), "atomic" (dQ summed with fp32 atomics in the key-major dK/dV pass: 5
-# matmuls) and "wgmma" (the deterministic one with its dQ and dK/dV passes on sm_90a warpgroup MMAs;
-# only where the GPU is sm_90).
-BWD_CONFIGS = {
-    "mma": {"PEAGLE_ATTN_BWD": "mma"},
-    "atomic": {"PEAGLE_ATTN_BWD": "atomic"},
-    "wgmma": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "0"},  # unpipelined (unset = 2)
-    "wgmma64": {
-        "PEAGLE_ATTN_BWD": "wgmma",
-        "PEAGLE_ATTN_WGMMA_BMQ": "64",  # 64-query blocks at D = 128
-        "PEAGLE_ATTN_WGMMA_PIPE": "0",
-    },
-    # the pipelined dQ and dK/dV loops (PEAGLE_ATTN_WGMMA_PIPE, bitwise the same gradients): 1 =
-    # each block's second MMA left in flight; 2 = the dK/dV elementwise overlapped with the previous
-    # block's dV / dK MMAs too (FlashAttention-3 style; at D = 128 only with 32-query blocks: the
-    # BMQ = 64 pass runs level 1 under 2)
-    "wgmma_pipe1": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "1"},
-    "wgmma_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
-    "wgmma64_pipe": {"PEAGLE_ATTN_BWD": "wgmma", "PEAGLE_ATTN_WGMMA_BMQ": "64", "PEAGLE_ATTN_WGMMA_PIPE": "2"},
-    "auto": {},  # what runs without the env: wgmma64 at D=128 / wgmma at D=64 on sm_90, mma elsewhere
-}
-_BWD_ENV_KEYS = ("PEAGLE_ATTN_BWD", "PEAGLE_ATTN_WGMMA_BMQ", "PEAGLE_ATTN_WGMMA_PIPE")
-MMA_ENV = {"PEAGLE_ATTN_FWD": "mma", "PEAGLE_ATTN_BWD": "mma"}  # the mma.sync kernels everywhere
-
-
-def bwd_config_runs(name):
-    """wgmma needs compute capability 9.0 and a build with sm_90a kernels; the others run anywhere."""
-    if not name.startswith("wgmma"):
-        return True
-    import peagle_ext
-
-    return torch.cuda.get_device_capability() == (9, 0) and "90" in peagle_ext.build_info().get("cuda_archs", [])
-
-
-def bwd_config(name):
-    """Context manager: run the CUDA backward as the variant `name` of BWD_CONFIGS."""
-    return env_config(BWD_CONFIGS[name], _BWD_ENV_KEYS)
+    with kernel_family("auto"):
+        return attention_kernel(head_dim)["family"]
 
 
 def cuda_time(fn, warmup=2, reps=5, target_s=1.5):
@@ -329,21 +270,23 @@ def main():
     sdpa_max_t = int(os.environ.get("SDPA_MAX_T", "200000"))
     rows, notes = [], []
     dev = torch.cuda.get_device_name()
-    print(f"# COD attention bench on {dev}, torch {torch.__version__}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16")
+    print(
+        f"# COD attention bench on {dev}, torch {torch.__version__}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
+        f"kernels: {chosen_family()}"
+    )
     for n in sizes:
         for cap in (None, 1024):
             lay = make_layout(n, cap)
             t = lay.num_tokens
             row = {"N": n, "max_anchors": cap, "T": t}
             row["ours"] = bench_ours(lay)
-            if (n, cap) in ((8192, 1024), (4096, None)) and bwd_config_runs("wgmma"):
-                # the mma.sync kernels (forward and backward) against the default (wgmma) ones;
-                # --fwd-configs / --bwd-configs time every variant
-                with env_config(MMA_ENV, _FWD_ENV_KEYS + _BWD_ENV_KEYS):
+            if (n, cap) in ((8192, 1024), (4096, None)) and chosen_family() != "portable":
+                # the portable kernels against the chosen (Hopper) ones; --kernels times more layouts
+                with kernel_family("portable"):
                     alt = bench_ours(lay)
-                row["ours_mma"] = {"fwd_ms": alt["fwd_ms"], "fwd_bwd_ms": alt["fwd_bwd_ms"]}
+                row["ours_portable"] = {"fwd_ms": alt["fwd_ms"], "fwd_bwd_ms": alt["fwd_bwd_ms"]}
                 print(
-                    f"  mma.sync kernels at N={n} cap={cap}: fwd {alt['fwd_ms']:.2f} ms vs {row['ours']['fwd_ms']:.2f} "
+                    f"  portable kernels at N={n} cap={cap}: fwd {alt['fwd_ms']:.2f} ms vs {row['ours']['fwd_ms']:.2f} "
                     f"({alt['fwd_ms'] / row['ours']['fwd_ms']:.2f}x), f+b {alt['fwd_bwd_ms']:.2f} vs "
                     f"{row['ours']['fwd_bwd_ms']:.2f} ms ({alt['fwd_bwd_ms'] / row['ours']['fwd_bwd_ms']:.2f}x)",
                     flush=True,
@@ -398,7 +341,10 @@ def main():
     for nline in notes:
         print("note:", nline)
     (out_dir / "bench_attention.json").write_text(
-        json.dumps({"device": dev, "torch": torch.__version__, "rows": rows, "notes": notes}, indent=1)
+        json.dumps(
+            {"device": dev, "torch": torch.__version__, "kernels": chosen_family(), "rows": rows, "notes": notes},
+            indent=1,
+        )
     )
     print(f"wrote {out_dir / 'bench_attention.json'}")
 
@@ -449,116 +395,26 @@ def print_summary(rows):
         )
 
 
-def _variant_cases():
-    """(output dir, (N, max_anchors, window, sink) cases) of --fwd-configs / --bwd-configs: the
-    bench layouts plus a windowed one (QUICK: up to 8K)."""
+def kernels_main():
+    """fwd and fwd+bwd of the chosen kernels and of the portable ones on the bench layouts plus a
+    windowed one: ms, backward ms (fwd+bwd minus the forward alone), backward useful TF/s (5
+    matmuls per allowed pair: 2.5x the forward's FLOPs), speed-up of the chosen kernels, peak
+    extra memory, and the outputs' / gradients' relative L2 difference between the two."""
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     cases = [(4096, None, None, 0), (8192, 1024, None, 0), (8192, None, None, 0), (8192, None, 1024, 4)]
     if os.environ.get("QUICK", "0") in ("", "0"):
         cases += [(32768, None, None, 0), (131072, 1024, None, 0)]
-    return out_dir, cases
-
-
-def _variant_names(env_var, configs, what):
-    """The variants named in env_var (comma list; default: all of `configs`) that run here (wgmma
-    ones need an sm_90 GPU, bwd_config_runs); the first is the baseline. Prints the skipped ones."""
-    wanted = [x for x in os.environ.get(env_var, "").split(",") if x] or list(configs)
-    names = [nm for nm in wanted if nm in configs and bwd_config_runs(nm)]
-    skipped = [nm for nm in wanted if nm not in names]
-    if skipped:
-        print(f"# skipped {what} variants (not runnable here or unknown): {skipped}")
-    return names
-
-
-def fwd_configs_main():
-    """Forward only, every variant of FWD_CONFIGS on the bench layouts (plus a windowed one):
-    time, useful TF/s, speed-up over the baseline (the first name), and max |diff| of out against it."""
-    out_dir, cases = _variant_cases()
     dev = torch.cuda.get_device_name()
-    names = _variant_names("FWD_NAMES", FWD_CONFIGS, "forward")  # e.g. FWD_NAMES=mma,wgmma
+    chosen = chosen_family()
     print(
-        f"# COD attention forward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; "
-        f"ratio = {names[0]} ms / variant ms (>1: faster than {names[0]})"
+        f"# COD attention kernels on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; auto = {chosen}; "
+        f"speed-up = portable ms / auto ms"
     )
     print(
         f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} "
-        + " ".join(f"{nm + ' ms':>10} {'TF/s':>5} {'ratio':>5}" for nm in names)
-        + f"  max|diff| vs {names[0]}"
-    )
-    rows = []
-    for n, cap, window, sink in cases:
-        lay = make_layout(n, cap)
-        t = lay.num_tokens
-        q, k, v, _ = inputs(t)
-        pairs = allowed_pairs(cod_attention_metadata(lay, window=window, sink=sink))
-        row = {"N": n, "max_anchors": cap, "window": window, "sink": sink, "T": t, "pairs": pairs, "configs": {}}
-        ref = None
-        for name in names:
-            with fwd_config(name), torch.no_grad():
-                out = cod_attention(q, k, v, lay, window=window, sink=sink)
-                ms = cuda_time(lambda: cod_attention(q, k, v, lay, window=window, sink=sink))  # noqa: B023
-            if ref is None:
-                ref = out.float()
-            diff = float((out.float() - ref).abs().max())
-            row["configs"][name] = {
-                "fwd_ms": ms,
-                "fwd_tflops": tflops(pairs, ms),
-                "max_abs_diff_vs_baseline": diff,
-                "finite": bool(torch.isfinite(out).all()),
-            }
-            del out
-        base = row["configs"][names[0]]["fwd_ms"]
-        for c in row["configs"].values():
-            c["speedup_vs_baseline"] = base / c["fwd_ms"]
-        cs = row["configs"]
-        print(
-            f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} "
-            + " ".join(
-                f"{cs[nm]['fwd_ms']:>10.3f} {cs[nm]['fwd_tflops']:>5.0f} {cs[nm]['speedup_vs_baseline']:>5.2f}"
-                for nm in names
-            )
-            + "  "
-            + " ".join(f"{nm}:{cs[nm]['max_abs_diff_vs_baseline']:.4f}" for nm in names[1:])
-            + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE OUTPUT"),
-            flush=True,
-        )
-        rows.append(row)
-        q = k = v = ref = None
-        torch.cuda.empty_cache()
-    (out_dir / "bench_attention_fwd_configs.json").write_text(
-        json.dumps(
-            {
-                "device": dev,
-                "torch": torch.__version__,
-                "baseline": names[0],
-                "configs": {nm: FWD_CONFIGS[nm] for nm in names},
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {out_dir / 'bench_attention_fwd_configs.json'}")
-
-
-def bwd_configs_main():
-    """fwd+bwd under every backward variant of BWD_CONFIGS, on the bench layouts plus a windowed
-    one: fwd+bwd ms, backward ms (fwd+bwd minus the forward alone), backward useful TF/s (5 matmuls
-    per allowed pair: 2.5x the forward's FLOPs) and its distance from the dense bf16 peak, speed-up
-    over the baseline (the first name), peak extra memory, and the gradients' relative L2 difference
-    from the baseline."""
-    out_dir, cases = _variant_cases()
-    dev = torch.cuda.get_device_name()
-    names = _variant_names("BWD_NAMES", BWD_CONFIGS, "backward")  # e.g. BWD_NAMES=mma,wgmma
-    print(
-        f"# COD attention backward variants on {dev}; Hq={HQ} Hkv={HKV} D={D} K={K} r={R} bf16; forward as the env "
-        f"says (auto if unset); bwd = f+b - fwd; ratio = {names[0]} ms / variant ms (>1: faster); floor = bwd "
-        f"FLOPs at {PEAK_BF16_TFLOPS:.0f} TF/s"
-    )
-    print(
-        f"{'N':>7} {'cap':>5} {'win':>5} {'T':>7} {'fwd ms':>7} "
-        + " ".join(f"{nm + ' f+b':>12} {'bwd':>7} {'TF/s':>5} {'xflr':>5} {'ratio':>5} {'MiB':>6}" for nm in names)
-        + f"  grads rel-L2 vs {names[0]}"
+        + " ".join(f"{f + ' fwd':>13} {'f+b':>8} {'bwd':>8} {'TF/s':>5} {'MiB':>6}" for f in FAMILIES)
+        + f" {'fwd x':>6} {'bwd x':>6}  rel-L2 auto vs portable"
     )
     rows = []
     for n, cap, window, sink in cases:
@@ -567,7 +423,6 @@ def bwd_configs_main():
         q, k, v, go = inputs(t)
         qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
         pairs = allowed_pairs(cod_attention_metadata(lay, window=window, sink=sink))
-        bwd_flop_ms = pairs * 4 * D * HQ * 2.5 / (PEAK_BF16_TFLOPS * 1e12) * 1e3
 
         def fwd():
             with torch.no_grad():
@@ -575,81 +430,50 @@ def bwd_configs_main():
 
         def fwd_bwd():
             out = cod_attention(qg, kg, vg, lay, window=window, sink=sink)
-            return torch.autograd.grad(out, [qg, kg, vg], go)
+            return [out.detach()] + list(torch.autograd.grad(out, [qg, kg, vg], go))
 
-        fwd_ms = cuda_time(fwd)
-        row = {
-            "N": n,
-            "max_anchors": cap,
-            "window": window,
-            "sink": sink,
-            "T": t,
-            "pairs": pairs,
-            "fwd_ms": fwd_ms,
-            "bwd_floor_ms": bwd_flop_ms,
-            "configs": {},
-        }
-        ref = None
-        for name in names:
-            with bwd_config(name):
-                grads = fwd_bwd()
-                ms = cuda_time(fwd_bwd)
+        row = {"N": n, "max_anchors": cap, "window": window, "sink": sink, "T": t, "pairs": pairs, "kernels": {}}
+        results = {}
+        for family in FAMILIES:
+            with kernel_family(family):
+                results[family] = [x.float() for x in fwd_bwd()]
+                fwd_ms, fb_ms = cuda_time(fwd), cuda_time(fwd_bwd)
                 mem = peak_mem(fwd_bwd)
-            c = {
-                "fwd_bwd_ms": ms,
-                "bwd_ms": ms - fwd_ms,
+            bwd_ms = max(fb_ms - fwd_ms, 1e-6)
+            row["kernels"][family] = {
+                "fwd_ms": fwd_ms,
+                "fwd_bwd_ms": fb_ms,
+                "bwd_ms": bwd_ms,
+                "bwd_tflops": pairs * 4 * D * HQ * 2.5 / (bwd_ms * 1e-3) / 1e12,
                 "fwd_bwd_mem_mib": mem,
-                "finite": all(bool(torch.isfinite(x).all()) for x in grads),
+                "finite": all(bool(torch.isfinite(x).all()) for x in results[family]),
             }
-            c["bwd_tflops"] = pairs * 4 * D * HQ * 2.5 / (max(c["bwd_ms"], 1e-6) * 1e-3) / 1e12
-            c["bwd_vs_floor"] = c["bwd_ms"] / bwd_flop_ms
-            if ref is None:
-                ref = [x.float() for x in grads]
-            c["rel_l2_vs_baseline"] = {
-                gname: float((x.float() - r).norm() / r.norm().clamp_min(1e-30))
-                for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)
-            }
-            c["max_abs_diff_vs_baseline"] = {
-                gname: float((x.float() - r).abs().max()) for gname, x, r in zip(("dq", "dk", "dv"), grads, ref)
-            }
-            row["configs"][name] = c
-            del grads
-        base = row["configs"][names[0]]
-        for c in row["configs"].values():
-            c["fwd_bwd_speedup_vs_baseline"] = base["fwd_bwd_ms"] / c["fwd_bwd_ms"]
-            c["bwd_speedup_vs_baseline"] = base["bwd_ms"] / max(c["bwd_ms"], 1e-6)
-        cs = row["configs"]
+        a, p = row["kernels"]["auto"], row["kernels"]["portable"]
+        row["fwd_speedup"] = p["fwd_ms"] / a["fwd_ms"]
+        row["bwd_speedup"] = p["bwd_ms"] / a["bwd_ms"]
+        row["rel_l2_auto_vs_portable"] = {
+            name: float((x - y).norm() / y.norm().clamp_min(1e-30))
+            for name, x, y in zip(("out", "dq", "dk", "dv"), results["auto"], results["portable"])
+        }
         print(
-            f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} {fwd_ms:>7.2f} "
+            f"{n:>7} {str(cap):>5} {str(window):>5} {t:>7} "
             + " ".join(
-                f"{cs[nm]['fwd_bwd_ms']:>12.2f} {cs[nm]['bwd_ms']:>7.2f} {cs[nm]['bwd_tflops']:>5.0f} "
-                f"{cs[nm]['bwd_vs_floor']:>5.1f} {cs[nm]['bwd_speedup_vs_baseline']:>5.2f} "
-                f"{cs[nm]['fwd_bwd_mem_mib']:>6.0f}"
-                for nm in names
+                f"{c['fwd_ms']:>13.2f} {c['fwd_bwd_ms']:>8.2f} {c['bwd_ms']:>8.2f} {c['bwd_tflops']:>5.0f} "
+                f"{c['fwd_bwd_mem_mib']:>6.0f}"
+                for c in (a, p)
             )
-            + "  "
-            + " ".join(
-                f"{nm}:" + ",".join(f"{g}={e:.1e}" for g, e in cs[nm]["rel_l2_vs_baseline"].items()) for nm in names[1:]
-            )
-            + ("" if all(c["finite"] for c in cs.values()) else "  NON-FINITE GRADIENTS"),
+            + f" {row['fwd_speedup']:>6.2f} {row['bwd_speedup']:>6.2f}  "
+            + " ".join(f"{k_}={e:.1e}" for k_, e in row["rel_l2_auto_vs_portable"].items())
+            + ("" if a["finite"] and p["finite"] else "  NON-FINITE"),
             flush=True,
         )
         rows.append(row)
-        q = k = v = go = qg = kg = vg = ref = None
+        q = k = v = go = qg = kg = vg = results = None
         torch.cuda.empty_cache()
-    (out_dir / "bench_attention_bwd_configs.json").write_text(
-        json.dumps(
-            {
-                "device": dev,
-                "torch": torch.__version__,
-                "baseline": names[0],
-                "configs": {nm: BWD_CONFIGS[nm] for nm in names},
-                "rows": rows,
-            },
-            indent=1,
-        )
+    (out_dir / "bench_attention_kernels.json").write_text(
+        json.dumps({"device": dev, "torch": torch.__version__, "auto": chosen, "rows": rows}, indent=1)
     )
-    print(f"wrote {out_dir / 'bench_attention_bwd_configs.json'}")
+    print(f"wrote {out_dir / 'bench_attention_kernels.json'}")
 
 
 # ---------------------------------------------------------------- pytest-benchmark entries
@@ -698,9 +522,7 @@ except ImportError:  # pragma: no cover
 
 
 if __name__ == "__main__":
-    if "--fwd-configs" in sys.argv:
-        fwd_configs_main()
-    elif "--bwd-configs" in sys.argv:
-        bwd_configs_main()
+    if "--kernels" in sys.argv:
+        kernels_main()
     else:
         main()

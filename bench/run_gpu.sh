@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (the H200): build, GPU tests, benchmarks, sanitizers.
 # Results go under $OUT (or ./gpu_out): build.log, tests.log, junit xml, bench_*.json, a summary.
-#   bash bench/gpu_suite.sh [build] [tests] [bench] [sanitize] [quick]   (default: build tests bench)
+#   bash bench/run_gpu.sh [build] [tests] [bench] [sanitize] [quick]   (default: build tests bench)
+# TEST_FILES / BENCH_FILES override the lists below; SANITIZE_TOOLS / SANITIZE_OPS pick a subset
+# of the sanitizer runs (tools/sanitize/sanitize_all.sh).
 # `quick` shrinks the benchmark sizes. Every phase runs even if an earlier one failed; the exit
 # code is non-zero if any phase failed.
 set -uo pipefail
@@ -10,7 +12,7 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
 # The H200 image sets CXX=/opt/gcc/bin/g++; ops built with it segfault on every op error
-# (tools/diag_exceptions2.sh found it; setup.py now checks it). Use the system compiler.
+# (setup.py checks it at build time). Use the system compiler.
 if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++; fi
 phases=${*:-build tests bench}
 status=0
@@ -19,7 +21,7 @@ summary="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
 have() { [[ " $phases " == *" $1 "* ]]; }
 
-note "== gpu_suite $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+note "== run_gpu $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$summary"
 
 if have build || ! python3 -c "import peagle_ext" 2>/dev/null; then
@@ -31,17 +33,17 @@ fi
 
 if have tests; then
   # one pytest process per file: a crash in one op's tests must not hide the others' results
-  for f in ${TEST_FILES:-python_tests/test_cod.py python_tests/test_attention.py python_tests/test_loss.py python_tests/test_vllm.py}; do
+  for f in ${TEST_FILES:-tests/ops/test_cod.py tests/ops/test_attention_cuda.py tests/ops/test_attention_safety.py tests/ops/test_attention.py tests/ops/test_loss.py tests/ops/test_parallel_draft.py tests/test_bad_inputs.py}; do
     [ -f "$f" ] || continue
     t0=$(date +%s); name=$(basename "$f" .py)
     timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -ra --timeout=180 $f > "$OUT/$name.log" 2>&1
     rc=$?; note "$name: rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/$name.log")"; [ $rc -eq 0 ] || status=1
-    grep -E "^(FAILED|ERROR)|Fatal Python error|File .*python_tests" "$OUT/$name.log" | head -20 | tee -a "$summary"
+    grep -E "^(FAILED|ERROR)|Fatal Python error|File .*tests/" "$OUT/$name.log" | head -20 | tee -a "$summary"
   done
 fi
 
 if have bench; then
-  for b in ${BENCH_FILES:-bench/bench_cod.py bench/bench_attention.py bench/bench_loss.py bench/bench_vllm.py}; do
+  for b in ${BENCH_FILES:-bench/bench_cod.py bench/bench_attention.py bench/bench_loss.py bench/bench_parallel_draft.py}; do
     [ -f "$b" ] || continue
     t0=$(date +%s)
     name=$(basename "$b" .py)
@@ -57,9 +59,9 @@ fi
 
 if have sanitize; then
   # every op's driver under memcheck (+ without the caching allocator), racecheck, initcheck,
-  # synccheck; SANITIZE_TOOLS / SANITIZE_OPS pick a subset (see bench/sanitize_all.sh)
+  # synccheck; SANITIZE_TOOLS / SANITIZE_OPS pick a subset (see tools/sanitize/sanitize_all.sh)
   t0=$(date +%s)
-  OUT="$OUT" bash bench/sanitize_all.sh > "$OUT/sanitize_all.log" 2>&1
+  OUT="$OUT" bash tools/sanitize/sanitize_all.sh > "$OUT/sanitize_all.log" 2>&1
   rc=$?; note "sanitize_all: rc=$rc in $(( $(date +%s) - t0 ))s"; [ $rc -eq 0 ] || status=1
   [ -f "$OUT/sanitize_summary.md" ] && cat "$OUT/sanitize_summary.md" >> "$summary"
 fi

@@ -43,10 +43,14 @@ ops = torch.ops.peagle
 
 
 def build_info() -> dict:
-    """What this build of peagle_ext contains: backends, CUDA archs, torch/CUDA versions."""
+    """What this build of peagle_ext contains: backends, the CUDA archs it was built for
+    (cuda_archs, as PEAGLE_CUDA_ARCHS said them; cuda_sass_archs: the GPUs with machine code, "90a"
+    = the Hopper kernels; cuda_ptx_archs: the PTX the driver compiles for newer GPUs),
+    torch/CUDA versions."""
     info = dict(_C.build_info())
     info["backends"] = [b for b in info["backends"].split(",") if b]
-    info["cuda_archs"] = [a for a in info["cuda_archs"].split(",") if a]
+    for key in ("cuda_archs", "cuda_sass_archs", "cuda_ptx_archs"):
+        info[key] = [a for a in info[key].split(",") if a]
     info["torch_runtime"] = torch.__version__
     info["cuda_available"] = torch.cuda.is_available()
     return info
@@ -54,3 +58,24 @@ def build_info() -> dict:
 
 def has_cuda_kernels() -> bool:
     return "cuda" in build_info()["backends"]
+
+
+def has_hopper_kernels() -> bool:
+    """Whether this build holds the sm_90a (Hopper warpgroup MMA) COD attention kernels."""
+    return bool(build_info()["hopper_kernels"])
+
+
+def attention_kernel_choice(cc_major: int, cc_minor: int, head_dim: int, build_has_sm90a: bool, override: str = ""):
+    """csrc/attention/attention_dispatch.h's choice for explicit inputs (the CUDA ops ask it with the
+    device's compute capability, this build and PEAGLE_ATTN_KERNEL); ValueError for an unknown
+    override."""
+    return dict(_C.attention_kernel_choice(cc_major, cc_minor, head_dim, build_has_sm90a, override))
+
+
+def missing_kernel_image_message(cc_major: int, cc_minor: int, sass=None, ptx=None) -> str:
+    """The CUDA ops' error for a GPU of that compute capability ('' when this build, or one with
+    the given SASS / PTX arch lists, has kernels for it)."""
+    info = build_info()
+    sass = ",".join(info["cuda_sass_archs"] if sass is None else sass)
+    ptx = ",".join(info["cuda_ptx_archs"] if ptx is None else ptx)
+    return _C.missing_kernel_image_message(cc_major, cc_minor, sass, ptx)

@@ -251,6 +251,29 @@ def garbage_layout(g, n, t, k, cross, device):
     return CodLayout(anchor.to(device), depth.to(device), offsets, doc.to(device), not cross)
 
 
+def garbage_metadata(g, t, n, k, device):
+    """ranges int32 [5, T] and chains int32 [2, T, K] as cod_attention_fwd / _bwd take them, with
+    entries no metadata build gives: range bounds far outside [0, N] (negative, past N, near the
+    int32 limits), unsorted within depths, valid flags other than 0/1, chain entries outside
+    [-1, T). For the raw ops' bound checks (CPU: ValueError) and clamps (CUDA: no out-of-bounds
+    access)."""
+    big = 2**31 - 1
+    edges = [-big - 1, -big, -(2**20), -65, -1, 0, 1, n - 1, n, n + 1, n + 64, 2**20, big]
+    pool = torch.tensor(edges, dtype=torch.int64)
+    pick = torch.randint(0, pool.numel(), (5, t), generator=g)
+    ranges = torch.where(
+        torch.rand(5, t, generator=g) < 0.5, pool[pick], torch.randint(-3 * n - 10, 3 * n + 10, (5, t), generator=g)
+    )
+    ranges[4] = torch.randint(-2, 3, (t,), generator=g)
+    cpool = torch.tensor([-big - 1, -7, -2, -1, 0, t - 1, t, t + 1, big], dtype=torch.int64)
+    chains = torch.where(
+        torch.rand(2, t, k, generator=g) < 0.5,
+        cpool[torch.randint(0, cpool.numel(), (2, t, k), generator=g)],
+        torch.randint(-3, t + 3, (2, t, k), generator=g),
+    )
+    return ranges.to(torch.int32).contiguous().to(device), chains.to(torch.int32).contiguous().to(device)
+
+
 def uniform_int(g, lo, hi):
     """Uniform int in [lo, hi]."""
     return int(torch.randint(lo, hi + 1, (1,), generator=g))

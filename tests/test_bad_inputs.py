@@ -220,7 +220,7 @@ def test_cuda_cod_attention_nan_rules(cross):
 def test_cuda_cod_attention_garbage_layout_is_memory_safe(cross, monkeypatch):
     """On CUDA the layout's CONTENTS are trusted (checking them costs a host sync): a layout
     from cod_sample is always valid. A hand-built garbage one gives unspecified (finite) values
-    but never a fault or an out-of-bounds access; PEAGLE_ATTN_CHECK=1 turns the check on."""
+    but never a fault or an out-of-bounds access; validate=True turns the check on."""
     g = torch.Generator().manual_seed(5)
     for n, t, k in [(50, 80, 4), (200, 333, 8), (7, 9, 3)]:
         lay = garbage_layout(g, n, t, k, cross, "cuda")
@@ -234,14 +234,12 @@ def test_cuda_cod_attention_garbage_layout_is_memory_safe(cross, monkeypatch):
                 name: torch.randn(n, 4, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
                 for name in ("context_k", "context_v")
             }
-        monkeypatch.delenv("PEAGLE_ATTN_CHECK", raising=False)
         out = cod_attention(q, kk, v, lay, window=9, sink=1, **ctx)
         torch.autograd.grad(out.float().sum(), [q, kk, v, *ctx.values()])
         torch.cuda.synchronize()
         assert bool(torch.isfinite(out.float()).all())
-        monkeypatch.setenv("PEAGLE_ATTN_CHECK", "1")
         with pytest.raises(ValueError, match="layout"):
-            cod_attention(q, kk, v, lay, window=9, sink=1, **ctx)
+            cod_attention(q, kk, v, lay, window=9, sink=1, validate=True, **ctx)
 
 
 def test_cpu_cod_attention_garbage_layout_is_rejected(rng):

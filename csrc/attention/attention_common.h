@@ -44,9 +44,9 @@ PEAGLE_ATTN_HD TokenRanges token_ranges(int32_t anchor, int32_t depth, int32_t d
   const int64_t hi = a + 1;
   int64_t slo = ds, shi = ds;
   if (window >= 0 && sink > 0) {
-    int64_t e = ds + sink;
-    if (lo < e) e = lo;
-    if (hi < e) e = hi;
+    // min(ds + sink, lo, hi) without forming ds + sink, which overflows for sink near 2^63
+    int64_t e = lo < hi ? lo : hi;
+    if (sink < e - ds) e = ds + sink;
     shi = e > ds ? e : ds;
   }
   // lo can exceed hi (window <= depth): an empty window range; keep the value (monotone).

@@ -76,7 +76,12 @@ inline AttnShapes check_attention_inputs(const char* op, const at::Tensor& q, co
   TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device() && ranges.device() == q.device() &&
                         chains.device() == q.device(),
                     op, ": all tensors must be on one device");
-  TORCH_CHECK_VALUE(s.K >= 1 && depth_offsets[s.K] == s.T, op, ": depth_offsets must end at T=", s.T);
+  TORCH_CHECK_VALUE(s.K >= 1 && s.K <= kMaxChain, op,
+                    ": depth_offsets must hold K+1 entries with 1 <= K <= ", kMaxChain, ", got ", depth_offsets.size());
+  TORCH_CHECK_VALUE(depth_offsets[0] == 0 && depth_offsets[s.K] == s.T, op,
+                    ": depth_offsets must run from 0 to T=", s.T);
+  for (int64_t e = 0; e < s.K; ++e)
+    TORCH_CHECK_VALUE(depth_offsets[e] <= depth_offsets[e + 1], op, ": depth_offsets must be nondecreasing");
   TORCH_CHECK_VALUE(ranges.scalar_type() == at::kInt && ranges.dim() == 2 && ranges.size(0) == kNumRangeFields &&
                         ranges.size(1) == s.T && ranges.is_contiguous(),
                     op, ": ranges must be int32 [", int(kNumRangeFields), ", T] from cod_attention_metadata");
@@ -108,6 +113,37 @@ inline AttnShapes check_attention_inputs(const char* op, const at::Tensor& q, co
     TORCH_CHECK_VALUE(s.D >= 1, op, ": head dim must be >= 1");
   }
   return s;
+}
+
+// The contents of ranges / chains (CPU ops; on CUDA the kernels clamp instead, as checking costs a
+// host sync): for every valid row the window range and (use_sink) the sink range inside [0, N],
+// their bounds nondecreasing within each depth segment (the key-major backward binary-searches
+// them), and every chain / reverse-chain entry -1 or a layout row in [0, T).
+inline void check_metadata_contents(const char* op, const AttnShapes& s, const at::Tensor& ranges,
+                                    const at::Tensor& chains, at::IntArrayRef depth_offsets, bool use_sink) {
+  const int32_t* r = ranges.data_ptr<int32_t>();
+  const int64_t T = s.T, N = s.N;
+  const int32_t *lo = r + kLo * T, *hi = r + kHi * T, *slo = r + kSinkLo * T, *shi = r + kSinkHi * T;
+  const int32_t* valid = r + kValid * T;
+  for (int64_t e = 0; e < s.K; ++e) {
+    for (int64_t i = depth_offsets[e]; i < depth_offsets[e + 1]; ++i) {
+      if (valid[i]) {
+        TORCH_CHECK_VALUE(lo[i] >= hi[i] || (lo[i] >= 0 && hi[i] <= N), op, ": ranges: window range [", lo[i], ", ",
+                          hi[i], ") of row ", i, " is outside the N=", N, " keys (metadata of another layout?)");
+        TORCH_CHECK_VALUE(!use_sink || slo[i] >= shi[i] || (slo[i] >= 0 && shi[i] <= N), op, ": ranges: sink range [",
+                          slo[i], ", ", shi[i], ") of row ", i, " is outside the N=", N,
+                          " keys (metadata of another layout?)");
+      }
+      if (i > depth_offsets[e])
+        TORCH_CHECK_VALUE(lo[i] >= lo[i - 1] && hi[i] >= hi[i - 1] && slo[i] >= slo[i - 1] && shi[i] >= shi[i - 1], op,
+                          ": ranges: bounds must be nondecreasing within a depth (row ", i,
+                          "); build them with cod_attention_metadata");
+    }
+  }
+  const int32_t* c = chains.data_ptr<int32_t>();
+  for (int64_t x = 0; x < 2 * T * s.K; ++x)
+    TORCH_CHECK_VALUE(c[x] >= -1 && c[x] < T, op, ": chains: entry ", c[x], " at ", (x < T * s.K ? "[0, " : "[1, "),
+                      (x % (T * s.K)) / s.K, ", ", x % s.K, "] is outside [-1, T=", T, ")");
 }
 
 inline void check_backward_inputs(const AttnShapes& s, const at::Tensor& dout, const at::Tensor& out,

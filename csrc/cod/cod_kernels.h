@@ -24,7 +24,6 @@ struct CodCudaProblem {
   int64_t max_anchors = -1;               // -1 = no anchor subsampling
   bool depth0_all = true;
   uint64_t seed = 0;
-  int bin_bits = 0;  // histogram bits of the selection (1..16), see below
 };
 
 // What phase 1 hands to the host: depth_offsets[0..K] and the smallest document id seen
@@ -35,13 +34,8 @@ struct CodCudaResult {
   int32_t unused;
 };
 
-// Selection histogram width for n positions: about 16 candidates per bin, so the exact
-// tie-break inside the threshold bin is a small one-block job. Tests override it (a tiny
-// width forces the large-bin path).
-int cod_cuda_default_bin_bits(int64_t n);
-
 // Device scratch bytes phase 1 and 2 need (one allocation, carved up inside).
-size_t cod_cuda_scratch_bytes(int64_t n, int num_depths, int bin_bits);
+size_t cod_cuda_scratch_bytes(int64_t n, int num_depths);
 
 // Phase 1. `result_host` must be pinned; it is valid after the stream is synchronized.
 cudaError_t cod_cuda_sample(const CodCudaProblem& problem, void* scratch, CodCudaResult* result_host,

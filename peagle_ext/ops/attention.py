@@ -6,44 +6,62 @@ no host sync on CUDA) and runs the native forward; autograd runs the native, det
 backward. No T x T mask exists anywhere on this path; `peagle_ext.reference` holds the dense
 statement that the tests compare against.
 
-CUDA kernels (env read per call): PEAGLE_ATTN_FWD / PEAGLE_ATTN_BWD = auto (or unset) runs the
-Hopper kernels on sm_90a warpgroup MMAs where the GPU is compute capability 9.0 and the build has
-90, the mma.sync kernels elsewhere; both give the same outputs and gradients bit for bit at head
-dim 128 (at 64 the forwards use other query tiles and agree to rounding), the Hopper ones faster
-(bench/RESULTS.md). "mma" forces the mma.sync kernels, "wgmma" the Hopper ones
-(an error where they cannot run). PEAGLE_ATTN_BWD=atomic selects a FlashAttention-2-style
-backward instead: dq is summed with fp32 atomics inside the key-major dK/dV pass (5 matmuls per
-allowed pair instead of 7, plus a T x Hq x D float32 workspace). dq is then NOT bitwise
-reproducible between runs (it varies at the level of one bf16/fp16 rounding step); dk and dv
-still are. PEAGLE_ATTN_WGMMA_PIPE = 0, 1 or 2 (default 2) is the software-pipelining level of the
-Hopper kernels (bitwise the same results at every level). Any other value is refused with a
-ValueError.
+CUDA kernels: one heuristics function (csrc/attention/attention_dispatch.h, `attention_kernel`
+below) picks the family. On compute capability 9.0 with sm_90a code in the build it runs the Hopper
+kernels (warpgroup MMAs, FlashAttention-3-style pipelining); everywhere else (Ampere, Ada,
+Blackwell, Hopper builds without sm_90a) the portable mma.sync kernels. Both are deterministic and
+give the same outputs and gradients bit for bit at head dim 128 (at 64 the forwards use other
+query tiles and agree to rounding). The one override, for debugging and tests, is the environment
+variable PEAGLE_ATTN_KERNEL: unset / "auto" = that choice, "portable" = the mma.sync kernels on
+any GPU; any other value is a ValueError.
 
-Set PEAGLE_ATTN_CHECK=1 to also validate the layout's contents (sorted anchors, depth segments,
-depth-0 rows, contiguous documents) on CUDA; this syncs with the host. The CPU path always does.
+Memory safety: the CPU ops check every index they use (ValueError). On CUDA the layout's and the
+metadata's contents are not checked (a check costs a host sync); the kernels clamp every range and
+skip every chain entry outside their inputs, so any values give unspecified results but never an
+out-of-bounds access. A layout from cod_sample is always valid; pass validate=True to check a
+hand-built one on CUDA too (one host sync). Metadata is bound to its layout (CodAttentionMetadata).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .._checks import check_int, check_tensor
-from .._native import ops
+from .._native import attention_kernel_choice, has_hopper_kernels, ops
 from .cod import CodLayout
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 _CUDA_HEAD_DIMS = (64, 128)
+KERNEL_ENV = "PEAGLE_ATTN_KERNEL"
+
+
+def attention_kernel(head_dim: int = 128, device=None) -> dict:
+    """The COD attention kernels that run for `head_dim` on a CUDA `device` (default: the current
+    one) with this build and PEAGLE_ATTN_KERNEL: {"family": "hopper" | "portable" | "unsupported",
+    "fwd_block_q", "dq_block_q", "dkv_block_k", "dkv_block_q"}. The CUDA ops ask the same function."""
+    check_int("head_dim", head_dim, lo=1)
+    if not torch.cuda.is_available():
+        raise ValueError("attention_kernel: no CUDA device here")
+    major, minor = torch.cuda.get_device_capability(device)
+    return attention_kernel_choice(major, minor, head_dim, has_hopper_kernels(), os.environ.get(KERNEL_ENV, ""))
 
 
 @dataclass
 class CodAttentionMetadata:
     """What the kernels need from a layout: ranges int32 [5, T] (window lo/hi, sink lo/hi, valid),
-    chains int32 [2, T, K] (own-chain key rows per query, and the reverse map)."""
+    chains int32 [2, T, K] (own-chain key rows per query, and the reverse map).
+
+    It is bound to the layout it was built from: `layout_tensors` holds that layout's anchor,
+    depth and document_ids tensors, and cod_attention accepts it only with a layout made of the
+    same tensor objects (metadata of another layout with the same depth_offsets would otherwise
+    index keys that do not exist). Edit a layout's tensors in place after building its metadata and
+    the metadata describes the old contents (still in bounds: the kernels never index outside
+    their inputs)."""
 
     ranges: torch.Tensor
     chains: torch.Tensor
@@ -52,12 +70,22 @@ class CodAttentionMetadata:
     use_sink: bool
     window: int | None = None
     sink: int = 0
+    layout_tensors: tuple = field(default=(), repr=False, compare=False)
+
+    def built_for(self, layout: CodLayout) -> bool:
+        """Whether this metadata was built from `layout` (the same anchor, depth and document_ids)."""
+        mine = self.layout_tensors
+        return len(mine) == 3 and all(a is b for a, b in zip(mine, (layout.anchor, layout.depth, layout.document_ids)))
 
 
 def cod_attention_metadata(
-    layout: CodLayout, *, cross: bool = False, window: int | None = None, sink: int = 0
+    layout: CodLayout, *, cross: bool = False, window: int | None = None, sink: int = 0, validate: bool = False
 ) -> CodAttentionMetadata:
-    """Per-token key ranges and chain tables of `layout` (on the layout's device)."""
+    """Per-token key ranges and chain tables of `layout` (on the layout's device). The CPU op checks
+    the layout's contents; validate=True checks them on CUDA too (sorted anchors, depth segments,
+    depth-0 rows, contiguous documents; one host sync)."""
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     _check_layout(layout)
     check_int("window", window, lo=1, allow_none=True)
     check_int("sink", sink, lo=0)
@@ -68,7 +96,7 @@ def cod_attention_metadata(
         )
     if layout.device.type == "cpu":
         _check_contiguous_documents(layout.document_ids)  # the CPU op checks the rest itself
-    elif os.environ.get("PEAGLE_ATTN_CHECK", "0") not in ("", "0"):
+    elif validate:
         _check_layout_contents(layout, cross)
     ranges, chains = ops.cod_attention_metadata(
         layout.anchor,
@@ -80,7 +108,14 @@ def cod_attention_metadata(
         int(sink),
     )
     return CodAttentionMetadata(
-        ranges, chains, list(layout.depth_offsets), bool(cross), window is not None and sink > 0, window, sink
+        ranges,
+        chains,
+        list(layout.depth_offsets),
+        bool(cross),
+        window is not None and sink > 0,
+        window,
+        sink,
+        (layout.anchor, layout.depth, layout.document_ids),
     )
 
 
@@ -96,12 +131,13 @@ def cod_attention(
     sink: int = 0,
     scale: float | None = None,
     metadata: CodAttentionMetadata | None = None,
+    validate: bool = False,
 ) -> torch.Tensor:
     """COD attention over the layout's tokens. q [T, Hq, D], k/v [T, Hkv, D] (Hq % Hkv == 0);
     cross mode: context_k/context_v [N, Hkv, D]. Returns [T, Hq, D]; rows without keys are 0.
 
     `metadata` (from cod_attention_metadata with the same layout/cross/window/sink) may be passed
-    to reuse it across layers.
+    to reuse it across layers. validate: as in cod_attention_metadata.
     """
     cross = context_k is not None or context_v is not None
     _check_inputs(q, k, v, layout, context_k, context_v, cross)
@@ -110,19 +146,22 @@ def cod_attention(
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
     if metadata is None:
-        metadata = cod_attention_metadata(layout, cross=cross, window=window, sink=sink)
+        metadata = cod_attention_metadata(layout, cross=cross, window=window, sink=sink, validate=validate)
     else:
         check_int("window", window, lo=1, allow_none=True)
         check_int("sink", sink, lo=0)
         if not isinstance(metadata, CodAttentionMetadata):
             raise TypeError(f"metadata must be a CodAttentionMetadata, got {type(metadata).__name__}")
-        if (metadata.cross, metadata.window, metadata.sink, metadata.depth_offsets) != (
-            cross,
-            window,
-            sink,
-            list(layout.depth_offsets),
-        ) or metadata.ranges.shape[1] != layout.num_tokens:
-            raise ValueError("metadata was built for another layout or mode (cross/window/sink/depth_offsets)")
+        if not metadata.built_for(layout) or metadata.depth_offsets != list(layout.depth_offsets):
+            raise ValueError(
+                "metadata was built for another layout: pass the CodLayout (the same anchor, depth and "
+                "document_ids tensors) it was built from with cod_attention_metadata"
+            )
+        if (metadata.cross, metadata.window, metadata.sink) != (cross, window, sink):
+            raise ValueError(
+                f"metadata was built for another mode: cross={metadata.cross} window={metadata.window} "
+                f"sink={metadata.sink}, called with cross={cross} window={window} sink={sink}"
+            )
     ck = _dense(context_k) if cross else None
     cv = _dense(context_v) if cross else None
     out, _ = ops.cod_attention_fwd(
@@ -164,8 +203,8 @@ def _check_layout(layout):
 
 
 def _check_layout_contents(layout: CodLayout, cross: bool):
-    """Layout invariants the kernels rely on (host sync: only with PEAGLE_ATTN_CHECK on CUDA;
-    the CPU metadata op checks them itself)."""
+    """Layout invariants the kernels rely on for correct values (host sync: only with validate=True
+    on CUDA; the CPU metadata op checks them itself)."""
     a, d, doc = layout.anchor.long(), layout.depth.long(), layout.document_ids.long()
     n = doc.shape[0]
     if a.numel():

@@ -81,15 +81,20 @@ def test_cuda_equals_cpu(n, rng):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bin_bits", [1, 2, 5, 16])
-def test_cuda_selection_paths(bin_bits, monkeypatch, rng):
-    """A tiny histogram puts thousands of keys in the threshold bin (the one-block radix
-    select); 16 bits leaves most bins empty. Both must still give the CPU's exact draw."""
-    monkeypatch.setenv("PEAGLE_COD_BIN_BITS", str(bin_bits))
-    for n in [3, 700, 5000, 20000]:
-        doc, lm, kw = random_case(rng, n)
-        kw["max_anchors"] = None if n < 1000 else n // 2
-        assert_same_layout(sample(doc, lm, "cuda", **kw), sample(doc, lm, **kw))
+def test_cuda_large_threshold_bins_take_the_radix_select():
+    """The selection histogram has at most 16 bits, so from n ~ 2^26 positions on the bin holding
+    the k-th smallest key has more than 1024 keys (kSmallSelect) and its exact rank takes the
+    one-block radix select. At n = 2^27, max_anchors = n / 2: ~2048 keys in level 0's threshold
+    bin and ~1024 in depth 1's (more than 1024 with probability ~1 and ~1/2). The draw must still
+    be the CPU's, bit for bit."""
+    n = 1 << 27
+    doc = torch.zeros(n, dtype=torch.int32)
+    lm = torch.ones(n, dtype=torch.bool)
+    kw = dict(num_depths=2, max_anchors=n // 2, depth0="anchors", seed=5)
+    gpu = cod_sample(doc.cuda(), lm.cuda(), **kw)
+    cpu = cod_sample(doc, lm, **kw)
+    assert gpu.depth_counts() == cpu.depth_counts() == [n // 2, math.floor((n // 2 - 1) * 0.7)]
+    assert_same_layout(gpu, cpu)
 
 
 @pytest.mark.parametrize("device", devices())

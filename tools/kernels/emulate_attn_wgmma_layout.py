@@ -1,5 +1,5 @@
 """CPU emulation of the shared-memory layout, matrix descriptors and fragment maps of the
-PEAGLE_ATTN_BWD=wgmma dK/dV kernel (csrc/attention/cuda/cod_attn_bwd_wgmma.cuh and the building
+Hopper dK/dV kernel (csrc/attention/cuda/cod_attn_bwd_wgmma.cuh and the building
 blocks in cod_attn_wgmma.cuh), the only check of that address math possible without a GPU.
 
 Hardware model (PTX ISA "asynchronous warpgroup level matrix shared memory layout" and the canonical
@@ -12,7 +12,7 @@ Swizzle<3,4,3>: byte address bits [4, 7) ^= bits [7, 10) of the absolute shared-
       start + (k % 8) * 128 + (k // 8) * SBO + 2 (n % 64) + (n // 64) * LBO
   accumulator m64nN f32: warp w, lane (g, t), register 4 n + x = (16 w + g + 8 (x >> 1), 8 n + 2 t + (x & 1))
   RS A fragment (per warp, rows 16 w ..): a0 (g, 2t..2t+1) a1 (g+8, 2t..) a2 (g, 2t+8..) a3 (g+8, 2t+8..)
-Checks (D, BMQ) = (128, 32), (128, 64) (PEAGLE_ATTN_WGMMA_BMQ=64) and (64, 64), the kernel's configurations:
+Checks (D, BMQ) = (128, 64) and (64, 64), the kernel's configurations:
  1. the tile writer (load_tile_sw128: thread -> (row, chunk) -> sw128_offset) and the descriptor reads
     agree element by element for every k-step of S^T = K Q^T, dP^T = V dO^T (K-major) and of
     dV += P^T dO, dK += dS^T Q (MN-major), incl. the packed descriptor bits;
@@ -361,7 +361,7 @@ def check_dq_config(d, rng):
 def main():
     rng = np.random.default_rng(0)
     check_swizzle()
-    for d, bmq in ((128, 32), (128, 64), (64, 64)):
+    for d, bmq in ((128, 64), (64, 64)):
         check_config(d, bmq, rng)
         print(f"D={d} BMQ={bmq}: smem {smem_config(d, bmq)['smem']} bytes, layout/descriptor/fragment maps consistent")
     for d in (128, 64):

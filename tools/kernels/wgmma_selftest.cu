@@ -1,4 +1,4 @@
-// Standalone check (no torch) of the wgmma building blocks of the PEAGLE_ATTN_BWD=wgmma backward
+// Standalone check (no torch) of the wgmma building blocks of the Hopper COD attention kernels
 // (csrc/attention/cuda/cod_attn_wgmma.cuh): the B128 tile loader (cp.async), the K-major and
 // MN-major matrix descriptors, the SS and RS wgmma wrappers and the fences, each in isolation on
 // random integer-valued 16-bit data (exact in fp32, so any layout error shows as a large error)
@@ -10,14 +10,14 @@
 //  (a) SS, C[64][N] = A[64][128] B[N][128]^T with A, B K-major (the kernel's S^T = K Q^T):
 //      every single k-step kk = 0..7 on its own (the 32-byte descriptor advance inside a swizzle
 //      atom, kk < 4, and the next 64-column panel, kk >= 4), then the whole K = 128 loop; N = 64
-//      and N = 32 (the kernel's query block at D = 128);
+//      (the kernels' query block);
 //  (b) RS, C[64][D] = P[64][BMQ] B[BMQ][D] with P in registers (packed from the accumulator-layout
 //      fragments exactly as the kernel packs P^T) and B MN-major (imm-trans-b = 1, the kernel's
-//      dV += P^T dO): each single k-step kq, then the whole loop; (D, BMQ) = (128, 32), (128, 64)
-//      (two 64-column panels LBO = 8192 apart, the wgmma64 variant) and (64, 64);
+//      dV += P^T dO): each single k-step kq, then the whole loop; (D, BMQ) = (128, 64) (two
+//      64-column panels LBO = 8192 apart) and (64, 64);
 //  (c) the kernel's chain: S^T = K Q^T (SS; accumulators start with stale non-zero values, so the
 //      first k-step's scale-d = 0 must overwrite them), its accumulators packed to A fragments,
-//      then C = S^T dO (RS), for (D, BMQ) = (128, 32), (128, 64) (PEAGLE_ATTN_WGMMA_BMQ=64) and (64, 64);
+//      then C = S^T dO (RS), for (D, BMQ) = (128, 64) and (64, 64);
 //  (d) the wgmma dQ kernel's chain (cod_attn_dq_wgmma.cuh): S = Q K^T (SS, A = Q [64][D], B = K
 //      [64 keys][D], stale accumulators), packed to A fragments, then C = S K (RS) with the SAME K
 //      tile read MN-major (k = the 64 keys, n = D: LBO = 64 * 128), for D = 128 and 64, both dtypes
@@ -430,18 +430,12 @@ int main() {
   }
   // every wgmma wrapper specialization the kernel instantiates, in each configuration
   case_ss<__nv_bfloat16, 64>();
-  case_ss<__nv_bfloat16, 32>();
   case_ss<__half, 64>();
-  case_ss<__half, 32>();
-  case_rs<__nv_bfloat16, 32, 128>();
   case_rs<__nv_bfloat16, 64, 128>();
   case_rs<__nv_bfloat16, 64, 64>();
-  case_rs<__half, 32, 128>();
   case_rs<__half, 64, 64>();
-  case_chain<__nv_bfloat16, 32, 128>();
   case_chain<__nv_bfloat16, 64, 128>();
   case_chain<__nv_bfloat16, 64, 64>();
-  case_chain<__half, 32, 128>();
   case_chain<__half, 64, 64>();
   case_dq_chain<__nv_bfloat16, 128>();
   case_dq_chain<__nv_bfloat16, 64>();

@@ -4,25 +4,30 @@
 `run()` is also called by tools/sanitize/sanitize_ops.py. It runs sanitize_case() (both
 modes, D 64 and 128, window + sink, GQA) and then a few more shapes that reach the other paths
 (no window, window without sink, GQA 1 and 8, padding rows, T = 1, an all-padding layout, tile
-tails), each checked against the CPU op in float32 (bf16 tolerance), and hand-built garbage
-layouts (values unspecified, accesses must stay in bounds). Small on purpose: the sanitizers
-slow kernels down 10-100x.
+tails), each checked against the CPU op in float32 (bf16 tolerance), and adversarial inputs
+whose values are unspecified but whose accesses must stay in bounds: hand-built garbage layouts,
+the raw forward / backward with garbage ranges and chains (peagle_ext.testing.garbage_metadata)
+and with the metadata of another layout. Every shape runs for both kernel families: the chosen
+one and PEAGLE_ATTN_KERNEL=portable. Small on purpose: the sanitizers slow kernels down 10-100x.
 
     python3 tools/sanitize/sanitize_attention.py [--soft] [--variant K=V[,K=V...]]...
---variant runs the shapes once per variant with those environment settings (e.g. the opt-in
-kernels: PEAGLE_ATTN_BWD=atomic); --soft reports CPU-vs-CUDA tolerance misses and goes on (for
+--variant runs the shapes once per variant with those extra environment settings; --soft reports CPU-vs-CUDA tolerance misses and goes on (for
 compute-sanitizer runs, whose verdict is the sanitizer's; the GPU tests judge the values) and
 ends with "tolerance misses: N"."""
 
 import argparse
+import math
 import os
+import sys
 
 import torch
 
-from peagle_ext.attention import cod_attention
+from peagle_ext.attention import cod_attention, cod_attention_metadata
 from peagle_ext.cod import cod_sample
 from peagle_ext.reference import reference_cod_attention
-from peagle_ext.testing import garbage_layout
+from peagle_ext.testing import garbage_layout, garbage_metadata
+
+FAMILIES = ("auto", "portable")  # PEAGLE_ATTN_KERNEL unset, and the portable override
 
 
 def sanitize_case():
@@ -85,6 +90,21 @@ def _check(doc, *, cross, d, hq, hkv, window, sink, num_depths=4, seed=3):
 
 def run():
     assert torch.cuda.is_available(), "needs a GPU and the CUDA build"
+    saved = os.environ.pop("PEAGLE_ATTN_KERNEL", None)
+    try:
+        for family in FAMILIES:
+            if family != "auto":
+                os.environ["PEAGLE_ATTN_KERNEL"] = family
+            _run_shapes()
+            print(f"sanitize_attention: {family} kernels done", flush=True)
+    finally:
+        os.environ.pop("PEAGLE_ATTN_KERNEL", None)
+        if saved is not None:
+            os.environ["PEAGLE_ATTN_KERNEL"] = saved
+    print("sanitize_attention: ok")
+
+
+def _run_shapes():
     sanitize_case()
     two_docs = torch.tensor([0] * 130 + [-1] * 5 + [1] * 61, dtype=torch.int32)  # tile tails, padding rows
     for cross in (False, True):
@@ -95,13 +115,12 @@ def run():
     _check(torch.zeros(1, dtype=torch.int32), cross=False, d=64, hq=2, hkv=1, window=None, sink=0)  # T = 1
     _check(torch.full((40,), -1, dtype=torch.int32), cross=False, d=128, hq=2, hkv=1, window=8, sink=1)
     _garbage_layouts()
-    print("sanitize_attention: ok")
+    _garbage_metadata()
 
 
 def _garbage_layouts():
-    """Hand-built layouts that break every content rule (unchecked on CUDA without
-    PEAGLE_ATTN_CHECK=1): values are unspecified, but memcheck must see no out-of-bounds access."""
-    os.environ.pop("PEAGLE_ATTN_CHECK", None)
+    """Hand-built layouts that break every content rule (unchecked on CUDA unless validate=True):
+    values are unspecified, but memcheck must see no out-of-bounds access."""
     g = torch.Generator().manual_seed(5)
     for cross in (False, True):
         for n, t, k, d in [(50, 80, 4, 64), (130, 200, 8, 128)]:
@@ -119,7 +138,45 @@ def _garbage_layouts():
     torch.cuda.synchronize()
 
 
-def main(argv=None):
+def _garbage_metadata():
+    """The raw ops with ranges / chains no metadata build gives (bounds far outside [0, N] and the
+    int32 limits, unsorted, chain entries outside [-1, T)) and with another layout's metadata (a
+    4000-position document's ranges against a 40-position context): the kernels clamp, so
+    memcheck must see no out-of-bounds access."""
+    ops = torch.ops.peagle
+    g = torch.Generator().manual_seed(7)
+    for t, n, k, cross, d in [(120, 40, 4, False, 64), (90, 30, 8, True, 128), (300, 100, 64, True, 64)]:
+        ranges, chains = garbage_metadata(g, t, n, k, "cuda")
+        if cross:
+            offsets = [0] + sorted(torch.randint(0, t + 1, (k - 1,), generator=g).tolist()) + [t]
+        else:
+            offsets = [0, n] + sorted(torch.randint(n, t + 1, (k - 2,), generator=g).tolist()) + [t]
+        mk = lambda r, h: torch.randn(r, h, d, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+        q, kk, v = mk(t, 4), mk(t, 2), mk(t, 2)
+        ck, cv = (mk(n, 2), mk(n, 2)) if cross else (None, None)
+        for use_sink in (False, True):
+            out, lse = ops.cod_attention_fwd(q, kk, v, ck, cv, ranges, chains, offsets, 1 / math.sqrt(d), use_sink)
+            ops.cod_attention_bwd(
+                torch.ones_like(out), q, kk, v, ck, cv, out, lse, ranges, chains, offsets, 1 / math.sqrt(d), use_sink
+            )
+    lm_short = torch.zeros(40, dtype=torch.bool)
+    lm_short[1:11] = True
+    lm_long = torch.zeros(4000, dtype=torch.bool)
+    lm_long[3980:3990] = True
+    short = cod_sample(torch.zeros(40, dtype=torch.int32), lm_short, num_depths=4, depth0="anchors", seed=1)
+    long = cod_sample(torch.zeros(4000, dtype=torch.int32), lm_long, num_depths=4, depth0="anchors", seed=1)
+    meta = cod_attention_metadata(long.to("cuda"), cross=True)
+    q = torch.randn(short.num_tokens, 2, 64, generator=g).to("cuda", torch.bfloat16)
+    ctx = torch.randn(short.seq_len, 2, 64, generator=g).to("cuda", torch.bfloat16)
+    out, lse = ops.cod_attention_fwd(q, q, q, ctx, ctx, meta.ranges, meta.chains, meta.depth_offsets, 0.125, False)
+    ops.cod_attention_bwd(
+        torch.ones_like(out), q, q, q, ctx, ctx, out, lse, meta.ranges, meta.chains, meta.depth_offsets, 0.125, False
+    )
+    torch.cuda.synchronize()
+
+
+def main(argv=()):
+    """argv: the command line (sanitize_ops.py calls main() with none)."""
     global _check
     ap = argparse.ArgumentParser(description="COD attention shapes for compute-sanitizer")
     ap.add_argument("--soft", action="store_true", help="report tolerance misses instead of stopping")
@@ -130,7 +187,7 @@ def main(argv=None):
         metavar="K=V[,K=V...]",
         help="environment settings of one run of the shapes (repeatable; default: one run as is)",
     )
-    args = ap.parse_args(argv)
+    args = ap.parse_args(list(argv))
     variants = [dict(kv.split("=", 1) for kv in v.split(",")) for v in args.variant] or [{}]
     misses = []
     if args.soft:
@@ -161,4 +218,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -468,6 +468,7 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_fwd_cpu(const at::Tensor& q, co
                                                          at::IntArrayRef depth_offsets, double scale, bool use_sink) {
   const AttnShapes S = check_attention_inputs("cod_attention_fwd", q, k, v, context_k, context_v, ranges, chains,
                                               depth_offsets, /*cuda=*/false);
+  check_metadata_contents("cod_attention_fwd", S, ranges, chains, depth_offsets, use_sink);
   const at::Tensor qc = as_compute(q), kc = as_compute(k), vc = as_compute(v);
   const at::Tensor ckc = S.cross ? as_compute(*context_k) : kc, cvc = S.cross ? as_compute(*context_v) : vc;
   at::Tensor out = at::empty(qc.sizes(), qc.options());
@@ -493,6 +494,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
   const AttnShapes S = check_attention_inputs("cod_attention_bwd", q, k, v, context_k, context_v, ranges, chains,
                                               depth_offsets, /*cuda=*/false);
   check_backward_inputs(S, dout, out, lse);
+  check_metadata_contents("cod_attention_bwd", S, ranges, chains, depth_offsets, use_sink);
   const int32_t* chain = chains.data_ptr<int32_t>();
   const int32_t* rchain = chain + S.T * S.K;
   const at::Tensor qc = as_compute(q), kc = as_compute(k), vc = as_compute(v);

@@ -9,12 +9,8 @@
 //     dK += dS^T Q straight from registers.
 //  4. dK/dV of chain pairs: one warp per (layout row, kv head) over its reverse-chain queries;
 //     adds to the range result on symmetric depth-0 rows, writes every other layout row.
-// Opt-in variant PEAGLE_ATTN_BWD=atomic (p.bwd_variant == kBwdAtomic, FlashAttention-2 style, NOT deterministic:
-// dq varies between runs at fp32 rounding level; dk/dv stay deterministic): no pass 2; pass 3
-// (DQ_ATOMIC) also adds dQ += dS K of its (key block, query block) into a zeroed fp32 workspace
-// [T, Hq, D] with vector atomics, and
-//  5. dQ finish: one warp per (row, q head) adds the chain keys' dS K and writes dq.
-// S and dP are then computed once per (query, range key) pair: 5 matmuls instead of 7.
+// The Hopper backward (cod_attn_{dq,bwd}_wgmma.cuh) runs passes 2 and 3 on warpgroup MMAs and
+// shares passes 1 and 4 (launch_bwd).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -126,7 +122,7 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
     for (int pi = lane; pi < 16 * K; pi += 32) {
       const int rl = pi / K, e = pi - rl * K;
       const int row = 16 * warp + rl;
-      const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+      const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
       float ds = 0.f;
       if (c >= 0) {
         const float sv = dot_smem_global<D, T>(sQ, row, kb + int64_t(c) * kld);
@@ -238,69 +234,14 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_dq_kernel(const CodAt
 }
 
 // ---------------------------------------------------------------- 3. dK/dV, range keys
-// DQ_ATOMIC (the PEAGLE_ATTN_BWD=atomic variant, see launch_bwd): the kernel also adds the
-// range keys' part of dQ, dQ[query block] += dS K[key block] (unscaled; the finish kernel scales),
-// into the fp32 workspace p.dq_accum with vector atomics, so no separate dQ pass recomputes S and
-// dP. dS^T (16-bit, as fed to the dK mma) goes through shared memory to be re-read with queries as
-// rows; see the comments at sdS.
-template <int D, int BMQ, bool DQ_ATOMIC = false>
+template <int D, int BMQ>
 struct DkvConfig {
   static constexpr int kBN = 64;  // keys per CTA (16 per warp)
   static constexpr int kThreads = 128;
   static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
   static constexpr int kTileBytes = (2 * kBN * D + 4 * BMQ * D) * 2;  // K, V + 2 stages of Q, dO
-  static constexpr int kDsBytes = DQ_ATOMIC ? kBN * BMQ * 2 : 0;      // dS^T [kBN keys][BMQ queries]
-  static constexpr int kSmemBytes =
-      kTileBytes + kDsBytes + (2 * kMetaFields * BMQ + 4 * kMaxChain + 2 * kMaxChain + 1) * 4;
+  static constexpr int kSmemBytes = kTileBytes + (2 * kMetaFields * BMQ + 4 * kMaxChain + 2 * kMaxChain + 1) * 4;
 };
-
-// Byte offset of 16-byte chunk `qchunk` (queries 8 qchunk .. 8 qchunk + 7) of row `key` of the
-// dS^T tile [kBN keys][BMQ queries] (16-bit; BMQ / 8 chunks per row), stored at chunk
-// qchunk ^ swizzle(key). The swizzle makes both accesses bank-conflict-free:
-//  * ldmatrix (one 8x8 matrix = 8 consecutive keys key0 + r, r = 0..7, key0 % 8 == 0, one logical
-//    chunk c): the 8 row addresses must fall in 8 different 16-byte bank groups, i.e. have
-//    distinct (addr / 16) % 8.
-//    BMQ = 64 (8 chunks, 128-byte rows): addr / 16 = 8 key + (c ^ r): % 8 = c ^ r, distinct.
-//    BMQ = 32 (4 chunks, 64-byte rows): addr / 16 = 4 key + (c ^ ((r >> 1) & 3)): % 8 =
-//    4 (r & 1) + (c ^ ((r >> 1) & 3)); (r & 1, (r >> 1) & 3) takes 8 distinct values.
-//  * the warp's 32-bit stores (fixed chunk; keys 16 warp + g or 16 warp + g + 8, g = 0..7; word t
-//    of the chunk): bank = (addr / 4) % 32 = 4 ((addr / 16) % 8) + t, and (addr / 16) % 8 depends
-//    only on the key's low 3 bits (= g, as 16 warp and + 8 leave them alone): the same 8 distinct
-//    values as above, so 32 distinct banks.
-template <int BMQ>
-__device__ __forceinline__ uint32_t ds_swz(int key, int qchunk) {
-  static_assert(BMQ == 32 || BMQ == 64, "dS^T tile swizzle is defined for 4 or 8 chunks per row");
-  const int c = BMQ == 64 ? (qchunk ^ (key & 7)) : (qchunk ^ ((key >> 1) & 3));
-  return static_cast<uint32_t>((key * BMQ + c * 8) * 2);
-}
-
-// A fragment of dQ = dS K for the m16 tile of queries [m0, m0 + 16) and the k-step of keys
-// [16 kk, 16 kk + 16), read from the dS^T tile (stored k-major: rows = keys) with ldmatrix.trans.
-// A (16 x 16, row = query m, col = key k) wants a0 (m g, k 2t..2t+1), a1 (m g+8, k 2t..),
-// a2 (m g, k 2t+8..), a3 (m g+8, k 2t+8..). ldmatrix.x4: lanes 8j..8j+7 give the 8 row addresses of
-// matrix j (register j); with .trans, lane (g, t) receives elements (row 2t, col g) and
-// (row 2t + 1, col g) of the matrix as stored, i.e. (key k0 + 2t, +1; query m0' + g): exactly the
-// A layout when matrix j covers keys k0 = 16 kk + 8 (j >> 1) and queries m0' = m0 + 8 (j & 1).
-// So lane l addresses key 16 kk + (l & 7) + 8 (l >> 4) at query chunk m0 / 8 + ((l >> 3) & 1).
-template <int BMQ>
-__device__ __forceinline__ void frag_a_ds(uint32_t (&r)[4], uint32_t tile, int m0, int kk, int lane) {
-  const int key = 16 * kk + (lane & 7) + ((lane >> 4) << 3);
-  const int qchunk = (m0 >> 3) + ((lane >> 3) & 1);
-  ldmatrix_x4_trans(r, tile + ds_swz<BMQ>(key, qchunk));
-}
-
-// dq_accum[row] cols [col, col + 4) += v (16-byte aligned). sm_90: one vector reduction
-// (red.global.add.v4.f32 via atomicAdd(float4*)); sm_80: four scalar ones.
-__device__ __forceinline__ void atomic_add4(float* dst, float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float4*>(dst), make_float4(a, b, c, d));
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-  atomicAdd(dst + 2, c);
-  atomicAdd(dst + 3, d);
-#endif
-}
 
 // Grid of the dK/dV passes (this one and cod_attn_dkv_wgmma_kernel): one CTA per (key block of BN
 // range keys, kv head), 1-D and key-block major: blockIdx.x = block * Hkv + head. With causal
@@ -380,21 +321,19 @@ __device__ __forceinline__ void dkv_locate(int it, int total_blocks, int h0, con
   iend = s_span_hi[sp];
 }
 
-template <int D, typename T, int BMQ, bool DQ_ATOMIC>
+template <int D, typename T, int BMQ>
 __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParams p) {
-  using Cfg = DkvConfig<D, BMQ, DQ_ATOMIC>;
+  using Cfg = DkvConfig<D, BMQ>;
   constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + BN * D;
-  T* sQ = sV + BN * D;        // [2][BMQ][D]
-  T* sdO = sQ + 2 * BMQ * D;  // [2][BMQ][D]
-  // dS^T [BN keys][BMQ queries] (DQ_ATOMIC only; kTileBytes is a multiple of 128 bytes)
-  unsigned char* sdS = smem + Cfg::kTileBytes;
-  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes + Cfg::kDsBytes);  // [2][MF][BMQ]
-  int* s_span_lo = s_meta + 2 * MF * BMQ;                                        // [2K]
-  int* s_span_hi = s_span_lo + 2 * kMaxChain;                                    // [2K]
-  int* s_blk_off = s_span_hi + 2 * kMaxChain;                                    // [2K + 1]
+  T* sQ = sV + BN * D;                                           // [2][BMQ][D]
+  T* sdO = sQ + 2 * BMQ * D;                                     // [2][BMQ][D]
+  int* s_meta = reinterpret_cast<int*>(smem + Cfg::kTileBytes);  // [2][MF][BMQ]
+  int* s_span_lo = s_meta + 2 * MF * BMQ;                        // [2K]
+  int* s_span_hi = s_span_lo + 2 * kMaxChain;                    // [2K]
+  int* s_blk_off = s_span_hi + 2 * kMaxChain;                    // [2K + 1]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -523,16 +462,6 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
       sa[1] = Pack<T>::two(dpt[2 * kq][2], dpt[2 * kq][3]);
       sa[2] = Pack<T>::two(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
       sa[3] = Pack<T>::two(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
-      if constexpr (DQ_ATOMIC) {
-        // dpt[n][x] = dS^T (key 16 warp + g + 8 (x >> 1), query 8 n + 2t + (x & 1)), so sa[0]:
-        // key g, queries 16 kq + 2t, +1 = chunk 2 kq, word t; sa[1]: key g + 8, same chunk;
-        // sa[2]: key g, chunk 2 kq + 1; sa[3]: key g + 8, chunk 2 kq + 1 (low half = even query).
-        const int key = 16 * warp + g;
-        *reinterpret_cast<uint32_t*>(sdS + ds_swz<BMQ>(key, 2 * kq) + 4 * t) = sa[0];
-        *reinterpret_cast<uint32_t*>(sdS + ds_swz<BMQ>(key + 8, 2 * kq) + 4 * t) = sa[1];
-        *reinterpret_cast<uint32_t*>(sdS + ds_swz<BMQ>(key, 2 * kq + 1) + 4 * t) = sa[2];
-        *reinterpret_cast<uint32_t*>(sdS + ds_swz<BMQ>(key + 8, 2 * kq + 1) + 4 * t) = sa[3];
-      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bf[4];
@@ -542,66 +471,6 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_kernel(const CodAttnParam
         frag_b_kn<D>(bf, qt, 16 * dp, kq, lane);
         mma16816<T>(dk[2 * dp], sa, bf[0], bf[1]);
         mma16816<T>(dk[2 * dp + 1], sa, bf[2], bf[3]);
-      }
-    }
-    if constexpr (DQ_ATOMIC) {
-      __syncthreads();  // all four warps' dS^T rows are in sdS (the loop-end barrier guards reuse)
-      // dQ[BMQ queries][D] += dS[BMQ][BN keys] K[BN][D]: k-dim = the CTA's 64 keys, so each warp
-      // needs every warp's dS rows and takes D / 4 columns: warp w owns dQ columns
-      // [w DW, (w + 1) DW); A = dS via frag_a_ds, B = K from sK ([key][dim] = [k][n], as in the
-      // dQ kernel's dS K): frag_b_kn at n0 = w DW + 16 np.
-      constexpr int DW = D / 4, MT = BMQ / 16;
-      static_assert(DW % 16 == 0, "dQ columns per warp come in pairs of n8 tiles");
-      const uint32_t sdSa = smem_u32(sdS);
-      float dqa[MT][DW / 8][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < DW / 8; ++n) dqa[mt][n][0] = dqa[mt][n][1] = dqa[mt][n][2] = dqa[mt][n][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) frag_a_ds<BMQ>(a[mt], sdSa, 16 * mt, kk, lane);
-#pragma unroll
-        for (int np = 0; np < DW / 16; ++np) {
-          uint32_t bf[4];
-          frag_b_kn<D>(bf, sKa, warp * DW + 16 * np, kk, lane);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma16816<T>(dqa[mt][2 * np], a[mt], bf[0], bf[1]);
-            mma16816<T>(dqa[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-          }
-        }
-      }
-      // dqa[mt][n][x] = dQ (query 16 mt + g + 8 (x >> 1), column w DW + 8 n + 2t + (x & 1)).
-      // Lane pairs (t, t ^ 1) swap halves so each lane holds 4 consecutive columns of one row:
-      // even t keeps row g cols 2t, 2t+1 and receives t + 1's row-g pair (cols 2t + 2, 2t + 3);
-      // odd t keeps row g + 8 cols 2t, 2t+1 and receives t - 1's row-(g + 8) pair (cols 2t - 2,
-      // 2t - 1). Either way: row 16 mt + g + 8 (t & 1), columns 8 n + 4 (t >> 1) + 0..3.
-      // Target: dq_accum[i0 + row][h][w DW + that column], [T, Hq, D] row-major, 16-byte
-      // aligned (D, DW, 4 (t >> 1) are multiples of 4 floats; the glue checks the base).
-      // Rows at or past iend are outside this run (never loaded: their dS is 0) and skipped.
-      int h, i0, iend;
-      locate(it, h, i0, iend);
-      const int odd = t & 1;
-      float* dst = p.dq_accum + int64_t(h) * D + warp * DW + 4 * (t >> 1);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int i = i0 + 16 * mt + g + 8 * odd;
-        float* row = dst + int64_t(i) * qld;
-#pragma unroll
-        for (int n = 0; n < DW / 8; ++n) {
-          const float* c = dqa[mt][n];
-          const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-          const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-          if (i < iend) {
-            if (odd)
-              atomic_add4(row + 8 * n, r0, r1, c[2], c[3]);
-            else
-              atomic_add4(row + 8 * n, c[0], c[1], r0, r1);
-          }
-        }
       }
     }
     cp_async_wait<0>();
@@ -650,7 +519,7 @@ __global__ void __launch_bounds__(128) cod_attn_dkv_chain_kernel(const CodAttnPa
   for (int x = 0; x < EPL; ++x) dk[x] = dv[x] = 0.f;
   const float sl2 = p.scale_log2;
   for (int e = 0; e < p.K; ++e) {
-    const int64_t i = rc[e];
+    const int64_t i = chain_row(rc[e], p.T);  // a layout row, or -1
     if (i < 0) continue;
     for (int h = hk * p.group; h < (hk + 1) * p.group; ++h) {
       float qv[EPL], dov[EPL];
@@ -692,108 +561,27 @@ __global__ void __launch_bounds__(128) cod_attn_dkv_chain_kernel(const CodAttnPa
   store_floats<EPL>(ovp, dv);
 }
 
-// ---------------------------------------------------------------- 5. dQ finish (atomic variant)
-// One warp per (layout row i, q head h): dq = (dq_accum (the range keys' dS K, summed by the
-// atomic dK/dV pass) + the chain keys' dS K) * scale in the input dtype. The chain part is the
-// deterministic dQ kernel's chain path for one row: ds = p (dO . v_c - delta) with
-// p = 2^(q . k_c * scale log2e - lse log2e), over the <= K chain keys c of row i. Lane l holds
-// columns [EPL l, EPL l + EPL). Rows without keys (valid = 0: no chain keys, and the range pass
-// only added zeros) are written as 0.
-template <int D, typename T>
-__global__ void __launch_bounds__(256) cod_attn_dq_finish_kernel(const CodAttnParams p) {
-  constexpr int EPL = D / 32;
-  const int64_t idx = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (idx >= int64_t(p.T) * p.Hq) return;
-  const int64_t i = idx / p.Hq;
-  const int h = static_cast<int>(idx % p.Hq), hk = h / p.group;
-  const int64_t off = i * p.Hq * D + int64_t(h) * D + lane * EPL;
-  float acc[EPL];
-#pragma unroll
-  for (int x = 0; x < EPL; ++x) acc[x] = 0.f;
-  if (p.ranges[kValid * int64_t(p.T) + i]) {
-    const float* src = p.dq_accum + off;
-    if constexpr (EPL == 4) {
-      const float4 a = *reinterpret_cast<const float4*>(src);
-      acc[0] = a.x;
-      acc[1] = a.y;
-      acc[2] = a.z;
-      acc[3] = a.w;
-    } else {
-      static_assert(EPL == 2, "head dim 64 or 128");
-      const float2 a = *reinterpret_cast<const float2*>(src);
-      acc[0] = a.x;
-      acc[1] = a.y;
-    }
-    const int32_t* ch = p.chain + i * p.K;
-    const int64_t kld = int64_t(p.Hkv) * D;
-    const float lse2 = p.lse[int64_t(h) * p.T + i] * kLog2e, dl = p.delta[int64_t(h) * p.T + i];
-    const float sl2 = p.scale_log2;
-    float qv[EPL], dov[EPL];
-    load_floats<EPL>(static_cast<const T*>(p.q) + off, qv);
-    load_floats<EPL>(static_cast<const T*>(p.dout) + off, dov);
-    for (int e = 0; e < p.K; ++e) {
-      const int64_t c = ch[e];  // the same for the whole warp: no divergence
-      if (c < 0) continue;
-      const int64_t koff = c * kld + int64_t(hk) * D + lane * EPL;
-      float kv[EPL], vv[EPL];
-      load_floats<EPL>(static_cast<const T*>(p.k) + koff, kv);
-      load_floats<EPL>(static_cast<const T*>(p.v) + koff, vv);
-      float sv = 0.f, dp = 0.f;
-#pragma unroll
-      for (int x = 0; x < EPL; ++x) {
-        sv = fmaf(qv[x], kv[x], sv);
-        dp = fmaf(dov[x], vv[x], dp);
-      }
-      sv = warp_sum(sv);
-      dp = warp_sum(dp);
-      const float ds = fast_exp2(sv * sl2 - lse2) * (dp - dl);
-#pragma unroll
-      for (int x = 0; x < EPL; ++x) acc[x] = fmaf(ds, kv[x], acc[x]);
-    }
-#pragma unroll
-    for (int x = 0; x < EPL; ++x) acc[x] *= p.scale;
-  }
-  store_floats<EPL>(static_cast<T*>(p.dq) + off, acc);
-}
-
 // ---------------------------------------------------------------- launch
-// PEAGLE_ATTN_BWD=wgmma (p.bwd_variant kBwdWgmma / kBwdWgmma64): pass 3 runs cod_attn_dkv_wgmma_kernel (sm_90a
-// warpgroup MMAs, cod_attn_bwd_wgmma.cuh) instead of cod_attn_dkv_kernel<..., false>; delta and chain dK/dV are the
-// deterministic default's. Defined in cod_attn_bwd_wgmma_sm90a.cu (compiled for sm_90a alone), or, in builds without
-// it, in cod_attn_launch.cu as "not supported".
-cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
-// With it, pass 2 runs cod_attn_dq_wgmma_kernel (cod_attn_dq_wgmma.cuh: the same tiles and outputs
-// on warpgroup MMAs) instead of cod_attn_dq_kernel; defined in cod_attn_dq_wgmma_sm90a.cu (or as
-// "not supported" in cod_attn_launch.cu).
+// The Hopper dQ (cod_attn_dq_wgmma.cuh) and dK/dV (cod_attn_bwd_wgmma.cuh) passes. Defined in
+// cod_attn_{dq,bwd}_wgmma_sm90a.cu (compiled for sm_90a alone), or, in builds without them, in
+// cod_attn_launch.cu as "not supported".
 cudaError_t cod_attn_dq_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
+cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 
-// kBwdDefault (deterministic): delta, dQ (query-major), dK/dV (key-major), chain
-// dK/dV. kBwdAtomic (PEAGLE_ATTN_BWD=atomic): delta, zero dq_accum, dK/dV + atomic dQ
-// (key-major), chain dK/dV, dQ finish. The atomic variant computes S and dP once per (query, key)
-// pair instead of twice (5 matmuls instead of 7); the fp32 atomic sums make dq differ between
-// runs at the level of fp32 rounding of the partial sums (dk, dv are still deterministic).
-// Everything is on `stream`, no host sync (graph-capturable).
+// delta, dQ (query-major), dK/dV (key-major), chain dK/dV, all on `stream`, no host sync
+// (graph-capturable). hopper: passes 2 and 3 on warpgroup MMAs (the caller checked that they run).
 template <int D, typename T, int DQ_WARPS, int DKV_BMQ>
-cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd(const CodAttnParams& p, bool hopper, cudaStream_t stream) {
   if (p.T == 0 || p.Hq == 0) return cudaSuccess;
+  constexpr AttnDtype kDtype = std::is_same<T, __half>::value ? AttnDtype::kFP16 : AttnDtype::kBF16;
   cudaError_t err;
-  const bool atomic = p.bwd_variant == kBwdAtomic;
-  const bool wgmma = p.bwd_variant == kBwdWgmma || p.bwd_variant == kBwdWgmma64;
-  if (wgmma && !cod_attn_wgmma_available()) return cudaErrorNotSupported;  // before launching anything
-  if (atomic && (p.dq_accum == nullptr || reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0))
-    return cudaErrorInvalidValue;
   {
     const int64_t rows = int64_t(p.T) * p.Hq;
     cod_attn_delta_kernel<D, T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  if (atomic) {
-    const size_t bytes = static_cast<size_t>(p.T) * p.Hq * D * sizeof(float);
-    if ((err = cudaMemsetAsync(p.dq_accum, 0, bytes, stream)) != cudaSuccess) return err;
-  } else if (wgmma) {
-    err = cod_attn_dq_wgmma_launch(p, std::is_same<T, __half>::value ? AttnDtype::kFP16 : AttnDtype::kBF16, stream);
-    if (err != cudaSuccess) return err;
+  if (hopper) {
+    if ((err = cod_attn_dq_wgmma_launch(p, kDtype, stream)) != cudaSuccess) return err;
   } else {
     using Cfg = DqConfig<D, DQ_WARPS, 64>;
     TileMap tm;
@@ -806,29 +594,22 @@ cudaError_t launch_bwd(const CodAttnParams& p, cudaStream_t stream) {
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.N > 0) {
-    auto launch_dkv = [&](auto atomic_tag) -> cudaError_t {
-      constexpr bool kAtomic = decltype(atomic_tag)::value;
-      using Cfg = DkvConfig<D, DKV_BMQ, kAtomic>;
-      auto kernel = cod_attn_dkv_kernel<D, T, DKV_BMQ, kAtomic>;
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-      if (e != cudaSuccess) return e;
-      kernel<<<dkv_grid(p, Cfg::kBN), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-      return cudaGetLastError();
-    };
-    if (wgmma)
-      err = cod_attn_dkv_wgmma_launch(p, std::is_same<T, __half>::value ? AttnDtype::kFP16 : AttnDtype::kBF16, stream);
-    else
-      err = atomic ? launch_dkv(std::true_type{}) : launch_dkv(std::false_type{});
+    if (hopper) {
+      err = cod_attn_dkv_wgmma_launch(p, kDtype, stream);
+    } else {
+      using Cfg = DkvConfig<D, DKV_BMQ>;
+      auto kernel = cod_attn_dkv_kernel<D, T, DKV_BMQ>;
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      if (err == cudaSuccess) {
+        kernel<<<dkv_grid(p, Cfg::kBN), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+        err = cudaGetLastError();
+      }
+    }
     if (err != cudaSuccess) return err;
   }
   {
     const int64_t rows = int64_t(p.T) * p.Hkv;
     cod_attn_dkv_chain_kernel<D, T><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  if (atomic) {
-    const int64_t rows = int64_t(p.T) * p.Hq;
-    cod_attn_dq_finish_kernel<D, T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -3,6 +3,6 @@
 #include "attention/cuda/cod_attn_configs.cuh"
 
 namespace peagle::attention::cuda {
-template cudaError_t run_bwd<128, __nv_bfloat16>(const CodAttnParams&, cudaStream_t);
-template cudaError_t run_bwd<128, __half>(const CodAttnParams&, cudaStream_t);
+template cudaError_t run_bwd<128, __nv_bfloat16>(const CodAttnParams&, bool, cudaStream_t);
+template cudaError_t run_bwd<128, __half>(const CodAttnParams&, bool, cudaStream_t);
 }  // namespace peagle::attention::cuda

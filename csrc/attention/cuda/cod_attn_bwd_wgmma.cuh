@@ -1,5 +1,5 @@
-// COD attention backward, pass 3 (dK/dV of the range keys) for Hopper: PEAGLE_ATTN_BWD=wgmma.
-// Same function and outputs as cod_attn_dkv_kernel<D, T, BMQ, false> (cod_attn_bwd.cuh): the same
+// COD attention backward, pass 3 (dK/dV of the range keys) for Hopper (the Hopper family of
+// attention_dispatch.h). Same function and outputs as cod_attn_dkv_kernel (cod_attn_bwd.cuh): the same
 // query-run enumeration (two spans per depth by binary search over the range bounds, `locate` /
 // `issue`), the same P^T / dS^T elements (RowRanges mask or a `full` block, LSE, delta), the same
 // dk (scaled) / dv writes for the range keys; the delta, dQ and chain passes are the default
@@ -7,30 +7,35 @@
 // keys issues warpgroup MMAs (wgmma.mma_async, sm_90a) with Q / dO / K / V read by the tensor
 // cores straight from shared memory through matrix descriptors, so each Q / dO tile is read once
 // per warpgroup instead of once per warp through ldmatrix.
-// Per query block of BMQ rows (layout and descriptors: cod_attn_wgmma.cuh):
+// Per query block of BMQ = 64 rows (layout and descriptors: cod_attn_wgmma.cuh):
 //   S^T  = K Q^T   m64nBMQk16 x D/16, A = K, B = Q, both K-major in shared memory (SS)
 //   dP^T = V dO^T  m64nBMQk16 x D/16, A = V, B = dO (SS)
 //   P^T, dS^T elementwise in the accumulator fragments (warp w: keys 16 w .. 16 w + 15, as in the
 //   mma.sync kernel), packed to 16-bit A fragments
 //   dV  += P^T dO  m64nDk16 x BMQ/16, A = P^T from registers, B = dO MN-major (RS)
 //   dK  += dS^T Q  m64nDk16 x BMQ/16, A = dS^T from registers, B = Q MN-major (RS)
-// PEAGLE_ATTN_WGMMA_PIPE = 1 / 2 (CodAttnParams::wgmma_pipe) selects software-pipelined query-block
-// loops (see the kernel) with bitwise the same dk / dv.
+// The query-block loop is software-pipelined, as far as the registers allow at each head dim
+// (see the kernel).
 #pragma once
 #include <climits>
 #include <cstdint>
 
+#include "attention/attention_dispatch.h"
 #include "attention/cuda/cod_attn_bwd.cuh"
 #include "attention/cuda/cod_attn_wgmma.cuh"
 
 namespace peagle::attention::cuda {
 
-// STAGES: stages of Q, dO and row metadata: 2, or 3 for the PIPE = 2 loop (three query blocks in
-// use at once: MMA2 of block it, MMA1 of block it + 1, the copies of block it + 2).
-template <int D, int BMQ, int STAGES = 2>
+// Query rows per block: 64 (at D = 128: 255 registers, no spills, 101 KiB of shared memory; K / V
+// are read once per 64 queries). STAGES: stages of Q, dO and row metadata: 2 at D = 128, 3 at
+// D = 64, whose loop has three query blocks in use at once (MMA2 of block it, MMA1 of block it + 1,
+// the copies of block it + 2).
+template <int D>
 struct DkvWgmmaConfig {
-  static_assert(D % 64 == 0 && BMQ % 16 == 0 && (BMQ == 32 || BMQ == 64), "wgmma dK/dV tile shapes");
-  static constexpr int kBN = 64;  // keys per CTA: the m64 of the warpgroup MMA
+  static_assert(D == 64 || D == 128, "wgmma dK/dV tile shapes");
+  static constexpr int BMQ = kHopperBlockQ;
+  static constexpr int STAGES = D == 128 ? 2 : 3;
+  static constexpr int kBN = kKeyBlock;  // keys per CTA: the m64 of the warpgroup MMA
   static constexpr int kThreads = 128;
   static constexpr int kStages = STAGES;
   static constexpr int kMetaFields = 7;  // lo, hi, slo, shi, valid, lse, delta (copied with cp.async)
@@ -42,7 +47,7 @@ struct DkvWgmmaConfig {
   static constexpr int kSmemBytes = 1024 + kTileBytes + (STAGES * kMetaFields * BMQ + 6 * kMaxChain + 1) * 4;
 };
 
-// ---- pieces of the loops (every PIPE level calls them; wgmma rules as in cod_attn_fwd_wgmma.cuh).
+// ---- pieces of the loops (wgmma rules as in cod_attn_fwd_wgmma.cuh).
 
 // S^T = K Q^T and dP^T = V dO^T over the D / 16 k-steps (the first overwrites: scale-d = 0), one group.
 template <int D, typename T, int BMQ, int BN>
@@ -133,7 +138,7 @@ __device__ __forceinline__ void dkv_wgmma_elementwise_as(const float (&st)[BMQ /
 }
 
 // P^T and dS^T of one query block from st / dpt (row metadata m = one stage of s_meta), packed into
-// the RS A fragments pa / sa: the same float operations as the PIPE = 0 loop (pv, then
+// the RS A fragments pa / sa: the same float operations as cod_attn_dkv_kernel (pv, then
 // pv * (dP - delta), each rounded once by the pack), but st / dpt are only read, never written:
 // ptxas serializes the wgmmas of a loop that leaves a group pending across its back edge if
 // ordinary code writes any wgmma accumulator in it (C7515), as the in-place P^T / dS^T would.
@@ -163,9 +168,8 @@ __device__ __forceinline__ void dkv_p_ds_inplace_as(float (&st)[BMQ / 8][4], flo
   }
 }
 
-// The same P^T / dS^T as dkv_wgmma_elementwise, written in place into st / dpt (for the PIPE = 2
-// loop, which computes them while the previous block's MMA2 still reads pa / sa, and the PIPE = 0
-// loop), and the pack.
+// The same P^T / dS^T as dkv_wgmma_elementwise, written in place into st / dpt (for the D = 64
+// loop, which computes them while the previous block's MMA2 still reads pa / sa).
 template <int BMQ, int BN, int MF>
 __device__ __forceinline__ void dkv_wgmma_p_ds_inplace(float (&st)[BMQ / 8][4], float (&dpt)[BMQ / 8][4], const int* m,
                                                        int j0, const int (&key_row)[2], int lane, int t, float sl2) {
@@ -175,8 +179,8 @@ __device__ __forceinline__ void dkv_wgmma_p_ds_inplace(float (&st)[BMQ / 8][4], 
     dkv_p_ds_inplace_as<BMQ, true>(st, dpt, m, key_row, t, sl2);
 }
 // P^T and dS^T as the A fragments of dV += P^T dO and dK += dS^T Q: wg::pack_acc_as_a of both,
-// interleaved per k-step as the PIPE = 0 loop first did it (two pack_acc_as_a calls give the same
-// values but another instruction order).
+// interleaved per k-step (two pack_acc_as_a calls give the same values in another instruction
+// order).
 template <int BMQ, typename T>
 __device__ __forceinline__ void dkv_wgmma_pack(const float (&st)[BMQ / 8][4], const float (&dpt)[BMQ / 8][4],
                                                uint32_t (&pa)[BMQ / 16][4], uint32_t (&sa)[BMQ / 16][4]) {
@@ -193,16 +197,14 @@ __device__ __forceinline__ void dkv_wgmma_pack(const float (&st)[BMQ / 8][4], co
   }
 }
 
-// PIPE (CodAttnParams::wgmma_pipe): 0 = every wgmma group waited for before the next step (the
-// first verified form); 1 = the dV / dK MMAs (MMA2) of query block `it` left in flight over the
-// wait for block it + 1's copies, the barrier and the issue of block it + 1's S^T / dP^T (MMA1);
-// 2 = MMA1(it + 1) issued before MMA2(it), the elementwise of it + 1 overlapping MMA2(it) (three
-// stages; not instantiated at D = 128, BMQ = 64, which runs PIPE = 1 instead). See the loops.
-template <int D, typename T, int BMQ, int PIPE>
+// Two loops: at D = 64, MMA1(it + 1) issued before MMA2(it), the elementwise of it + 1 overlapping
+// MMA2(it) (FlashAttention-3 style, three stages); at D = 128, where the registers do not allow
+// that, MMA2(it) left in flight over the copies' wait and the barrier. See the loops.
+template <int D, typename T>
 __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAttnParams p) {
 #if PEAGLE_WGMMA_DEVICE
-  using Cfg = DkvWgmmaConfig<D, BMQ, PIPE == 2 ? 3 : 2>;
-  constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields;
+  using Cfg = DkvWgmmaConfig<D>;
+  constexpr int BN = Cfg::kBN, NT = Cfg::kThreads, MF = Cfg::kMetaFields, BMQ = Cfg::BMQ;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // B128 swizzle atoms must start on 1024-byte shared-memory boundaries (descriptor base offset 0)
   const uint32_t raw = smem_u32(smem_raw);
@@ -281,45 +283,9 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
   const float sl2 = p.scale_log2;
   const int key_row[2] = {j0 + 16 * warp + g, j0 + 16 * warp + g + 8};
 
-  if constexpr (PIPE == 0) {
-#pragma unroll 1
-    for (int it = 0; it < n_iters; ++it) {
-      const int stage = it & 1;
-      if (it + 1 < n_iters) issue(it + 1, stage ^ 1);
-      cp_async_commit();
-      const uint32_t qt = sQa + stage * kStageBytes, dot = sdOa + stage * kStageBytes;
-      const int* m = s_meta + stage * MF * BMQ;
-
-      // S^T = K Q^T and dP^T = V dO^T: rows = the 64 keys (warp w: 16 w .. 16 w + 15), columns =
-      // BMQ queries; the first k-step overwrites (scale-d = 0) the previous block's values.
-      dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, qt, dot);
-      wg::wgmma_wait<0>();
-      wg::fence_operands(st);
-      wg::fence_operands(dpt);
-
-      // P^T (stored in st) and dS^T (stored in dpt); the mask only on blocks that are not "full"
-      // (every valid query row's window range covers all 64 keys)
-      dkv_wgmma_p_ds_inplace<BMQ, BN, MF>(st, dpt, m, j0, key_row, lane, t, sl2);
-      // dV += P^T dO, dK += dS^T Q (k-dim = the BMQ queries): A fragments from the accumulators
-      // (accumulator n-tiles 2 kq, 2 kq + 1 = A columns 16 kq .. 16 kq + 15), B = the dO / Q stage
-      // read MN-major.
-      uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
-      dkv_wgmma_pack<BMQ, T>(st, dpt, pa, sa);
-      dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, qt, dot);
-      // The next iteration overwrites st / dpt (and this stage's tiles after the barrier below):
-      // wait for this batch, which reads pa / sa and the stage.
-      wg::wgmma_wait<0>();
-      wg::fence_operands(dv);
-      wg::fence_operands(dk);
-      wg::fence_operands(pa);
-      wg::fence_operands(sa);
-      cp_async_wait<0>();
-      wg::fence_proxy_async_smem();
-      __syncthreads();
-    }
-  } else if constexpr (PIPE == 2) {
-    // ---- PIPE = 2 (FlashAttention-3's intra-warpgroup overlap; not at D = 128, BMQ = 64, whose
-    // registers do not allow it, see below): MMA1 of block it + 1 is issued BEFORE MMA2 of block
+  if constexpr (D == 64) {
+    // ---- D = 64: FlashAttention-3's intra-warpgroup overlap (not at D = 128, whose registers do
+    // not allow it, see below): MMA1 of block it + 1 is issued BEFORE MMA2 of block
     // it, so wait<1> returns with S^T / dP^T of block it + 1 while MMA2(it) may still run, and the
     // elementwise P^T / dS^T of block it + 1 (in place in st / dpt) runs during MMA2(it); only the
     // pack into pa / sa waits for MMA2(it), which reads them. Three stages of Q / dO / metadata
@@ -335,11 +301,11 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
     //   wait<0>                            MMA2(it) complete: pa / sa free; pack
     //   cp.async wait, proxy fence, barrier    block it + 2 visible; every warp past MMA1(it + 1), MMA2(it)
     // Prologue: copies of block 1, MMA1(0), its P^T / dS^T and pack, barrier; the last MMA2 is
-    // peeled off (no wgmma pending across the back edge, all waits unconditional: see the PIPE = 1
-    // loop). 87 KiB (D = 128, BMQ = 32) / 72 KiB (D = 64) of shared memory: two CTAs per SM as with
-    // PIPE = 0, which the registers limit to two. Bitwise the same dk / dv: the same wgmma sequences
-    // on the same operands in the same order, the same P^T / dS^T arithmetic.
-    static_assert(!(D == 128 && BMQ == 64), "no PIPE = 2 dK/dV loop at D = 128, BMQ = 64");
+    // peeled off: no wgmma group is pending across the back edge and every wgmma issue / wait in
+    // the loop is unconditional, otherwise ptxas serializes the wgmmas (-Xptxas -v warnings C7514 /
+    // C7515). 72 KiB of shared memory: two CTAs per SM, which the registers limit to two. Per
+    // block the values of an unpipelined loop: the same wgmma sequences on the same operands in the
+    // same order, the same P^T / dS^T arithmetic.
     uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
     if (n_iters > 0) {
       if (n_iters > 1) issue(1, 1);
@@ -386,14 +352,13 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
       wg::fence_operands(pa);
       wg::fence_operands(sa);
     }
-  } else if constexpr (D == 128 && BMQ == 64) {
-    // ---- pipelined loop for D = 128, BMQ = 64 (PIPE >= 1), where PIPE = 0 already takes all 255
-    // registers: the overlapped loop below (MMA1(it + 1) issued while MMA2(it) runs) ties st / dpt,
-    // dk / dv and pa / sa (224 registers) to in-flight wgmmas at once and spills (240 bytes, inside
-    // the loop; also with MMA1 issued after MMA2's wait: 132 bytes). Here the PIPE = 0 loop only
-    // leaves MMA2(it) (dV += P^T dO, dK += dS^T Q) in flight over the copies' wait and the barrier
-    // that end iteration it, and waits for it at the top of iteration it + 1, followed by a proxy
-    // fence and a second barrier before the copies of block it + 2 overwrite MMA2(it)'s stage:
+  } else {
+    // ---- D = 128, where an unpipelined loop already takes all 255 registers: the overlapped loop
+    // above (MMA1(it + 1) issued while MMA2(it) runs) ties st / dpt, dk / dv and pa / sa (224
+    // registers) to in-flight wgmmas at once and spills (240 bytes, inside the loop; also with MMA1
+    // issued after MMA2's wait: 132 bytes). This loop only leaves MMA2(it) (dV += P^T dO, dK += dS^T Q) in flight over
+    // the copies' wait and the barrier that end iteration it, and waits for it at the top of iteration it + 1, followed
+    // by a proxy fence and a second barrier before the copies of block it + 2 overwrite MMA2(it)'s stage:
     //   wait<0>                            MMA2(it - 1) complete (this warp): dk, dv, pa, sa free
     //   proxy fence, barrier               ... every warp: stage(it - 1) = stage(it + 1) free
     //   copies of block it + 1 -> stage(it + 1)
@@ -403,7 +368,7 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
     //   cp.async wait, proxy fence, barrier    block it + 1 visible to every thread's wgmma
     // A wgmma group is pending across the back edge here, which ptxas accepts as long as no
     // ordinary instruction writes dk / dv in the loop (none does; checked: no C751x warning).
-    // Register use as PIPE = 0; bitwise the same values (same instructions, same order per block).
+    // Register use as an unpipelined loop; the same values (same instructions, same order per block).
     uint32_t pa[BMQ / 16][4] = {}, sa[BMQ / 16][4] = {};
     // Pins the zero-filled dk / dv here: otherwise the compiler sinks a second copy of the zero
     // fill into the n_iters == 0 path, which it lays out between the loop's last MMA2 issue and the
@@ -439,70 +404,6 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
     wg::fence_operands(dk);
     wg::fence_operands(pa);
     wg::fence_operands(sa);
-  } else {
-    // ---- pipelined loop (PIPE >= 1). Iteration it (stage(x) = x & 1 holds block x's Q, dO and
-    // row metadata; K, V are fixed for the CTA):
-    //   MMA2(it) issue                     dV += P^T dO, dK += dS^T Q: reads pa, sa, dO / Q stage(it)
-    //   cp.async wait, proxy fence, barrier    block it + 1 (stage(it + 1)) visible to every thread
-    //   MMA1(it + 1) issue                 S^T, dP^T of block it + 1: writes st, dpt (their block-it
-    //                                      values were packed into pa, sa before MMA2(it) was issued)
-    //   wait<1>                            MMA2(it) complete (groups complete in commit order; only
-    //                                      MMA1(it + 1) may still run): dk, dv, pa, sa free
-    //   proxy fence, barrier               every warp's MMA2(it) complete, so stage(it) may be
-    //                                      overwritten (its MMA1(it) reads completed before every
-    //                                      warp's elementwise of it, its metadata reads are that
-    //                                      elementwise, both before the previous barrier)
-    //   copies of block it + 2 -> stage(it)
-    //   wait<0>                            MMA1(it + 1) complete
-    //   elementwise + pack of block it + 1
-    // The prologue copies block 1 into stage 1 (unused so far) and runs MMA1(0) and its elementwise;
-    // the last block's MMA2 is peeled off and waited for before the epilogue. No wgmma group is
-    // pending across the loop's back edge and every wgmma issue / wait in the loop is
-    // unconditional: otherwise ptxas serializes the wgmmas (-Xptxas -v warnings C7514 / C7515).
-    // Two stages, shared memory and occupancy as PIPE = 0. Bitwise the same dk / dv as PIPE = 0:
-    // the same wgmma sequences on the same operands in the same order, the same elementwise code.
-    uint32_t pa[BMQ / 16][4], sa[BMQ / 16][4];
-    if (n_iters > 0) {
-      if (n_iters > 1) issue(1, 1);
-      cp_async_commit();
-      dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa, sdOa);
-      wg::wgmma_wait<0>();
-      wg::fence_operands(st);
-      wg::fence_operands(dpt);
-      dkv_wgmma_elementwise<BMQ, BN, MF, T>(st, dpt, s_meta, j0, key_row, lane, t, sl2, pa, sa);
-#pragma unroll 1
-      for (int it = 0; it + 1 < n_iters; ++it) {
-        const uint32_t stage = it & 1, nstage = stage ^ 1;
-        dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + stage * kStageBytes, sdOa + stage * kStageBytes);
-        cp_async_wait<0>();
-        wg::fence_proxy_async_smem();
-        __syncthreads();
-        dkv_wgmma_issue_mma1<D, T, BMQ, BN>(st, dpt, sKa, sVa, sQa + nstage * kStageBytes, sdOa + nstage * kStageBytes);
-        wg::wgmma_wait<1>();  // MMA2(it) complete; MMA1(it + 1) may run on
-        wg::fence_operands(dv);
-        wg::fence_operands(dk);
-        wg::fence_operands(pa);
-        wg::fence_operands(sa);
-        // every warp's MMA2(it) reads of stage(it) complete before the copies overwrite it (the proxy
-        // fence keeps PIPE = 0's order: wgmma completion, fence.proxy.async, barrier, cp.async)
-        wg::fence_proxy_async_smem();
-        __syncthreads();
-        if (it + 2 < n_iters) issue(it + 2, stage);
-        cp_async_commit();
-        wg::wgmma_wait<0>();  // MMA1(it + 1) complete
-        wg::fence_operands(st);
-        wg::fence_operands(dpt);
-        dkv_wgmma_elementwise<BMQ, BN, MF, T>(st, dpt, s_meta + nstage * MF * BMQ, j0, key_row, lane, t, sl2, pa, sa);
-      }
-      const uint32_t last = (n_iters - 1) & 1;
-      dkv_wgmma_issue_mma2<D, T, BMQ>(dk, dv, pa, sa, sQa + last * kStageBytes, sdOa + last * kStageBytes);
-      wg::wgmma_wait<0>();
-      wg::fence_operands(dv);
-      wg::fence_operands(dk);
-      wg::fence_operands(pa);
-      wg::fence_operands(sa);
-      cp_async_wait<0>();  // an empty group: nothing in flight at the epilogue
-    }
   }
 
   const float scale = p.scale;
@@ -523,25 +424,15 @@ __global__ void __launch_bounds__(128, 1) cod_attn_dkv_wgmma_kernel(const CodAtt
 #endif  // PEAGLE_WGMMA_DEVICE
 }
 
-// Launch of the wgmma dK/dV pass (grid: key blocks x kv heads), on `stream`, with the loop PIPE.
-template <int D, typename T, int BMQ, int PIPE>
-cudaError_t launch_dkv_wgmma_loop(const CodAttnParams& p, cudaStream_t stream) {
-  using Cfg = DkvWgmmaConfig<D, BMQ, PIPE == 2 ? 3 : 2>;
-  auto kernel = cod_attn_dkv_wgmma_kernel<D, T, BMQ, PIPE>;
+// Launch of the wgmma dK/dV pass (grid: key blocks x kv heads), on `stream`.
+template <int D, typename T>
+cudaError_t launch_dkv_wgmma(const CodAttnParams& p, cudaStream_t stream) {
+  using Cfg = DkvWgmmaConfig<D>;
+  auto kernel = cod_attn_dkv_wgmma_kernel<D, T>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
   kernel<<<dkv_grid(p, Cfg::kBN), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
-}
-
-// p.wgmma_pipe (env PEAGLE_ATTN_WGMMA_PIPE) picks the loop: 0, 1, or 2 (at D = 128, BMQ = 64: 1).
-template <int D, typename T, int BMQ>
-cudaError_t launch_dkv_wgmma(const CodAttnParams& p, cudaStream_t stream) {
-  if constexpr (!(D == 128 && BMQ == 64)) {
-    if (p.wgmma_pipe >= 2) return launch_dkv_wgmma_loop<D, T, BMQ, 2>(p, stream);
-  }
-  if (p.wgmma_pipe >= 1) return launch_dkv_wgmma_loop<D, T, BMQ, 1>(p, stream);
-  return launch_dkv_wgmma_loop<D, T, BMQ, 0>(p, stream);
 }
 
 }  // namespace peagle::attention::cuda

@@ -1,6 +1,6 @@
-// COD attention backward, pass 2 (dQ) for Hopper: PEAGLE_ATTN_BWD=wgmma / wgmma64 run this kernel
-// instead of cod_attn_dq_kernel<D, T, 4, 64> (cod_attn_bwd.cuh), with the wgmma dK/dV pass
-// (cod_attn_bwd_wgmma.cuh). Same function and outputs: the same query tiles (TileMap,
+// COD attention backward, pass 2 (dQ) for Hopper: the Hopper family (attention_dispatch.h) runs
+// this kernel instead of cod_attn_dq_kernel<D, T, 4, 64> (cod_attn_bwd.cuh), with the wgmma dK/dV
+// pass (cod_attn_bwd_wgmma.cuh). Same function and outputs: the same query tiles (TileMap,
 // find_query_tile, setup_query_tile with 64 rows), the same key blocks of 64 (key_block), the same
 // P / dS elements (RowRanges mask or a `full` block, LSE, delta), the same chain keys
 // (dq_chain_keys_sw128, a copy of its code for the B128 tiles) and the same dq write (scaled).
@@ -17,8 +17,7 @@
 //   m16n8 C layout of the mma.sync kernel, so that code is unchanged), packed to 16-bit A fragments
 //   dQ += dS K    m64nDk16 x 64/16, A = dS from registers, B = K [keys][D] read MN-major (RS),
 //   the same form as the dK/dV kernel's dV += P^T dO.
-// PEAGLE_ATTN_WGMMA_PIPE >= 1 (CodAttnParams::wgmma_pipe) selects a software-pipelined key-block
-// loop (dQ += dS K left in flight; see the kernel) with bitwise the same dq.
+// The key-block loop is software-pipelined (dQ += dS K left in flight; see the kernel).
 #pragma once
 #include <cstdint>
 
@@ -81,7 +80,7 @@ __device__ __forceinline__ void dq_chain_keys_sw128(const CodAttnParams& p, cons
   for (int pi = lane; pi < 16 * K; pi += 32) {
     const int rl = pi / K, e = pi - rl * K;
     const int row = 16 * warp + rl;
-    const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+    const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
     float ds = 0.f;
     if (c >= 0) {
       const float sv = dot_sw128_global<D, T, BM>(sQ, row, kb + int64_t(c) * kld);
@@ -111,8 +110,7 @@ __device__ __forceinline__ void dq_chain_keys_sw128(const CodAttnParams& p, cons
   }
 }
 
-// ---- pieces of the loops (every PIPE level calls the MMA issues; wgmma rules as in
-// cod_attn_fwd_wgmma.cuh).
+// ---- pieces of the loop (wgmma rules as in cod_attn_fwd_wgmma.cuh).
 
 // S = Q K^T and dP = dO V^T over the D / 16 k-steps (the first overwrites: scale-d = 0), one group.
 template <int D, typename T, int BM, int BN>
@@ -142,7 +140,7 @@ __device__ __forceinline__ void dq_wgmma_issue_mma2(float (&dq)[D / 8][4], uint3
 
 // dS = P (dP - delta) of one 16-key slice (accumulator n-tile n) of a key block into ds (MASKED:
 // keys the row may not see give P = 0; otherwise the block is full). The same float operations as
-// the PIPE = 0 loop. Callers branch on `full` and instantiate both (see fwd_scale_mask_max: a
+// cod_attn_dq_kernel. Callers branch on `full` and instantiate both (see fwd_scale_mask_max: a
 // per-score `full ||` is if-converted into the whole mask test on every block).
 template <int BN, bool MASKED>
 __device__ __forceinline__ void dq_wgmma_ds_ntile(const float (&s)[BN / 8][4], const float (&dpv)[BN / 8][4],
@@ -175,7 +173,9 @@ __device__ __forceinline__ void dq_wgmma_ds_pack_as(const float (&s)[BN / 8][4],
 }
 
 // dS = P (dP - delta) of one key block packed into the RS A fragments a: the same float operations
-// as the PIPE = 0 loop (P, then P (dP - delta), rounded once by the pack); s / dpv only read.
+// as cod_attn_dq_kernel (P, then P (dP - delta), rounded once by the pack); s / dpv only read:
+// ptxas serializes the wgmmas of a loop that leaves a group pending across its back edge if
+// ordinary code writes any wgmma accumulator in it (C7515).
 template <int BN, typename T>
 __device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], const float (&dpv)[BN / 8][4],
                                                  const RowRanges (&rr)[2], bool full, int j0, int jend, int t,
@@ -190,11 +190,8 @@ __device__ __forceinline__ void dq_wgmma_ds_pack(const float (&s)[BN / 8][4], co
   }
 }
 
-// PIPE (CodAttnParams::wgmma_pipe): 0 = every wgmma group waited for before the next step (the
-// first verified form); >= 1 = dQ += dS K of key block b left in flight over the wait for block
-// b + 1's copies, the barrier and the issue of block b + 1's S / dP (see the loop).
-template <int D, typename T, int PIPE>
-__global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1)
+template <int D, typename T>
+__global__ void __launch_bounds__(128, D == 64 ? 3 : 1)
     cod_attn_dq_wgmma_kernel(const CodAttnParams p, const TileMap tm) {
 #if PEAGLE_WGMMA_DEVICE
   using Cfg = DqWgmmaConfig<D>;
@@ -268,68 +265,9 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1)
 #pragma unroll
     for (int x = 0; x < 4; ++x) s[n][x] = dpv[n][x] = 0.f;
 
-  // ---- key blocks
-  if constexpr (PIPE == 0) {
-#pragma unroll 1
-    for (int b = 0; b < tk.nblocks; ++b) {
-      const int stage = b & 1;
-      if (b + 1 < tk.nblocks) {
-        int nj0, njend;
-        key_block<BN>(tk, b + 1, nj0, njend);
-        wg::load_tile_sw128<BN, D, NT>(sKa + (stage ^ 1) * kStageBytes, rkbase, kld, nj0, njend, tid);
-        wg::load_tile_sw128<BN, D, NT>(sVa + (stage ^ 1) * kStageBytes, rvbase, kld, nj0, njend, tid);
-      }
-      cp_async_commit();
-      int j0, jend;
-      key_block<BN>(tk, b, j0, jend);
-      const uint32_t kt = sKa + stage * kStageBytes, vt = sVa + stage * kStageBytes;
-
-      // S = Q K^T and dP = dO V^T: rows = the 64 queries (warp w: 16 w .. 16 w + 15), columns = the
-      // 64 keys; the first k-step overwrites (scale-d = 0) the previous block's values.
-      dq_wgmma_issue_mma1<D, T, BM, BN>(s, dpv, sQa, sdOa, kt, vt);
-      wg::wgmma_wait<0>();
-      wg::fence_operands(s);
-      wg::fence_operands(dpv);
-
-      // P and dS (in s) exactly as cod_attn_dq_kernel
-      const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
-      // dS into s, n-tile by n-tile (dq_wgmma_ds_ntile reads s[n] before this writes it back)
-      if (full) {
-        const BlockRowMask none[2] = {BlockRowMask(), BlockRowMask()};  // unread
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-          float ds[4];
-          dq_wgmma_ds_ntile<BN, false>(s, dpv, none, n, sl2, lse2, dlt, ds);
-#pragma unroll
-          for (int x = 0; x < 4; ++x) s[n][x] = ds[x];
-        }
-      } else {
-        const BlockRowMask bm[2] = {BlockRowMask(rr[0], j0, jend, BN, t), BlockRowMask(rr[1], j0, jend, BN, t)};
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-          float ds[4];
-          dq_wgmma_ds_ntile<BN, true>(s, dpv, bm, n, sl2, lse2, dlt, ds);
-#pragma unroll
-          for (int x = 0; x < 4; ++x) s[n][x] = ds[x];
-        }
-      }
-      // dQ += dS K (k-dim = the 64 keys): A fragments from the accumulators (n-tiles 2 kk, 2 kk + 1
-      // = A columns 16 kk .. 16 kk + 15), B = this stage's K tile read MN-major (rows = keys = k,
-      // columns = head dim = n; LBO = BN * 128 = the next 64-column panel).
-      uint32_t a[BN / 16][4];
-      wg::pack_acc_as_a<T, BN>(s, a);
-      dq_wgmma_issue_mma2<D, T, BN>(dq, a, kt);
-      // The next iteration overwrites s / dpv and, after the barrier below, prefetches into this
-      // stage: wait for this batch, which reads a and the stage's K tile.
-      wg::wgmma_wait<0>();
-      wg::fence_operands(dq);
-      wg::fence_operands(a);
-      cp_async_wait<0>();
-      wg::fence_proxy_async_smem();
-      __syncthreads();
-    }
-  } else {
-    // ---- pipelined loop (PIPE >= 1). Iteration b (stage(x) = x & 1 holds key block x's K and V):
+  // ---- key blocks, pipelined
+  {
+    // Iteration b (stage(x) = x & 1 holds key block x's K and V):
     //   MMA2(b) issue                      dQ += dS(b) K(b): reads a, K stage(b); accumulates dq
     //   cp.async wait, proxy fence, barrier    block b + 1 (stage(b + 1)) visible to every thread
     //   MMA1(b + 1) issue                  S, dP of block b + 1: writes s, dpv (block b's dS was
@@ -345,9 +283,9 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1)
     // The prologue copies block 1 into stage 1 (unused so far) and runs MMA1(0) and its dS; the
     // last block's MMA2 is peeled off and waited for before the epilogue. No wgmma group is pending
     // across the loop's back edge and every wgmma issue / wait in the loop is unconditional:
-    // otherwise ptxas serializes the wgmmas (-Xptxas -v warnings C7514 / C7515). Two stages,
-    // shared memory and occupancy as PIPE = 0. Bitwise the same dq as PIPE = 0: the same wgmma
-    // sequences on the same operands in the same order, the same dS arithmetic.
+    // otherwise ptxas serializes the wgmmas (-Xptxas -v warnings C7514 / C7515). Two stages. Per
+    // block the values of an unpipelined loop: the same wgmma sequences on the same operands in the
+    // same order, the same dS arithmetic.
     const int nb = tk.nblocks;
     auto copy_block = [&](int blk, uint32_t stage) {
       int j0, jend;
@@ -381,8 +319,8 @@ __global__ void __launch_bounds__(128, (PIPE > 0 && D == 64) ? 3 : 1)
         wg::wgmma_wait<1>();  // MMA2(b) complete; MMA1(b + 1) may run on
         wg::fence_operands(dq);
         wg::fence_operands(a);
-        // every warp's MMA2(b) reads of K stage(b) complete before the copies overwrite it (the
-        // proxy fence keeps PIPE = 0's order: wgmma completion, fence.proxy.async, barrier, cp.async)
+        // every warp's MMA2(b) reads of K stage(b) complete before the copies overwrite it (in the
+        // order wgmma completion, fence.proxy.async, barrier, cp.async)
         wg::fence_proxy_async_smem();
         __syncthreads();
         if (b + 2 < nb) copy_block(b + 2, stage);
@@ -423,10 +361,9 @@ cudaError_t launch_dq_wgmma(const CodAttnParams& p, cudaStream_t stream) {
   TileMap tm;
   const int ntiles = make_tile_map(p, Cfg::kBM, tm);
   if (ntiles == 0) return cudaSuccess;
-  // p.wgmma_pipe (env PEAGLE_ATTN_WGMMA_PIPE): 1 and 2 both run the pipelined loop (no separate
-  // level 2 for this pass: issuing MMA1(b + 1) before MMA2(b) needs a third K stage, 112 KiB of
-  // tiles at D = 128, one CTA per SM instead of two)
-  auto kernel = p.wgmma_pipe > 0 ? cod_attn_dq_wgmma_kernel<D, T, 1> : cod_attn_dq_wgmma_kernel<D, T, 0>;
+  // (no FlashAttention-3-style overlap of MMA1(b + 1) with MMA2(b) here: it needs a third K stage,
+  // 112 KiB of tiles at D = 128, one CTA per SM instead of two)
+  auto kernel = cod_attn_dq_wgmma_kernel<D, T>;
   const int smem = Cfg::kSmemBytes + Cfg::chain_bytes(p.K);
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;

@@ -1,15 +1,13 @@
-// The sm_90a (Hopper warpgroup MMA) dQ pass of PEAGLE_ATTN_BWD=wgmma / wgmma64: instantiations and
-// dispatch (cod_attn_dq_wgmma.cuh). Compiled like cod_attn_bwd_wgmma_sm90a.cu: for
-// arch=compute_90a,code=sm_90a ONLY, in the sm_90a object library (CMakeLists.txt globs
-// *_sm90a.cu), so the kernel bodies are empty for any other target and nothing here is linked
-// then (cod_attn_launch.cu defines the "not supported" fallback instead). Its own file so it
-// compiles in parallel with the dK/dV one.
+// The sm_90a (Hopper warpgroup MMA) dQ pass: instantiations and launch (cod_attn_dq_wgmma.cuh).
+// Compiled like cod_attn_bwd_wgmma_sm90a.cu: for arch=compute_90a,code=sm_90a ONLY, in the sm_90a
+// object library (CMakeLists.txt globs *_sm90a.cu), so the kernel bodies are empty for any other
+// target and nothing here is linked then (cod_attn_launch.cu defines the "not supported" fallback
+// instead). Its own file so it compiles in parallel with the dK/dV one.
 #include "attention/cuda/cod_attn_dq_wgmma.cuh"
 
 namespace peagle::attention::cuda {
 
-// One configuration per head dim (64 query rows, 64-key blocks, as the mma.sync dQ kernel); the
-// wgmma64 variant only changes the dK/dV pass.
+// One configuration per head dim: 64 query rows, 64-key blocks, as the mma.sync dQ kernel.
 cudaError_t cod_attn_dq_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream) {
   if (!cod_attn_wgmma_available()) return cudaErrorNotSupported;
   const bool bf = dtype == AttnDtype::kBF16;

@@ -1,12 +1,11 @@
 // COD attention forward (flash-style, mma.sync m16n8k16, fp32 online softmax in the log2 domain).
 //
-// CTA = (query tile of BM = 16 * MF * NWARPS consecutive rows of one depth, q head). Warp w owns
-// tile rows 16 MF w .. 16 MF w + 16 MF - 1 (MF m16 fragments, see FwdConfig). The tile first
-// folds its rows' chain keys (<= K per row, arbitrary rows of k/v) into the softmax state with
-// CUDA-core dot products, then
-// streams the key blocks of its spans (double-buffered cp.async K/V tiles), masking per element
-// only on blocks that are not "full". LSE (natural log, +inf for rows without keys) is stored
-// for the backward.
+// CTA = (query tile of BM = 16 * NWARPS consecutive rows of one depth, q head). Warp w owns tile
+// rows 16 w .. 16 w + 15; its Q A-fragments stay in registers. The tile first folds its rows' chain
+// keys (<= K per row, arbitrary rows of k/v) into the softmax state with CUDA-core dot products,
+// then streams the key blocks of its spans (double-buffered cp.async K/V tiles), masking per element
+// only on blocks that are not "full". LSE (natural log, +inf for rows without keys) is stored for
+// the backward.
 #pragma once
 #include <cmath>
 #include <type_traits>
@@ -15,98 +14,81 @@
 
 namespace peagle::attention::cuda {
 
-// MF = m16 fragments per warp (16 * MF query rows per warp). MF = 1: Q fragments stay in
-// registers and every K/V B fragment loaded with ldmatrix feeds one mma (shared-memory bandwidth
-// bound on Hopper). MF = 2 (FA2's hdim-128 shape: 32 rows per warp): each B fragment feeds two
-// mmas; for D = 128 the Q A-fragments are re-read from shared memory per k-step (Q in registers,
-// 2 x acc and 2 x scores would exceed 255 registers), and the per-row ranges are read from
-// shared memory only on masked blocks.
-template <int D, int NWARPS, int BN, int MF>
+template <int D, int NWARPS, int BN>
 struct FwdConfig {
-  static constexpr int kRowsPerWarp = 16 * MF;
-  static constexpr int kBM = NWARPS * kRowsPerWarp;
+  static constexpr int kBM = NWARPS * 16;
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kTileBytes = (kBM * D + 4 * BN * D) * 2;  // Q + 2 stages of K and V
   static constexpr int kSmemBytes = kTileBytes + (5 * kBM + 8 * NWARPS) * 4;
   // + chain scores and key rows: kBM * K floats and ints (K known at launch)
   static constexpr int chain_bytes(int K) { return kBM * K * 8; }
-  // Q A-fragments of all k-steps in registers (MF * D / 4 registers): always for MF = 1 (today's
-  // kernel), for MF = 2 only while they fit next to 2 x acc (D / 2) and 2 x scores (BN / 2).
-  static constexpr bool kQInRegs = MF == 1 || D <= 64;
-  // per-row ranges (10 registers per 16-row fragment) held in registers for the whole kernel;
-  // MF = 2 re-reads them from shared memory on masked blocks instead
-  static constexpr bool kRangesInRegs = MF == 1;
 };
 
 // ---- pieces of the forward for the sm_90a warpgroup kernel (cod_attn_fwd_wgmma.cuh), whose
-// accumulator fragments have the same (row, column) map per warp as MF = 1 here (warp w: rows
+// accumulator fragments have the same (row, column) map per warp as here (warp w: rows
 // 16 w .. 16 w + 15). fwd_store_row is cod_attn_fwd_kernel's epilogue too. fwd_chain_keys and
-// fwd_softmax_fragment are the same statements as cod_attn_fwd_kernel's chain fold and per-fragment
-// softmax, which keep their inline copies: routing the mma.sync kernel through them changed its
-// register allocation (its SASS), which must stay as measured. Change both places together.
+// fwd_softmax_fragment are the same statements as cod_attn_fwd_kernel's chain fold and softmax,
+// which keep their inline copies: routing the mma.sync kernel through them changed its register
+// allocation (its SASS), which must stay as measured. Change both places together.
 
-// Chain keys (<= K per row, arbitrary rows of k/v) of the warp's 16 MF rows, folded into the
+// Chain keys (<= K per row, arbitrary rows of k/v) of the warp's 16 rows, folded into the
 // softmax state before the key blocks. Lanes take (row, slot) pairs of the warp's rows and compute
 // whole dot products (independent 16-byte loads, no shuffles; qrow_dot(row, grow) = dot product
 // of tile row `row` of Q in shared memory with the global row grow); then the quad owning a row
 // starts its softmax state from that row's chain scores and accumulates p * v_c.
-template <int D, typename T, int MF, typename QRowDot>
+template <int D, typename T, typename QRowDot>
 __device__ __forceinline__ void fwd_chain_keys(const CodAttnParams& p, const QTile& qt, int hk, int warp, int lane,
                                                int g, int t, int wrow0, int64_t kld, float sl2, float* s_chain_s,
-                                               int* s_chain_c, QRowDot&& qrow_dot, float (&acc)[MF][D / 8][4],
-                                               float (&m)[MF][2], float (&l)[MF][2]) {
-  constexpr int RW = 16 * MF;
+                                               int* s_chain_c, QRowDot&& qrow_dot, float (&acc)[D / 8][4],
+                                               float (&m)[2], float (&l)[2]) {
   const int K = p.K;
-  float* cs = s_chain_s + warp * RW * K;
-  int* ci = s_chain_c + warp * RW * K;
+  float* cs = s_chain_s + warp * 16 * K;
+  int* ci = s_chain_c + warp * 16 * K;
   const T* kb = static_cast<const T*>(p.k) + int64_t(hk) * D;
   const T* vb = static_cast<const T*>(p.v) + int64_t(hk) * D;
 #pragma unroll 1
-  for (int pi = lane; pi < RW * K; pi += 32) {
+  for (int pi = lane; pi < 16 * K; pi += 32) {
     const int rl = pi / K, e = pi - rl * K;
     const int row = wrow0 + rl;
-    const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+    const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
     cs[pi] = c >= 0 ? qrow_dot(row, kb + int64_t(c) * kld) * sl2 : -INFINITY;
     ci[pi] = c;
   }
   __syncwarp();
 #pragma unroll
-  for (int f = 0; f < MF; ++f) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int rl = 16 * f + g + 8 * r;
-      float mc = -INFINITY;
-      // NaN-propagating max (fmaxf drops NaN): a row whose only chain key is NaN must come out
-      // NaN, not skip the chain as if it had no keys (the block part propagates through exp2)
-      for (int e = 0; e < K; ++e) {
-        const float x = cs[rl * K + e];
-        mc = (x > mc || x != x) ? x : mc;
-      }
-      if (mc == -INFINITY) continue;
-      float lc = 0.f;
-#pragma unroll 2
-      for (int e = 0; e < K; ++e) {
-        const int c = ci[rl * K + e];
-        if (c < 0) continue;
-        const float pv = fast_exp2(cs[rl * K + e] - mc);
-        lc += pv;
-        const T* vr = vb + int64_t(c) * kld + 2 * t;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          const float2 vv = Pack<T>::unpack(__ldg(reinterpret_cast<const unsigned int*>(vr + 8 * n)));
-          acc[f][n][2 * r] = fmaf(pv, vv.x, acc[f][n][2 * r]);
-          acc[f][n][2 * r + 1] = fmaf(pv, vv.y, acc[f][n][2 * r + 1]);
-        }
-      }
-      m[f][r] = mc;
-      l[f][r] = t == 0 ? lc : 0.f;  // l is a per-thread partial, summed over the quad at the end
+  for (int r = 0; r < 2; ++r) {
+    const int rl = g + 8 * r;
+    float mc = -INFINITY;
+    // NaN-propagating max (fmaxf drops NaN): a row whose only chain key is NaN must come out
+    // NaN, not skip the chain as if it had no keys (the block part propagates through exp2)
+    for (int e = 0; e < K; ++e) {
+      const float x = cs[rl * K + e];
+      mc = (x > mc || x != x) ? x : mc;
     }
+    if (mc == -INFINITY) continue;
+    float lc = 0.f;
+#pragma unroll 2
+    for (int e = 0; e < K; ++e) {
+      const int c = ci[rl * K + e];
+      if (c < 0) continue;
+      const float pv = fast_exp2(cs[rl * K + e] - mc);
+      lc += pv;
+      const T* vr = vb + int64_t(c) * kld + 2 * t;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const float2 vv = Pack<T>::unpack(__ldg(reinterpret_cast<const unsigned int*>(vr + 8 * n)));
+        acc[n][2 * r] = fmaf(pv, vv.x, acc[n][2 * r]);
+        acc[n][2 * r + 1] = fmaf(pv, vv.y, acc[n][2 * r + 1]);
+      }
+    }
+    m[r] = mc;
+    l[r] = t == 0 ? lc : 0.f;  // l is a per-thread partial, summed over the quad at the end
   }
 }
 
-// acc *= alpha per fragment row (the online-softmax rescale; fwd_softmax_fragment, and deferred in
-// the pipelined wgmma forward: see fwd_softmax_fragment_alpha). Skipped when alpha is 1 for every
-// row of the warp, which is most blocks once a row's running max has settled: x * 1.0f == x for
+// acc *= alpha per fragment row (the online-softmax rescale, which the pipelined wgmma forward
+// applies once the previous block's P V is complete: see fwd_softmax_fragment). Skipped when alpha
+// is 1 for every row of the warp, which is most blocks once a row's running max has settled: x * 1.0f == x for
 // every float (NaN, inf and -0 included), so skipping changes no bit; the test is warp-uniform so
 // the warp does not diverge. Used by the wgmma forward only (the mma.sync kernel keeps its copy).
 template <int D>
@@ -147,54 +129,22 @@ __device__ __forceinline__ void fwd_scale_mask_max(float (&s)[BN / 8][4], float 
   }
 }
 
-// Online softmax of one 16-row fragment over key block [j0, j0 + BN) (clipped to jend): scores s
-// (m16 x BN accumulator fragments) -> masked, scaled to the log2 domain, running max m / sum l
-// (per-thread partial) updated, acc rescaled, s replaced by the unnormalized probabilities.
-template <int D, int BN>
-__device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], float (&acc)[D / 8][4], float (&m)[2],
-                                                     float (&l)[2], const RowRanges (&rf)[2], bool full, int j0,
-                                                     int jend, int t, float sl2) {
-  float mx[2] = {-INFINITY, -INFINITY};
-  if (full)
-    fwd_scale_mask_max<BN, false>(s, mx, rf, j0, jend, t, sl2);
-  else
-    fwd_scale_mask_max<BN, true>(s, mx, rf, j0, jend, t, sl2);
-  float base[2], alpha[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m[r], quad_max(mx[r]));
-    base[r] = m_new == -INFINITY ? 0.f : m_new;
-    alpha[r] = fast_exp2(m[r] - base[r]);
-    m[r] = m_new;
-    l[r] *= alpha[r];
-  }
-  fwd_rescale_acc<D>(acc, alpha);
-#pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const float pv = fast_exp2(s[n][x] - base[x >> 1]);
-      s[n][x] = pv;
-      l[x >> 1] += pv;
-    }
-  }
-}
-
-// fwd_softmax_fragment without the rescale of acc, for the pipelined wgmma forward (PIPE = 2 in
-// cod_attn_fwd_wgmma.cuh), where acc is still being accumulated by the previous block's P V when
-// this block's softmax runs: the same statements in the same order on s, m and l (so bitwise the
-// same values, including the l *= alpha before the first l += pv); alpha[r] is returned for
-// fwd_rescale_acc, applied to acc once that P V is complete. A separate function, not a flag of
-// fwd_softmax_fragment: that one is inlined into the default kernels' code. Change both together.
+// Online softmax of one 16-row fragment over key block [j0, j0 + BN) (clipped to jend) for the
+// pipelined wgmma forward: scores s (m16 x BN accumulator fragments) -> masked, scaled to the log2
+// domain, running max m / sum l (per-thread partial) updated, s replaced by the unnormalized
+// probabilities. The rescale of acc is returned as alpha[r] for fwd_rescale_acc: acc is still being
+// accumulated by the previous block's P V when this runs. Per element the same statements in the
+// same order as cod_attn_fwd_kernel's softmax (including l *= alpha before the first l += pv), so
+// the two forwards give the same bits where their tiles agree. Change both together.
 template <int BN>
-__device__ __forceinline__ void fwd_softmax_fragment_alpha(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
-                                                           const RowRanges (&rf)[2], bool full, int j0, int jend, int t,
-                                                           float sl2, float (&alpha)[2]) {
+__device__ __forceinline__ void fwd_softmax_fragment(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
+                                                     const RowRanges (&rr)[2], bool full, int j0, int jend, int t,
+                                                     float sl2, float (&alpha)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
   if (full)
-    fwd_scale_mask_max<BN, false>(s, mx, rf, j0, jend, t, sl2);
+    fwd_scale_mask_max<BN, false>(s, mx, rr, j0, jend, t, sl2);
   else
-    fwd_scale_mask_max<BN, true>(s, mx, rf, j0, jend, t, sl2);
+    fwd_scale_mask_max<BN, true>(s, mx, rr, j0, jend, t, sl2);
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -231,11 +181,10 @@ __device__ __forceinline__ void fwd_store_row(const CodAttnParams& p, const floa
   if (t == 0) p.lse[int64_t(h) * p.T + i] = ok ? (m + log2f(lsum)) * kLn2 : INFINITY;
 }
 
-template <int D, typename T, int NWARPS, int BN, int MF>
+template <int D, typename T, int NWARPS, int BN>
 __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodAttnParams p, const TileMap tm) {
-  using Cfg = FwdConfig<D, NWARPS, BN, MF>;
-  constexpr int BM = Cfg::kBM, NT = Cfg::kThreads, RW = Cfg::kRowsPerWarp;
-  static_assert(MF == 1 || MF == 2, "1 or 2 m16 fragments per warp");
+  using Cfg = FwdConfig<D, NWARPS, BN>;
+  constexpr int BM = Cfg::kBM, NT = Cfg::kThreads;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + BM * D;      // [2][BN][D]
@@ -250,9 +199,9 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
   const int h = blockIdx.y, hk = h / p.group;
   const QTile qt = find_query_tile(p, tm, gridDim.x - 1 - blockIdx.x, BM);
   const TileKeys tk = setup_query_tile<BM, NT, BN>(p, qt, s_meta, s_red, tid);
-  // warp w owns tile rows [RW * w, RW * w + RW): fragment f covers rows wrow0 + 16 f + (0..15),
-  // and this thread holds rows wrow0 + 16 f + g (r = 0) and wrow0 + 16 f + g + 8 (r = 1).
-  const int wrow0 = RW * warp;
+  // warp w owns tile rows [16 w, 16 w + 16): this thread holds rows wrow0 + g (r = 0) and
+  // wrow0 + g + 8 (r = 1).
+  const int wrow0 = 16 * warp;
 
   const int64_t qld = int64_t(p.Hq) * D, kld = int64_t(p.Hkv) * D;
   const T* qbase = static_cast<const T*>(p.q) + int64_t(h) * D;
@@ -272,232 +221,146 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
   cp_async_wait<0>();
   __syncthreads();
 
-  // unused (and removed by the compiler) when !kQInRegs
-  uint32_t qf[MF][Cfg::kQInRegs ? D / 16 : 1][4];
-  if constexpr (Cfg::kQInRegs) {
+  uint32_t qf[D / 16][4];
 #pragma unroll
-    for (int f = 0; f < MF; ++f)
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[f][kk], sQa, wrow0 + 16 * f, kk, lane);
-  }
+  for (int kk = 0; kk < D / 16; ++kk) frag_a<D>(qf[kk], sQa, wrow0, kk, lane);
 
-  float acc[MF][D / 8][4];
+  float acc[D / 8][4];
 #pragma unroll
-  for (int f = 0; f < MF; ++f)
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[f][n][0] = acc[f][n][1] = acc[f][n][2] = acc[f][n][3] = 0.f;
-  float m[MF][2], l[MF][2];
-#pragma unroll
-  for (int f = 0; f < MF; ++f) m[f][0] = m[f][1] = -INFINITY, l[f][0] = l[f][1] = 0.f;
-  RowRanges rr[MF][2];  // only used when kRangesInRegs
-  if constexpr (Cfg::kRangesInRegs) {
-#pragma unroll
-    for (int f = 0; f < MF; ++f) {
-      rr[f][0] = row_ranges<BM>(s_meta, wrow0 + 16 * f + g);
-      rr[f][1] = row_ranges<BM>(s_meta, wrow0 + 16 * f + g + 8);
-    }
-  }
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const RowRanges rr[2] = {row_ranges<BM>(s_meta, wrow0 + g), row_ranges<BM>(s_meta, wrow0 + g + 8)};
   const float sl2 = p.scale_log2;
 
   // ---- chain keys (<= K per row, arbitrary rows of k/v). Lanes take (row, slot) pairs of the
-  // warp's RW rows and compute whole dot products (independent 16-byte loads, no shuffles); then
+  // warp's 16 rows and compute whole dot products (independent 16-byte loads, no shuffles); then
   // the quad owning a row starts its softmax state from that row's chain scores and accumulates
   // p * v_c.
   if (tk.any_chain) {
     const int K = p.K;
-    float* cs = s_chain_s + warp * RW * K;
-    int* ci = s_chain_c + warp * RW * K;
+    float* cs = s_chain_s + warp * 16 * K;
+    int* ci = s_chain_c + warp * 16 * K;
     const T* kb = static_cast<const T*>(p.k) + int64_t(hk) * D;
     const T* vb = static_cast<const T*>(p.v) + int64_t(hk) * D;
 #pragma unroll 1
-    for (int pi = lane; pi < RW * K; pi += 32) {
+    for (int pi = lane; pi < 16 * K; pi += 32) {
       const int rl = pi / K, e = pi - rl * K;
       const int row = wrow0 + rl;
-      const int c = row < qt.rows ? p.chain[int64_t(qt.row0 + row) * K + e] : -1;
+      const int c = row < qt.rows ? chain_row(p.chain[int64_t(qt.row0 + row) * K + e], p.T) : -1;
       cs[pi] = c >= 0 ? dot_smem_global<D, T>(sQ, row, kb + int64_t(c) * kld) * sl2 : -INFINITY;
       ci[pi] = c;
     }
     __syncwarp();
 #pragma unroll
-    for (int f = 0; f < MF; ++f) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int rl = 16 * f + g + 8 * r;
-        float mc = -INFINITY;
-        // NaN-propagating max (fmaxf drops NaN): a row whose only chain key is NaN must come out
-        // NaN, not skip the chain as if it had no keys (the block part propagates through exp2)
-        for (int e = 0; e < K; ++e) {
-          const float x = cs[rl * K + e];
-          mc = (x > mc || x != x) ? x : mc;
-        }
-        if (mc == -INFINITY) continue;
-        float lc = 0.f;
-#pragma unroll 2
-        for (int e = 0; e < K; ++e) {
-          const int c = ci[rl * K + e];
-          if (c < 0) continue;
-          const float pv = fast_exp2(cs[rl * K + e] - mc);
-          lc += pv;
-          const T* vr = vb + int64_t(c) * kld + 2 * t;
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            const float2 vv = Pack<T>::unpack(__ldg(reinterpret_cast<const unsigned int*>(vr + 8 * n)));
-            acc[f][n][2 * r] = fmaf(pv, vv.x, acc[f][n][2 * r]);
-            acc[f][n][2 * r + 1] = fmaf(pv, vv.y, acc[f][n][2 * r + 1]);
-          }
-        }
-        m[f][r] = mc;
-        l[f][r] = t == 0 ? lc : 0.f;  // l is a per-thread partial, summed over the quad at the end
+    for (int r = 0; r < 2; ++r) {
+      const int rl = g + 8 * r;
+      float mc = -INFINITY;
+      // NaN-propagating max (fmaxf drops NaN): a row whose only chain key is NaN must come out
+      // NaN, not skip the chain as if it had no keys (the block part propagates through exp2)
+      for (int e = 0; e < K; ++e) {
+        const float x = cs[rl * K + e];
+        mc = (x > mc || x != x) ? x : mc;
       }
+      if (mc == -INFINITY) continue;
+      float lc = 0.f;
+#pragma unroll 2
+      for (int e = 0; e < K; ++e) {
+        const int c = ci[rl * K + e];
+        if (c < 0) continue;
+        const float pv = fast_exp2(cs[rl * K + e] - mc);
+        lc += pv;
+        const T* vr = vb + int64_t(c) * kld + 2 * t;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          const float2 vv = Pack<T>::unpack(__ldg(reinterpret_cast<const unsigned int*>(vr + 8 * n)));
+          acc[n][2 * r] = fmaf(pv, vv.x, acc[n][2 * r]);
+          acc[n][2 * r + 1] = fmaf(pv, vv.y, acc[n][2 * r + 1]);
+        }
+      }
+      m[r] = mc;
+      l[r] = t == 0 ? lc : 0.f;  // l is a per-thread partial, summed over the quad at the end
     }
   }
 
   // ---- key blocks
 #pragma unroll 1
   for (int b = 0; b < tk.nblocks; ++b) {
-    // With Q read from shared memory (MF = 2, D = 128) the registers are short: the loop-invariant
-    // addresses (ldmatrix lane offsets: one register per (tile, fragment, k-step), as the XOR
-    // swizzle keeps them from differing by immediates; the K/V row pointers of the copies) are
-    // recomputed each block from opaque copies of the thread id and kv head instead of being
-    // hoisted out of the loop, where they would take ~40 registers and spill.
-    int ftid = tid, fhk = hk;
-    if constexpr (!Cfg::kQInRegs) asm volatile("" : "+r"(ftid), "+r"(fhk));
-    const int flane = ftid & 31;
-    const T* rkb = rkbase;
-    const T* rvb = rvbase;
-    if constexpr (!Cfg::kQInRegs) {
-      rkb = static_cast<const T*>(p.rk) + int64_t(fhk) * D;
-      rvb = static_cast<const T*>(p.rv) + int64_t(fhk) * D;
-    }
     const int stage = b & 1;
     if (b + 1 < tk.nblocks) {
       int nj0, njend;
       key_block<BN>(tk, b + 1, nj0, njend);
-      load_tile<BN, D, NT>(sKa + (stage ^ 1) * kStageBytes, rkb, kld, nj0, njend, ftid);
-      load_tile<BN, D, NT>(sVa + (stage ^ 1) * kStageBytes, rvb, kld, nj0, njend, ftid);
+      load_tile<BN, D, NT>(sKa + (stage ^ 1) * kStageBytes, rkbase, kld, nj0, njend, tid);
+      load_tile<BN, D, NT>(sVa + (stage ^ 1) * kStageBytes, rvbase, kld, nj0, njend, tid);
     }
     cp_async_commit();
     int j0, jend;
     key_block<BN>(tk, b, j0, jend);
     const uint32_t kt = sKa + stage * kStageBytes, vt = sVa + stage * kStageBytes;
 
-    // S = Q K^T: kk outer, each K B-fragment (two n-tiles) feeds the MF m-fragments
-    float s[MF][BN / 8][4];
+    // S = Q K^T: kk outer, each K B-fragment holds two n-tiles
+    float s[BN / 8][4];
 #pragma unroll
-    for (int f = 0; f < MF; ++f)
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n) s[f][n][0] = s[f][n][1] = s[f][n][2] = s[f][n][3] = 0.f;
+    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t qa[MF][4];
-#pragma unroll
-      for (int f = 0; f < MF; ++f) {
-        if constexpr (Cfg::kQInRegs) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) qa[f][x] = qf[f][kk][x];
-        } else {
-          frag_a<D>(qa[f], sQa, wrow0 + 16 * f, kk, flane);
-        }
-      }
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t bf[4];
-        frag_b_nk<D>(bf, kt, 16 * np, kk, flane);
-#pragma unroll
-        for (int f = 0; f < MF; ++f) {
-          mma16816<T>(s[f][2 * np], qa[f], bf[0], bf[1]);
-          mma16816<T>(s[f][2 * np + 1], qa[f], bf[2], bf[3]);
-        }
+        frag_b_nk<D>(bf, kt, 16 * np, kk, lane);
+        mma16816<T>(s[2 * np], qf[kk], bf[0], bf[1]);
+        mma16816<T>(s[2 * np + 1], qf[kk], bf[2], bf[3]);
       }
     }
     const bool full = j0 >= tk.lo_max && j0 + BN <= tk.hi_min && j0 + BN <= jend;
-    // MF > 1: P is packed to halfwords as soon as each fragment's exponentials are done (the
-    // float scores of one fragment die before the next one's softmax: 16 registers less at peak)
-    uint32_t pa[MF > 1 ? MF : 1][BN / 16][4];
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int f = 0; f < MF; ++f) {
-      RowRanges rf[2];
-      if constexpr (Cfg::kRangesInRegs) {
-        rf[0] = rr[f][0];
-        rf[1] = rr[f][1];
-      } else {
-        // read only on masked blocks (a full block never consults them)
-        rf[0] = rf[1] = RowRanges{0, 0, 0, 0, 0};
-        if (!full) {
-          rf[0] = row_ranges<BM>(s_meta, wrow0 + 16 * f + g);
-          rf[1] = row_ranges<BM>(s_meta, wrow0 + 16 * f + g + 8);
-        }
-      }
-      float mx[2] = {-INFINITY, -INFINITY};
+    for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int j = j0 + 8 * n + 2 * t + (x & 1);
-          float v = s[f][n][x] * sl2;
-          if (!full && !rf[x >> 1].allows(j, jend)) v = -INFINITY;
-          s[f][n][x] = v;
-          mx[x >> 1] = fmaxf(mx[x >> 1], v);
-        }
-      }
-      float base[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(m[f][r], quad_max(mx[r]));
-        base[r] = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = fast_exp2(m[f][r] - base[r]);
-        m[f][r] = m_new;
-        l[f][r] *= alpha;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          acc[f][n][2 * r] *= alpha;
-          acc[f][n][2 * r + 1] *= alpha;
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const float pv = fast_exp2(s[f][n][x] - base[x >> 1]);
-          s[f][n][x] = pv;
-          l[f][x >> 1] += pv;
-        }
-      }
-      if constexpr (MF > 1) {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          pa[f][kk][0] = Pack<T>::two(s[f][2 * kk][0], s[f][2 * kk][1]);
-          pa[f][kk][1] = Pack<T>::two(s[f][2 * kk][2], s[f][2 * kk][3]);
-          pa[f][kk][2] = Pack<T>::two(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-          pa[f][kk][3] = Pack<T>::two(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-        }
+      for (int x = 0; x < 4; ++x) {
+        const int j = j0 + 8 * n + 2 * t + (x & 1);
+        float v = s[n][x] * sl2;
+        if (!full && !rr[x >> 1].allows(j, jend)) v = -INFINITY;
+        s[n][x] = v;
+        mx[x >> 1] = fmaxf(mx[x >> 1], v);
       }
     }
-    // O += P V: P stays in registers as the A operand; each V B-fragment feeds the MF m-fragments
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m[r], quad_max(mx[r]));
+      base[r] = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = fast_exp2(m[r] - base[r]);
+      m[r] = m_new;
+      l[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][2 * r] *= alpha;
+        acc[n][2 * r + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float pv = fast_exp2(s[n][x] - base[x >> 1]);
+        s[n][x] = pv;
+        l[x >> 1] += pv;
+      }
+    }
+    // O += P V: P stays in registers as the A operand
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[MF][4];
-#pragma unroll
-      for (int f = 0; f < MF; ++f) {
-        if constexpr (MF > 1) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) a[f][x] = pa[f][kk][x];
-        } else {
-          a[f][0] = Pack<T>::two(s[f][2 * kk][0], s[f][2 * kk][1]);
-          a[f][1] = Pack<T>::two(s[f][2 * kk][2], s[f][2 * kk][3]);
-          a[f][2] = Pack<T>::two(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1]);
-          a[f][3] = Pack<T>::two(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3]);
-        }
-      }
+      uint32_t a[4];
+      a[0] = Pack<T>::two(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = Pack<T>::two(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = Pack<T>::two(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = Pack<T>::two(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bf[4];
-        frag_b_kn<D>(bf, vt, 16 * dp, kk, flane);
-#pragma unroll
-        for (int f = 0; f < MF; ++f) {
-          mma16816<T>(acc[f][2 * dp], a[f], bf[0], bf[1]);
-          mma16816<T>(acc[f][2 * dp + 1], a[f], bf[2], bf[3]);
-        }
+        frag_b_kn<D>(bf, vt, 16 * dp, kk, lane);
+        mma16816<T>(acc[2 * dp], a, bf[0], bf[1]);
+        mma16816<T>(acc[2 * dp + 1], a, bf[2], bf[3]);
       }
     }
     cp_async_wait<0>();
@@ -506,46 +369,28 @@ __global__ void __launch_bounds__(NWARPS * 32, 1) cod_attn_fwd_kernel(const CodA
 
   // ---- epilogue
 #pragma unroll
-  for (int f = 0; f < MF; ++f) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float lsum = quad_sum(l[f][r]);
-      const int row = wrow0 + 16 * f + g + 8 * r;
-      if (row < qt.rows) {
-        int valid;
-        if constexpr (Cfg::kRangesInRegs)
-          valid = rr[f][r].valid;
-        else
-          valid = s_meta[4 * BM + row];
-        fwd_store_row<D, T>(p, acc[f], r, m[f][r], lsum, valid, qt.row0 + row, h, t, qld);
-      }
-    }
+  for (int r = 0; r < 2; ++r) {
+    const float lsum = quad_sum(l[r]);
+    const int row = wrow0 + g + 8 * r;
+    if (row < qt.rows) fwd_store_row<D, T>(p, acc, r, m[r], lsum, rr[r].valid, qt.row0 + row, h, t, qld);
   }
 }
 
-// PEAGLE_ATTN_FWD=wgmma (p.fwd_mf == kFwdWgmma): cod_attn_fwd_wgmma_kernel (sm_90a warpgroup MMAs,
-// cod_attn_fwd_wgmma.cuh) instead of cod_attn_fwd_kernel, dispatched by cod_attn_fwd_launch.
-// Defined in cod_attn_fwd_wgmma_sm90a.cu (compiled for sm_90a alone), or, in builds without it,
-// in cod_attn_launch.cu as "not supported".
+// The Hopper forward (cod_attn_fwd_wgmma.cuh), chosen by cod_attn_fwd_launch. Defined in
+// cod_attn_fwd_wgmma_sm90a.cu (compiled for sm_90a alone), or, in builds without it, in
+// cod_attn_launch.cu as "not supported".
 cudaError_t cod_attn_fwd_wgmma_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream);
 
-template <int D, typename T, int NWARPS, int BN, int MF>
+template <int D, typename T, int NWARPS, int BN>
 cudaError_t launch_fwd(const CodAttnParams& p, cudaStream_t stream) {
-  using Cfg = FwdConfig<D, NWARPS, BN, MF>;
+  using Cfg = FwdConfig<D, NWARPS, BN>;
   TileMap tm;
   const int ntiles = make_tile_map(p, Cfg::kBM, tm);
   if (ntiles == 0 || p.Hq == 0) return cudaSuccess;
-  auto kernel = cod_attn_fwd_kernel<D, T, NWARPS, BN, MF>;
+  auto kernel = cod_attn_fwd_kernel<D, T, NWARPS, BN>;
   const int smem = Cfg::kSmemBytes + Cfg::chain_bytes(p.K);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  if constexpr (MF > 1) {
-    // a hint: two CTAs of 4 warps per SM need ~2 x 107 KiB of shared memory (MF = 2, D = 128);
-    // if refused, clear the error it left and go on
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
-        cudaSuccess)
-      (void)cudaGetLastError();
-  }
   kernel<<<dim3(ntiles, p.Hq), Cfg::kThreads, smem, stream>>>(p, tm);
   return cudaGetLastError();
 }

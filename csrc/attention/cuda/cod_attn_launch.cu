@@ -12,10 +12,10 @@ extern template cudaError_t run_fwd<64, __nv_bfloat16>(const CodAttnParams&, cud
 extern template cudaError_t run_fwd<64, __half>(const CodAttnParams&, cudaStream_t);
 extern template cudaError_t run_fwd<128, __nv_bfloat16>(const CodAttnParams&, cudaStream_t);
 extern template cudaError_t run_fwd<128, __half>(const CodAttnParams&, cudaStream_t);
-extern template cudaError_t run_bwd<64, __nv_bfloat16>(const CodAttnParams&, cudaStream_t);
-extern template cudaError_t run_bwd<64, __half>(const CodAttnParams&, cudaStream_t);
-extern template cudaError_t run_bwd<128, __nv_bfloat16>(const CodAttnParams&, cudaStream_t);
-extern template cudaError_t run_bwd<128, __half>(const CodAttnParams&, cudaStream_t);
+extern template cudaError_t run_bwd<64, __nv_bfloat16>(const CodAttnParams&, bool, cudaStream_t);
+extern template cudaError_t run_bwd<64, __half>(const CodAttnParams&, bool, cudaStream_t);
+extern template cudaError_t run_bwd<128, __nv_bfloat16>(const CodAttnParams&, bool, cudaStream_t);
+extern template cudaError_t run_bwd<128, __half>(const CodAttnParams&, bool, cudaStream_t);
 
 namespace {
 
@@ -96,8 +96,9 @@ void cod_attn_metadata_launch(const int32_t* anchor, const int32_t* depth, const
 }
 
 #ifndef PEAGLE_ATTN_WGMMA
-// This build has no sm_90a kernels (90 is not among PEAGLE_CUDA_ARCHS, see CMakeLists.txt):
-// PEAGLE_ATTN_BWD=wgmma / PEAGLE_ATTN_FWD=wgmma are refused (the glue raises before launching).
+// This build has no sm_90a kernels (90 is not among PEAGLE_CUDA_ARCHS, see CMakeLists.txt): the
+// dispatch never picks them, and the launchers refuse them.
+bool cod_attn_hopper_built() { return false; }
 bool cod_attn_wgmma_available() { return false; }
 namespace cuda {
 cudaError_t cod_attn_dkv_wgmma_launch(const CodAttnParams&, AttnDtype, cudaStream_t) { return cudaErrorNotSupported; }
@@ -106,18 +107,24 @@ cudaError_t cod_attn_fwd_wgmma_launch(const CodAttnParams&, AttnDtype, cudaStrea
 }  // namespace cuda
 #endif
 
-cudaError_t cod_attn_fwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream) {
+cudaError_t cod_attn_fwd_launch(const CodAttnParams& p, AttnDtype dtype, AttnKernelFamily family, cudaStream_t stream) {
   const bool bf = dtype == AttnDtype::kBF16;
-  if (p.fwd_mf == kFwdWgmma) return cuda::cod_attn_fwd_wgmma_launch(p, dtype, stream);
+  if (family == AttnKernelFamily::kHopper) return cuda::cod_attn_fwd_wgmma_launch(p, dtype, stream);
+  if (family != AttnKernelFamily::kPortable) return cudaErrorInvalidValue;
   if (p.D == 64) return bf ? cuda::run_fwd<64, __nv_bfloat16>(p, stream) : cuda::run_fwd<64, __half>(p, stream);
   if (p.D == 128) return bf ? cuda::run_fwd<128, __nv_bfloat16>(p, stream) : cuda::run_fwd<128, __half>(p, stream);
   return cudaErrorInvalidValue;
 }
 
-cudaError_t cod_attn_bwd_launch(const CodAttnParams& p, AttnDtype dtype, cudaStream_t stream) {
+cudaError_t cod_attn_bwd_launch(const CodAttnParams& p, AttnDtype dtype, AttnKernelFamily family, cudaStream_t stream) {
   const bool bf = dtype == AttnDtype::kBF16;
-  if (p.D == 64) return bf ? cuda::run_bwd<64, __nv_bfloat16>(p, stream) : cuda::run_bwd<64, __half>(p, stream);
-  if (p.D == 128) return bf ? cuda::run_bwd<128, __nv_bfloat16>(p, stream) : cuda::run_bwd<128, __half>(p, stream);
+  if (family != AttnKernelFamily::kHopper && family != AttnKernelFamily::kPortable) return cudaErrorInvalidValue;
+  const bool hopper = family == AttnKernelFamily::kHopper;
+  if (hopper && !cod_attn_wgmma_available()) return cudaErrorNotSupported;  // before launching anything
+  if (p.D == 64)
+    return bf ? cuda::run_bwd<64, __nv_bfloat16>(p, hopper, stream) : cuda::run_bwd<64, __half>(p, hopper, stream);
+  if (p.D == 128)
+    return bf ? cuda::run_bwd<128, __nv_bfloat16>(p, hopper, stream) : cuda::run_bwd<128, __half>(p, hopper, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -34,6 +34,13 @@ __device__ __forceinline__ QTile find_query_tile(const CodAttnParams& p, const T
 // tile-wide bounds: the hull of the sink ranges and the hull of the window ranges (merged when
 // they touch), and lo_max / hi_min over valid rows, which make a key block "full" (allowed for
 // every valid row, no per-element mask) when j0 >= lo_max and j0 + BN <= hi_min.
+// A range bound clamped to [0, n]; a chain entry outside [0, t) read as -1 (no key). The kernels
+// apply these to everything they index with, so no metadata value reads or writes out of bounds.
+__device__ __forceinline__ int clamp_key(int x, int n) { return min(max(x, 0), n); }
+__device__ __forceinline__ int chain_row(int c, int t) {
+  return static_cast<unsigned>(c) < static_cast<unsigned>(t) ? c : -1;
+}
+
 struct TileKeys {
   int lo0, hi0, nb0;  // first span and its block count
   int lo1, hi1;       // second span (hi1 <= lo1 when none)
@@ -54,15 +61,17 @@ __device__ TileKeys setup_query_tile(const CodAttnParams& p, const QTile& qt, in
     if (row < qt.rows) {
       const int64_t i = qt.row0 + row;
       const int64_t T = p.T;
-      lo = p.ranges[kLo * T + i];
-      hi = p.ranges[kHi * T + i];
+      // clamped to the N range keys: metadata of another layout or edited entries then read
+      // nothing out of bounds (the key blocks are cut from these bounds)
+      lo = clamp_key(p.ranges[kLo * T + i], p.N);
+      hi = clamp_key(p.ranges[kHi * T + i], p.N);
       if (p.use_sink) {
-        slo = p.ranges[kSinkLo * T + i];
-        shi = p.ranges[kSinkHi * T + i];
+        slo = clamp_key(p.ranges[kSinkLo * T + i], p.N);
+        shi = clamp_key(p.ranges[kSinkHi * T + i], p.N);
       }
-      valid = p.ranges[kValid * T + i];
+      valid = p.ranges[kValid * T + i] != 0;
       if (valid)
-        for (int e = 0; e < p.K; ++e) chain_any |= p.chain[i * p.K + e] >= 0;
+        for (int e = 0; e < p.K; ++e) chain_any |= chain_row(p.chain[i * p.K + e], p.T) >= 0;
     }
     s_meta[0 * BM + row] = lo;
     s_meta[1 * BM + row] = hi;

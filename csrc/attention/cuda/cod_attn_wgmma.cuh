@@ -1,5 +1,5 @@
 // Hopper (sm_90a) warpgroup MMA building blocks of the COD attention wgmma backward
-// (PEAGLE_ATTN_BWD=wgmma, cod_attn_bwd_wgmma.cuh) and of tools/wgmma_selftest.cu:
+// (cod_attn_{fwd,dq,bwd}_wgmma.cuh) and of tools/wgmma_selftest.cu:
 // the shared-memory tile layout, matrix descriptors, wgmma.mma_async wrappers and the fences.
 // wgmma exists only for sm_90a: the asm bodies compile only when nvcc targets
 // arch=compute_90a (__CUDA_ARCH_FEAT_SM90_ALL); for any other target they are empty and the
@@ -176,21 +176,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&
 
 // ---- specializations (operand lists spelled out: the asm needs one operand per register)
 template <>
-__device__ __forceinline__ void wgmma_ss<32, __nv_bfloat16>(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b,
-                                                            int scale_d) {
-#if PEAGLE_WGMMA_DEVICE
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
-      "%13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-#endif
-}
-
-template <>
 __device__ __forceinline__ void wgmma_ss<64, __nv_bfloat16>(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
                                                             int scale_d) {
 #if PEAGLE_WGMMA_DEVICE
@@ -247,20 +232,6 @@ __device__ __forceinline__ void wgmma_rs<128, __nv_bfloat16>(float (&d)[16][4], 
         "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]),
         "+f"(d[15][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-#endif
-}
-
-template <>
-__device__ __forceinline__ void wgmma_ss<32, __half>(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-#if PEAGLE_WGMMA_DEVICE
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
-      "%14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #endif
 }
 

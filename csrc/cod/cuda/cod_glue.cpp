@@ -6,27 +6,16 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "cod/cod_checks.h"
 #include "cod/cod_common.h"
 #include "cod/cod_kernels.h"
+#include "common/cuda_kernel_image.h"
 
 namespace peagle::cod {
 namespace {
-
-// PEAGLE_COD_BIN_BITS (1..16) overrides the selection histogram width; the tests use it to
-// force the large-bin path that real inputs practically never reach.
-int bin_bits_for(int64_t n) {
-  if (const char* env = std::getenv("PEAGLE_COD_BIN_BITS")) {
-    const int bits = std::atoi(env);
-    TORCH_CHECK_VALUE(bits >= 1 && bits <= 16, "PEAGLE_COD_BIN_BITS must be in [1, 16], got '", env, "'");
-    return bits;
-  }
-  return cod_cuda_default_bin_bits(n);
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor& document_ids,
                                                                const at::Tensor& loss_mask, int64_t num_depths,
@@ -37,6 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor&
                     "cod_sample: document_ids and loss_mask must both be CUDA tensors here, got ",
                     document_ids.device(), " and ", loss_mask.device());
   const c10::cuda::CUDAGuard guard(document_ids.device());
+  check_kernel_image("cod_sample");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(document_ids.device().index()).stream();
   const int64_t n = document_ids.size(0);
   const int K = static_cast<int>(num_depths);
@@ -57,10 +47,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor&
   problem.max_anchors = max_anchors;
   problem.depth0_all = depth0_all;
   problem.seed = static_cast<uint64_t>(seed);
-  problem.bin_bits = bin_bits_for(n);
 
-  at::Tensor scratch = at::empty({static_cast<int64_t>(cod_cuda_scratch_bytes(n, K, problem.bin_bits))},
-                                 document_ids.options().dtype(at::kByte));
+  at::Tensor scratch =
+      at::empty({static_cast<int64_t>(cod_cuda_scratch_bytes(n, K))}, document_ids.options().dtype(at::kByte));
   at::Tensor result_host = at::empty({static_cast<int64_t>(sizeof(CodCudaResult))},
                                      at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   auto* result = reinterpret_cast<CodCudaResult*>(result_host.data_ptr<uint8_t>());

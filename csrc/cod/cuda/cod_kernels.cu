@@ -108,8 +108,19 @@ ScratchLayout scratch_layout(int64_t n, int num_depths, int bin_bits) {
   return s;
 }
 
+// Selection histogram width for n positions: >= 64 positions per bin (few bins to scan), so the
+// threshold bin holds ~64 keys or fewer and its exact rank is a small one-block job; capped at 16
+// bits, so from n ~ 2^26 on a threshold bin can exceed kSmallSelect keys and takes the radix select.
+int bin_bits_for(int64_t n) {
+  int bits = 0;
+  while (bits < 62 && (int64_t(1) << (bits + 1)) <= n) ++bits;  // floor(log2 n)
+  bits -= 6;
+  return bits < 4 ? 4 : (bits > 16 ? 16 : bits);
+}
+
 DeviceArgs make_args(const CodCudaProblem& pb, void* scratch) {
-  const ScratchLayout s = scratch_layout(pb.n, pb.num_depths, pb.bin_bits);
+  const int bin_bits = bin_bits_for(pb.n);
+  const ScratchLayout s = scratch_layout(pb.n, pb.num_depths, bin_bits);
   char* base = static_cast<char*>(scratch);
   DeviceArgs a{};
   a.doc = pb.document_ids;
@@ -117,7 +128,7 @@ DeviceArgs make_args(const CodCudaProblem& pb, void* scratch) {
   a.n = pb.n;
   a.num_depths = pb.num_depths;
   a.tiles = static_cast<int>((pb.n + kTile - 1) / kTile);
-  a.bin_bits = pb.bin_bits;
+  a.bin_bits = bin_bits;
   a.depth0_all = pb.depth0_all ? 1 : 0;
   a.max_anchors = pb.max_anchors;
   a.seed = pb.seed;
@@ -360,7 +371,7 @@ __device__ u64 block_kth_smallest(const u64* keys, unsigned c, long long m) {
     __syncthreads();
     return s_result;
   }
-  // Large bin (only with a tiny bin_bits or astronomically unlikely keys): radix select,
+  // Large bin (from n ~ 2^26 positions on, where the histogram stays at 16 bits): radix select,
   // 8 bits at a time from the top, over the keys that match the digits found so far.
   u64 prefix = 0, known_mask = 0;
   long long rank = m;
@@ -462,21 +473,13 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-int cod_cuda_default_bin_bits(int64_t n) {
-  int bits = 0;
-  while (bits < 62 && (int64_t(1) << (bits + 1)) <= n) ++bits;  // floor(log2 n)
-  bits -= 6;  // >= 64 positions per bin: few bins to scan, and the threshold bin stays small
-  return bits < 4 ? 4 : (bits > 16 ? 16 : bits);
-}
-
-size_t cod_cuda_scratch_bytes(int64_t n, int num_depths, int bin_bits) {
-  return scratch_layout(n, num_depths, bin_bits).total;
+size_t cod_cuda_scratch_bytes(int64_t n, int num_depths) {
+  return scratch_layout(n, num_depths, bin_bits_for(n)).total;
 }
 
 cudaError_t cod_cuda_sample(const CodCudaProblem& pb, void* scratch, CodCudaResult* result_host, cudaStream_t stream) {
-  if (pb.n < 1 || pb.num_depths < 1 || pb.num_depths > kMaxDepths || pb.bin_bits < 1 || pb.bin_bits > 16)
-    return cudaErrorInvalidValue;
-  const ScratchLayout layout = scratch_layout(pb.n, pb.num_depths, pb.bin_bits);
+  if (pb.n < 1 || pb.num_depths < 1 || pb.num_depths > kMaxDepths) return cudaErrorInvalidValue;
+  const ScratchLayout layout = scratch_layout(pb.n, pb.num_depths, bin_bits_for(pb.n));
   const DeviceArgs a = make_args(pb, scratch);
   cudaError_t err = cudaMemsetAsync(scratch, 0, layout.header_end, stream);
   if (err != cudaSuccess) return err;
@@ -511,8 +514,7 @@ cudaError_t cod_cuda_sample(const CodCudaProblem& pb, void* scratch, CodCudaResu
 
 cudaError_t cod_cuda_write(const CodCudaProblem& pb, void* scratch, int32_t* anchor, int32_t* depth,
                            cudaStream_t stream) {
-  if (pb.n < 1 || pb.num_depths < 1 || pb.num_depths > kMaxDepths || pb.bin_bits < 1 || pb.bin_bits > 16)
-    return cudaErrorInvalidValue;
+  if (pb.n < 1 || pb.num_depths < 1 || pb.num_depths > kMaxDepths) return cudaErrorInvalidValue;
   const DeviceArgs a = make_args(pb, scratch);
   const dim3 grid(static_cast<unsigned>(a.tiles), static_cast<unsigned>(pb.num_depths));
   cod_write_kernel<<<grid, kThreads, 0, stream>>>(a, anchor, depth);
