@@ -47,6 +47,7 @@ import torch.distributed as dist
 from peagle_ext.data import TrainingExample
 from peagle_ext.model import PEagleDraftModel, PEagleOptions
 from peagle_ext.train.distributed import DistContext
+from peagle_ext.train.optim import make_adamw
 
 GIB = 2**30
 
@@ -145,9 +146,7 @@ class Run:
         self.model = build_model(shape, device, seed)
         ctx.wrap(self.model, amp, fsdp_bf16_params=fsdp_bf16_params)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(
-            self.params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda" and not ctx.is_fsdp
-        )
+        self.opt = make_adamw(self.params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def step(self, units, layouts, seq_partition: int = 1, grads_out: dict | None = None):
         """One optimizer step over the global batch; returns this rank's real tokens. grads_out:

@@ -40,17 +40,19 @@ TORCH_LIBRARY(peagle, m) {
   // ---- fused linear KL / CE loss (csrc/loss) ------------------------------------------
   // [loss schemas]
   // Chunked fused linear-KL (kind "kl") / cross-entropy-to-target-argmax (kind "ce") loss over
-  // draft logits draft_hidden[T, H] @ draft_head[Vd, H].T and target logits target_hidden[T, Ht]
+  // draft logits draft_hidden[T, H] @ draft_head[Vd, H].T and target logits target_hidden[M, Ht]
   // @ target_head[V, Ht].T restricted to the draft vocab through d2t (draft id i -> target id
-  // i + d2t[i]; d2t None needs Vd == V). loss = sum_t weight[t] * loss_t / sum_t weight[t]
-  // (0 when the weights sum to 0); correct/total int64[num_depths] count, per depth, the tokens
-  // with weight > 0 and those whose draft and target argmax agree. weight is fp64 for fp64
-  // inputs, fp32 otherwise; depth int32. grad_hidden/grad_head are d loss / d draft_hidden and
-  // d loss / d draft_head (empty [0] when not requested). At most chunk_rows rows of logits
-  // per side exist at any time.
+  // i + d2t[i]; d2t None needs Vd == V). Draft row t is compared with target row
+  // target_index[t] (int64 [T] in [0, M); None: target row t, M == T); the target side is
+  // computed once per distinct target row of a weighted draft row, and rows of weight 0 are not
+  // computed at all. loss = sum_t weight[t] * loss_t / sum_t weight[t] (0 when the weights sum
+  // to 0); correct/total int64[num_depths] count, per depth, the tokens with weight > 0 and
+  // those whose draft and target argmax agree. weight is fp64 for fp64 inputs, fp32 otherwise;
+  // depth int32. grad_hidden/grad_head are d loss / d draft_hidden and d loss / d draft_head
+  // (empty [0] when not requested). At most chunk_rows rows of logits per side exist at any time.
   m.def(
       "fused_linear_kl(Tensor draft_hidden, Tensor draft_head, Tensor target_hidden, Tensor target_head, "
-      "Tensor weight, Tensor depth, Tensor? d2t, int num_depths, int chunk_rows, str kind, "
+      "Tensor weight, Tensor depth, Tensor? d2t, Tensor? target_index, int num_depths, int chunk_rows, str kind, "
       "bool compute_grad_hidden, bool compute_grad_head) "
       "-> (Tensor loss, Tensor correct, Tensor total, Tensor grad_hidden, Tensor grad_head)");
 

@@ -152,9 +152,11 @@ def make_peagle(
     device="cpu",
     seed: int = 0,
     cls=None,
+    draft_vocab_size: int | None = None,
 ):
     """A drafter with random weights and a random verifier head (norm weight near 1, head rows
-    of the verifier's scale), built directly on `device` (no 2B-parameter CPU init on GPU runs)."""
+    of the verifier's scale), built directly on `device` (no 2B-parameter CPU init on GPU runs).
+    draft_vocab_size: a smaller draft vocab (ids 0..Vd-1 through d2t; None = the full vocab)."""
     cls = cls or PEagleDraftModel
     torch.manual_seed(seed)
     with torch.device(device):
@@ -165,6 +167,7 @@ def make_peagle(
             mask_token_id=mask_token_id,
             options=options,
             verifier_name_or_path="synthetic/qwen3-shaped",
+            draft_vocab_size=draft_vocab_size,
         )
     m = m.to(device)
     h = verifier_config.hidden_size

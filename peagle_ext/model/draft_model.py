@@ -195,13 +195,14 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         vd = self.config.draft_vocab_size
         if d2t.shape != (vd,):
             raise ValueError(f"d2t must have shape ({vd},), got {tuple(d2t.shape)}")
-        ids = torch.arange(vd) + d2t
+        # on the CPU explicitly: models are built under torch.device(...) contexts
+        ids = torch.arange(vd, device="cpu") + d2t
         rows = self.config.transformer_layer_config.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= rows:
             raise ValueError(f"d2t maps a draft id outside the vocab [0, {rows})")
         if vd > 1 and not bool((ids[1:] > ids[:-1]).all()):
             raise ValueError("d2t must map draft ids to strictly increasing target ids")
-        t2d = torch.zeros(self.config.transformer_layer_config.vocab_size, dtype=torch.bool)
+        t2d = torch.zeros(self.config.transformer_layer_config.vocab_size, dtype=torch.bool, device="cpu")
         t2d[ids] = True
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)

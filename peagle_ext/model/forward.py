@@ -15,6 +15,15 @@ Attention goes through `peagle_ext.ops.attention.cod_attention`:
 - "cross": the depth-0 stream over all N positions is run as its own causal pass and only
   provides context K/V per layer; the layout (depth 0 only at the anchors, then the deeper
   tokens) attends that context plus its own chain.
+
+Rows no later computation reads are not computed:
+- layer 0 runs on the N + 1 unique rows (N positions, one MASK row) and the tokens take them as
+  a slice plus a broadcast (rows.LayerZeroRows; no duplicate-index gather anywhere);
+- after the last layer's attention only the rows of weight > 0 (loss-masked positions) go on
+  through o_proj, the MLP, the final norm and the loss: the others are keys and values of the
+  attention and nothing else;
+- the loss computes the verifier's logits once per distinct loss-masked position
+  (fused_linear_kl's target_index), not once per draft token.
 """
 
 from __future__ import annotations
@@ -27,15 +36,16 @@ import torch
 from ..ops.cod import CodLayout
 from .layers import DraftLayer, apply_rope, rms_norm
 from .partition import partitioned_forward_backward
+from .rows import LayerZeroRows, gather_distinct_rows, weighted_rows
 
 
 @dataclass
 class PassTokens:
-    """Which tokens one pass computes: layout (the attention op's view), the unique layer-0 input
-    row of each token (depth 0: its position; deeper: the MASK row N), and RoPE tables."""
+    """Which tokens one pass computes: layout (the attention op's view), where each token reads
+    its layer-0 row (depth 0: its position; deeper: the MASK row N), and RoPE tables."""
 
     layout: CodLayout
-    rows: torch.Tensor
+    rows: LayerZeroRows
     cos: torch.Tensor
     sin: torch.Tensor
     meta: object = None  # attention metadata, built on first use
@@ -82,7 +92,8 @@ class TrainingForward:
         assert emb.shape[0] == n + 1
         return emb, hid
 
-    def pass_tokens(self, layout: CodLayout, rows: torch.Tensor) -> PassTokens:
+    def pass_tokens(self, layout: CodLayout, rows: LayerZeroRows | None = None) -> PassTokens:
+        rows = LayerZeroRows.of_layout(layout) if rows is None else rows
         pos = layout.anchor.long() + layout.depth.long()
         freqs = pos.to(self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]
         emb = torch.cat([freqs, freqs], -1)
@@ -129,10 +140,11 @@ class TrainingForward:
         if layer.first:
             emb, hid = l0
             a_in, res_u = layer.pre_attention(emb, hid)
-            q = layer.self_attn.q(a_in)[tok.rows] if want_q else None
+            rows = tok.rows
+            q = rows.take(layer.self_attn.q(a_in)) if want_q else None
             k, v = layer.self_attn.kv(a_in)
-            k, v = k[tok.rows], v[tok.rows]
-            res = res_u[tok.rows]
+            k, v = rows.take(k), rows.take(v)
+            res = rows.take(res_u)
         else:
             a_in, res = layer.pre_attention(x)
             q = layer.self_attn.q(a_in) if want_q else None
@@ -143,56 +155,97 @@ class TrainingForward:
             q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
         return q, k, v, res
 
-    def run_layers(self, tok: PassTokens, l0, contexts=None, *, collect_kv=False, last_full=True):
+    def run_layers(self, tok: PassTokens, l0, contexts=None, *, collect_kv=False, last_full=True, keep=None):
         """Run the layers over one pass's tokens. contexts[l] = (k, v) of the stream at layer l
         (cross mode). collect_kv returns this pass's per-layer (k, v); last_full=False stops at the
-        last layer's k/v (the stream in cross mode needs nothing more)."""
+        last layer's k/v (the stream in cross mode needs nothing more). keep: the rows whose
+        output is read (distinct, ascending; None = all): after the last layer's attention only
+        they are computed, and the output has one row per kept row."""
         x = None
         kvs = []
         n_layers = len(self.layers)
         for li, layer in enumerate(self.layers):
-            kv_only = li == n_layers - 1 and not last_full
-            x, kv = layer(self.layer_pass, x, l0, None if contexts is None else contexts[li], tok, kv_only=kv_only)
+            last = li == n_layers - 1
+            kv_only = last and not last_full
+            ctx = None if contexts is None else contexts[li]
+            x, kv = layer(self.layer_pass, x, l0, ctx, tok, kv_only=kv_only, keep=keep if last else None)
             if collect_kv:
                 kvs.append(kv)
             if kv_only:
                 return None, kvs
         return x, kvs
 
-    def layer_pass(self, layer: DraftLayer, x, l0, ctx, tok: PassTokens, *, kv_only: bool):
-        """(layer output or None when kv_only, (k, v) of this pass) for one layer."""
+    def layer_pass(self, layer: DraftLayer, x, l0, ctx, tok: PassTokens, *, kv_only: bool, keep=None):
+        """(layer output or None when kv_only, (k, v) of this pass) for one layer; with keep, the
+        output of those rows only."""
         q, k, v, res = self.qkv(layer, x, tok, l0=l0, want_q=not kv_only)
         if kv_only:
             return None, (k, v)
-        return layer.post_attention(self.attend(q, k, v, tok, ctx), res), (k, v)
+        out = self.attend(q, k, v, tok, ctx)
+        if keep is not None:
+            out, res = gather_distinct_rows(out, keep), gather_distinct_rows(res, keep)
+        return layer.post_attention(out, res), (k, v)
 
-    def loss_terms(self, h, layout: CodLayout, example, target_normed):
-        """(weighted loss SUM, weight sum, correct[K], total[K]) over the tokens of `layout`."""
+    def token_weight(self, layout: CodLayout, example) -> torch.Tensor:
+        """[T] float: the loss mask at each token's position."""
+        pos = layout.anchor.long() + layout.depth.long()
+        return example.loss_mask.to(pos.device)[pos].float()
+
+    def loss_terms(self, h, layout: CodLayout, example, target_normed, keep=None):
+        """(weighted loss SUM, weight sum, correct[K], total[K]) over the tokens of `layout`.
+        h: final hidden states of every token, or of the rows `keep` (run_layers(keep=...)), which
+        must then hold every row of weight > 0. target_normed [N, H]: the verifier's normed last
+        hidden state per position (target_normed()); the loss reads it by position."""
         from ..ops.loss import fused_linear_kl
 
         pos = layout.anchor.long() + layout.depth.long()
-        weight = example.loss_mask.to(pos.device)[pos].float()
+        weight = self.token_weight(layout, example)
+        depth = layout.depth
+        w_rows = weight
+        if keep is not None:
+            pos, w_rows, depth = pos[keep], weight[keep], depth[keep]
         hn = self.norm(h)
         dt = self.compute_dtype(hn)
         hn = hn.to(dt)
-        tgt = target_normed[pos].to(dt)
-        head = self.lm_head.weight.to(dt)
-        vhead = self.verifier_lm_head_weight.to(dt)
+        tgt = target_normed if target_normed.dtype == dt else target_normed.to(dt)
+        w = self.lm_head.weight
+        head = w.to(dt) if w.requires_grad else self.frozen_copy("lm_head", w, dt)
+        vhead = self.frozen_copy("verifier_lm_head", self.verifier_lm_head_weight, dt)
         loss, m = fused_linear_kl(
             hn,
             head,
             tgt,
             vhead,
-            weight,
-            layout.depth,
+            w_rows,
+            depth,
             num_depths=self.num_depths,
+            target_index=pos,
             kind=self.options.loss_kind,
             validate=hn.device.type == "cpu",
         )
         wsum = weight.sum()
         return loss * wsum, wsum, m["correct"], m["total"]
 
-    def target_normed(self, example):
+    def frozen_copy(self, name: str, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """w in `dtype` for a tensor no gradient reaches (the verifier head, a frozen lm_head):
+        cast once and kept while w is unchanged, instead of once per step. "Unchanged" is w's
+        storage and in-place version counter (what autograd itself checks): loading weights or
+        re-attaching the verifier writes in place and bumps it."""
+        if w.dtype == dtype:
+            return w
+        cache = self.__dict__.setdefault("_frozen_copies", {})
+        key = (w.data_ptr(), w._version, w.device, tuple(w.shape), dtype)
+        hit = cache.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        cache.pop(name, None)  # the old copy goes before the new one is made
+        copy = w.detach().to(dtype)
+        cache[name] = (key, copy)
+        return copy
+
+    def target_normed(self, example, dtype: torch.dtype | None = None):
+        """The verifier's final norm over its last hidden states [N, H] (fp32 statistics), in
+        `dtype` (default fp32)."""
         if not self.has_verifier:
             raise RuntimeError("the drafter has no verifier head attached: call attach_verifier(...) first")
         last = example.last_hidden.to(self.verifier_norm_weight.device)
@@ -202,7 +255,8 @@ class TrainingForward:
                 f"features, the drafter's hidden_size is {self.config.hidden_size}"
             )
         with torch.no_grad():
-            return rms_norm(last.float(), self.verifier_norm_weight, self.verifier_norm_eps)
+            out = rms_norm(last.float(), self.verifier_norm_weight, self.verifier_norm_eps)
+            return out if dtype is None else out.to(dtype)
 
     def check_layout(self, layout: CodLayout, n: int):
         if layout.num_depths != self.num_depths:
@@ -221,11 +275,11 @@ class TrainingForward:
         doc = example.document_ids.to(dev, torch.int32)
         zero = torch.zeros(n, dtype=torch.int32, device=dev)
         lay = CodLayout(torch.arange(n, dtype=torch.int32, device=dev), zero, [0, n], doc, True)
-        return self.pass_tokens(lay, torch.arange(n, device=dev))
+        return self.pass_tokens(lay)
 
-    def layout_rows(self, layout: CodLayout) -> torch.Tensor:
-        n = layout.seq_len
-        return torch.where(layout.depth == 0, layout.anchor.long(), torch.full_like(layout.anchor, n).long())
+    def layout_rows(self, layout: CodLayout) -> LayerZeroRows:
+        """Where each token of `layout` reads its layer-0 row (rows.LayerZeroRows)."""
+        return LayerZeroRows.of_layout(layout)
 
     # -- public forward -------------------------------------------------------------------------
     def forward(self, example, layout: CodLayout | None = None, *, seed: int | None = None):
@@ -244,15 +298,16 @@ class TrainingForward:
         self.check_layout(layout, n)
         dev = self.fc.weight.device
         layout = layout.to(dev)
-        tgt = self.target_normed(example)
+        tgt = self.target_normed(example, self.compute_dtype(self.fc.weight))
         l0 = self.layer0_rows(example)
-        tok = self.pass_tokens(layout, self.layout_rows(layout))
+        tok = self.pass_tokens(layout)
+        keep = weighted_rows(self.token_weight(layout, example))
         if self.options.attention == "symmetric":
-            h, _ = self.run_layers(tok, l0)
+            h, _ = self.run_layers(tok, l0, keep=keep)
         else:
             _, kvs = self.run_layers(self.stream_tokens(example, dev), l0, collect_kv=True, last_full=False)
-            h, _ = self.run_layers(tok, l0, contexts=kvs)
-        loss_sum, wsum, correct, total = self.loss_terms(h, layout, example, tgt)
+            h, _ = self.run_layers(tok, l0, contexts=kvs, keep=keep)
+        loss_sum, wsum, correct, total = self.loss_terms(h, layout, example, tgt, keep=keep)
         return loss_sum, {
             "weight": float(wsum),
             "correct": correct.cpu(),

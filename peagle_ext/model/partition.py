@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.cod import CodLayout
+from .rows import weighted_rows
 
 
 def partitioned_forward_backward(model, example, layout: CodLayout, segments: int, loss_scale) -> dict:
@@ -24,8 +25,7 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
         )
     dev = model.fc.weight.device
     layout = layout.to(dev)
-    tgt = model.target_normed(example)
-    weight_all = example.loss_mask.to(dev)[(layout.anchor.long() + layout.depth.long())].float()
+    weight_all = model.token_weight(layout, example)
     scale = (
         loss_scale
         if loss_scale is not None
@@ -33,9 +33,12 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
     )
     stream = model.stream_tokens(example, dev)
     symmetric = o.attention == "symmetric"
+    # symmetric: the stream's depth-0 rows feed the loss too; only the weighted ones go on
+    keep_stream = weighted_rows(model.token_weight(stream.layout, example)) if symmetric else None
     with model.amp():
+        tgt = model.target_normed(example, model.compute_dtype(model.fc.weight))
         l0 = model.layer0_rows(example)
-        h_stream, kvs = model.run_layers(stream, l0, collect_kv=True, last_full=symmetric)
+        h_stream, kvs = model.run_layers(stream, l0, collect_kv=True, last_full=symmetric, keep=keep_stream)
     leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kvs]
     total_sum = 0.0
     wsum_all = 0.0
@@ -45,7 +48,7 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
     if symmetric:
         # depth 0 = the stream itself; its loss joins the final backward through the stream
         with model.amp():
-            s_sum, s_w, c, t = model.loss_terms(h_stream, stream.layout, example, tgt)
+            s_sum, s_w, c, t = model.loss_terms(h_stream, stream.layout, example, tgt, keep=keep_stream)
         roots.append(s_sum * scale)
         grads.append(None)
         total_sum += float(s_sum.detach())
@@ -56,10 +59,11 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
     else:
         keep = torch.ones_like(layout.depth, dtype=torch.bool)
     for sub in segment_layouts(layout, keep, segments):
-        tok = model.pass_tokens(sub, model.layout_rows(sub))
+        tok = model.pass_tokens(sub)
+        rows = weighted_rows(model.token_weight(sub, example))
         with model.amp():
-            h, _ = model.run_layers(tok, model.layer0_rows(example), contexts=leaves)
-            s_sum, s_w, c, t = model.loss_terms(h, sub, example, tgt)
+            h, _ = model.run_layers(tok, model.layer0_rows(example), contexts=leaves, keep=rows)
+            s_sum, s_w, c, t = model.loss_terms(h, sub, example, tgt, keep=rows)
         (s_sum * scale).backward()
         total_sum += float(s_sum.detach())
         wsum_all += float(s_w)
@@ -89,9 +93,13 @@ def segment_layouts(layout: CodLayout, keep: torch.Tensor, segments: int):
     d = layout.depth[keep]
     if a.numel() == 0:
         return []
-    a_sorted = a.sort().values
-    cuts = sorted({int(a_sorted[(s * a.numel()) // segments]) for s in range(1, segments)})
-    bounds = [int(a_sorted[0])] + cuts + [int(a_sorted[-1]) + 1]
+    # the anchor of rank r in sorted order is the first position whose cumulative anchor count
+    # exceeds r: quantile cuts from a histogram, no sort
+    cum = torch.bincount(a.long(), minlength=layout.seq_len).cumsum(0)
+    ranks = torch.tensor([(s * a.numel()) // segments for s in range(segments)] + [a.numel() - 1], device=a.device)
+    at = torch.searchsorted(cum, ranks, right=True).tolist()
+    cuts = sorted(set(at[1:-1]))
+    bounds = [at[0]] + cuts + [at[-1] + 1]
     subs = []
     k = layout.num_depths
     for lo, hi in zip(bounds[:-1], bounds[1:]):

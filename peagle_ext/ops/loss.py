@@ -1,17 +1,22 @@
 """Chunked fused linear-KL loss: draft vs verifier distributions without [T, V] logits.
 
 docs/design.md section 4. `fused_linear_kl` computes, per token t,
-    KL(p_t || q_t),  p_t = softmax(target_hidden[t] @ target_head.T)  (restricted to the
-                            draft vocab through d2t and renormalised there)
+    KL(p_t || q_t),  p_t = softmax(target_hidden[s_t] @ target_head.T)  (restricted to the
+                            draft vocab through d2t and renormalised there; s_t =
+                            target_index[t], or t without an index)
                      q_t = softmax(draft_hidden[t] @ draft_head.T)
 and returns sum_t weight[t] * KL_t / sum_t weight[t] with per-depth argmax-agreement counts.
 
-How: rows are processed in chunks. Per chunk, two cuBLAS / CPU-BLAS GEMMs write the draft and
-target logits of those rows into two preallocated [rows, Vd] buffers (the only vocab-sized
-memory the op holds), one row kernel computes both softmaxes online, the loss, both argmaxes
-and overwrites the draft logits with the logit gradient, and two more GEMMs fold that chunk's
-gradient into grad_hidden[rows] and grad_head. The gradients are thus complete when the forward
-returns (Liger-Kernel style); backward only scales them by the incoming gradient.
+How: the rows of weight 0 are dropped, the others grouped by target row and cut into chunks.
+Per chunk, cuBLAS / CPU-BLAS GEMMs write the target logits of its distinct target rows and the
+draft logits of its draft rows into two preallocated buffers of at most [chunk rows, Vd] (the
+only vocab-sized memory the op holds); a target kernel computes each target row's softmax
+statistics once, a draft row kernel the draft softmax, the loss, both argmaxes and overwrites
+the draft logits with the logit gradient, and two more GEMMs fold that chunk's gradient into
+grad_hidden[rows] and grad_head. The gradients are thus complete when the forward returns
+(Liger-Kernel style); backward only scales them by the incoming gradient. Many draft rows that
+share one target row (P-EAGLE's depths at one position) cost one target GEMM row and one
+target softmax.
 """
 
 from __future__ import annotations
@@ -86,7 +91,9 @@ def chunk_plan(num_tokens: int, vocab: int, dtype: torch.dtype, chunk_size="auto
     return ChunkPlan(num_tokens, vocab, rows, num_chunks, rows * vocab * elem)
 
 
-def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, num_depths, d2t, kind, validate):
+def _check_inputs(
+    draft_hidden, draft_head, target_hidden, target_head, weight, depth, num_depths, d2t, target_index, kind, validate
+):
     check_tensor("draft_hidden", draft_hidden, dim=2, dtypes=_FLOAT_TYPES)
     dtype, device = draft_hidden.dtype, draft_hidden.device
     t, h = draft_hidden.shape
@@ -105,10 +112,16 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
         raise TypeError("draft_hidden: float64 is not supported on CUDA; use float32, float16 or bfloat16")
     if draft_head.shape[1] != h:
         raise ValueError(f"draft_head must have shape (Vd, {h}) (H of draft_hidden), got {tuple(draft_head.shape)}")
-    if target_hidden.shape[0] != t:
+    m = target_hidden.shape[0]
+    if target_index is None and m != t:
         raise ValueError(
-            f"target_hidden must have {t} rows (T of draft_hidden), got shape {tuple(target_hidden.shape)}"
+            f"target_hidden must have {t} rows (T of draft_hidden) when no target_index is given, "
+            f"got shape {tuple(target_hidden.shape)}"
         )
+    if target_index is not None:
+        check_tensor("target_index", target_index, dim=1, dtypes=_INT_TYPES, shape=(t,))
+        if target_index.device != device:
+            raise ValueError(f"target_index must be on draft_hidden's device ({device}), got {target_index.device}")
     ht = target_hidden.shape[1]
     if target_head.shape[1] != ht:
         raise ValueError(f"target_head must have shape (V, {ht}) (H of target_hidden), got {tuple(target_head.shape)}")
@@ -150,6 +163,8 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
             depth.min().long() < 0,
             depth.max().long() >= num_depths,
         ]
+        if target_index is not None:
+            flags += [target_index.min().long() < 0, target_index.max().long() >= m]
     if d2t is not None:
         ids = torch.arange(vd, device=device, dtype=torch.int64) + d2t.to(torch.int64)
         sorted_ids = ids.sort().values
@@ -164,6 +179,12 @@ def _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, 
         dmin, dmax = int(depth.min()), int(depth.max())
         if dmin < 0 or dmax >= num_depths:
             raise ValueError(f"depth must lie in [0, num_depths={num_depths}), got values in [{dmin}, {dmax}]")
+        if target_index is not None:
+            imin, imax = int(target_index.min()), int(target_index.max())
+            if imin < 0 or imax >= m:
+                raise ValueError(
+                    f"target_index must lie in [0, {m}) (the rows of target_hidden), got values in [{imin}, {imax}]"
+                )
     if d2t is None:  # pragma: no cover - a flag above was raised by one of the checks just made
         raise AssertionError("inconsistent value checks")
     bad = torch.nonzero((ids < 0) | (ids >= v))
@@ -189,6 +210,7 @@ class _FusedLinearKL(torch.autograd.Function):
         weight,
         depth,
         d2t,
+        target_index,
         num_depths,
         chunk_rows,
         kind,
@@ -203,6 +225,7 @@ class _FusedLinearKL(torch.autograd.Function):
             weight,
             depth,
             d2t,
+            target_index,
             num_depths,
             chunk_rows,
             kind,
@@ -222,7 +245,7 @@ class _FusedLinearKL(torch.autograd.Function):
         # (a 0-dim grad_loss keeps the gradients' dtype; the product is formed in fp32)
         gh = grad_hidden * grad_loss if need_hidden else None
         gw = grad_head * grad_loss if need_head else None
-        return gh, gw, None, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_kl(
@@ -235,29 +258,48 @@ def fused_linear_kl(
     *,
     num_depths: int,
     d2t: torch.Tensor | None = None,
+    target_index: torch.Tensor | None = None,
     chunk_size="auto",
     kind: str = "kl",
     validate: bool = True,
 ):
     """Weighted mean KL(target || draft) (or CE to the target argmax) without [T, V] logits.
 
-    draft_hidden [T, H] (already normed), draft_head [Vd, H], target_hidden [T, Ht] (already
+    draft_hidden [T, H] (already normed), draft_head [Vd, H], target_hidden [M, Ht] (already
     normed), target_head [V, Ht]; all of one dtype (bf16/fp16/fp32; fp64 on CPU) and device.
+    target_index [T] int in [0, M): the target row of each draft row (e.g. each draft token's
+    position); None means target row t for draft row t (M == T). Each distinct target row of a
+    row of weight > 0 is computed once, however many draft rows share it.
     weight [T] (>= 0, e.g. the loss mask at each token's position), depth [T] in [0, num_depths).
+    Rows of weight 0 are not computed (no GEMM row, no row kernel) and get a zero gradient.
     d2t [Vd] int: draft id i is target id i + d2t[i] (speculators / vLLM); required when
     Vd < V. The target distribution is the softmax over those Vd target logits.
     kind: "kl" = sum_t w_t KL(p_t || q_t) / sum_t w_t; "ce" = same with -log q_t[argmax p_t].
     The loss is 0 (not NaN) when the weights sum to 0.
     chunk_size: "auto"/None or rows per chunk (see `chunk_plan`).
-    validate: check value ranges (weight finite and >= 0, depth range, d2t range and
-    injectivity); each check is a host sync. Shapes, dtypes and devices are always checked.
+    validate: check value ranges (weight finite and >= 0, depth range, target_index range, d2t
+    range and injectivity); each check is a host sync. Shapes, dtypes and devices are always
+    checked, and the native op checks the target index of every row it computes (it syncs
+    once anyway, to plan its chunks).
 
     Returns (loss, {"correct": int64[K], "total": int64[K]}): total[d] counts tokens of depth d
     with weight > 0, correct[d] those among them whose draft argmax equals the target argmax
     (both over the draft vocab; first index on ties). loss is a 0-dim float32 tensor (float64
     for float64 inputs). Gradients flow to draft_hidden and draft_head only.
     """
-    _check_inputs(draft_hidden, draft_head, target_hidden, target_head, weight, depth, num_depths, d2t, kind, validate)
+    _check_inputs(
+        draft_hidden,
+        draft_head,
+        target_hidden,
+        target_head,
+        weight,
+        depth,
+        num_depths,
+        d2t,
+        target_index,
+        kind,
+        validate,
+    )
     dtype = draft_hidden.dtype
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     plan = chunk_plan(draft_hidden.shape[0], draft_head.shape[0], dtype, chunk_size)
@@ -269,6 +311,7 @@ def fused_linear_kl(
         weight.detach().to(acc).contiguous(),
         depth.detach().to(torch.int32).contiguous(),
         None if d2t is None else d2t.detach().to(torch.int64).contiguous(),
+        None if target_index is None else target_index.detach().to(torch.int64).contiguous(),
         num_depths,
         plan.rows_per_chunk,
         kind,
@@ -292,6 +335,7 @@ def _fused_linear_kl_fake(
     weight,
     depth,
     d2t,
+    target_index,
     num_depths,
     chunk_rows,
     kind,

@@ -14,7 +14,7 @@ from .dataset import prepare_data
 from .export import export
 from .loop import TrainResult, evaluate, train
 from .metrics import Meter, acceptance_length
-from .optim import lr_lambda
+from .optim import lr_lambda, make_adamw
 from .run_log import RunLog
 from .settings import TrainError, TrainSettings, load_config_file, settings_from
 
@@ -32,6 +32,7 @@ __all__ = [
     "Meter",
     "acceptance_length",
     "lr_lambda",
+    "make_adamw",
     "RunLog",
     "TrainError",
     "TrainSettings",

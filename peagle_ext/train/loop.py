@@ -42,7 +42,7 @@ from .dataset import cod_seed, concat_examples, epoch_order
 from .distributed import DistContext
 from .hidden import HiddenStates
 from .metrics import Meter
-from .optim import lr_lambda
+from .optim import lr_lambda, make_adamw
 from .plots import make_plots
 from .run_log import NullLog, RunLog, progress_bar
 from .settings import RESUME_FIXED, TrainError, TrainSettings
@@ -192,13 +192,7 @@ def _train(
     model.to(device)
     ctx.wrap(model, amp)  # DDP / FSDP2 under torchrun; nothing in one process
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params,
-        lr=s.lr,
-        betas=(s.adam_beta1, s.adam_beta2),
-        weight_decay=s.weight_decay,
-        fused=device.type == "cuda" and not ctx.is_fsdp,
-    )
+    opt = make_adamw(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0

@@ -156,7 +156,7 @@ def test_layers_match_transformers(rng, layer_type):
     )
     with torch.no_grad():
         emb, hid = m.layer0_rows(ex)
-        h_ours, _ = m.run_layers(m.pass_tokens(lay, torch.arange(n)), (emb, hid))
+        h_ours, _ = m.run_layers(m.pass_tokens(lay), (emb, hid))
         tl = m.config.transformer_layer_config
         tl._attn_implementation = "sdpa"
         rot = (LlamaRotaryEmbedding if layer_type == "llama" else Qwen3RotaryEmbedding)(tl)

@@ -1,6 +1,7 @@
 """peagle_ext.loss.fused_linear_kl against an eager float64 reference (full logits,
 log_softmax, kl_div / cross_entropy, autograd), on CPU (tight, float64) and CUDA (bf16/fp16/
-fp32, relative error <= 1e-2)."""
+fp32, relative error <= 1e-2). With a target index, the reference gathers the target rows
+first (target_hidden[target_index]) and computes every draft row's target logits on its own."""
 
 import math
 
@@ -217,12 +218,14 @@ def test_without_grad_returns_plain_values(rng):
 
 def test_opcheck_schema_and_fake(rng):
     xd, w_d, xt, w_t, weight, depth = make_inputs(rng, 7, 8, 9)
+    index = torch.tensor([0, 2, 2, 1, 0, 4, 2])
     for grads in (True, False):
-        torch.library.opcheck(
-            torch.ops.peagle.fused_linear_kl.default,
-            (xd, w_d, xt, w_t, weight, depth, None, 3, 3, "kl", grads, grads),
-            test_utils=("test_schema", "test_faketensor"),
-        )
+        for xt_, ti in ((xt, None), (xt[:5], index)):
+            torch.library.opcheck(
+                torch.ops.peagle.fused_linear_kl.default,
+                (xd, w_d, xt_, w_t, weight, depth, None, ti, 3, 3, "kl", grads, grads),
+                test_utils=("test_schema", "test_faketensor"),
+            )
 
 
 # ---- CPU low precision --------------------------------------------------------------------------
@@ -257,7 +260,7 @@ def test_chunk_plan():
         chunk_plan(10, 7, torch.float32, chunk_size="big")
 
 
-def _cpu_peak_bytes(fn):
+def cpu_peak_bytes(fn):
     """Peak of bytes allocated through the CPU allocator while fn runs (profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -297,7 +300,7 @@ def test_peak_memory_is_chunks_plus_grads_not_t_by_v(rng):
 
     step()  # warm up
     xd.grad = w_d.grad = None
-    peak = _cpu_peak_bytes(step)
+    peak = cpu_peak_bytes(step)
     grads = 8 * (xd.numel() + w_d.numel())
     # two logit chunks + saved grads + the returned grads + small vectors
     bound = plan.logit_bytes + 2 * grads + 64 * t + 65536
@@ -360,15 +363,26 @@ def test_native_op_checks_too(rng):
     xd, w_d, xt, w_t, weight, depth = make_inputs(rng, 6, 8, 10)
     op = torch.ops.peagle.fused_linear_kl
     with pytest.raises(TypeError, match="weight"):
-        op(xd, w_d, xt, w_t, weight.float(), depth, None, 3, 2, "kl", True, True)
+        op(xd, w_d, xt, w_t, weight.float(), depth, None, None, 3, 2, "kl", True, True)
     with pytest.raises(ValueError, match="d2t"):
-        op(xd, w_d, xt, w_t, weight, depth, torch.full((10,), 7, dtype=torch.int64), 3, 2, "kl", True, True)
+        op(xd, w_d, xt, w_t, weight, depth, torch.full((10,), 7, dtype=torch.int64), None, 3, 2, "kl", True, True)
     with pytest.raises(ValueError, match="kind"):
-        op(xd, w_d, xt, w_t, weight, depth, None, 3, 2, "tv", True, True)
+        op(xd, w_d, xt, w_t, weight, depth, None, None, 3, 2, "tv", True, True)
     with pytest.raises(ValueError, match="chunk_rows"):
-        op(xd, w_d, xt, w_t, weight, depth, None, 3, 0, "kl", True, True)
+        op(xd, w_d, xt, w_t, weight, depth, None, None, 3, 0, "kl", True, True)
     with pytest.raises(ValueError, match="draft_head"):
-        op(xd, w_d[:, :3].contiguous(), xt, w_t, weight, depth, None, 3, 2, "kl", True, True)
+        op(xd, w_d[:, :3].contiguous(), xt, w_t, weight, depth, None, None, 3, 2, "kl", True, True)
+    # the native op checks the target index of every row it computes (it indexes with it)
+    bad = torch.zeros(6, dtype=torch.int64)
+    bad[weight.argmax()] = 6
+    with pytest.raises(ValueError, match=r"target_index\[\d\] is outside \[0, 6\)"):
+        op(xd, w_d, xt, w_t, weight, depth, None, bad, 3, 2, "kl", True, True)
+    with pytest.raises(TypeError, match="target_index must be int64"):
+        op(xd, w_d, xt, w_t, weight, depth, None, bad.int(), 3, 2, "kl", True, True)
+    with pytest.raises(ValueError, match="target_index must have shape"):
+        op(xd, w_d, xt, w_t, weight, depth, None, bad[:4], 3, 2, "kl", True, True)
+    with pytest.raises(ValueError, match="target_hidden must have T = 6"):
+        op(xd, w_d, xt[:4].contiguous(), w_t, weight, depth, None, None, 3, 2, "kl", True, True)
 
 
 # ---- CUDA -----------------------------------------------------------------------------------

@@ -4,7 +4,11 @@
 Small sizes on purpose (the sanitizers slow kernels down 10-100x). Every path of the row
 kernel is reached: fp32/fp16/bf16, vocab sizes whose rows start off a 16-byte boundary (scalar
 head and tail) and aligned ones (vectors only), a vocab below one vector, zero-weight rows,
-kind kl and ce, with and without the in-place gradient, d2t, one and many chunks."""
+kind kl and ce, with and without the in-place gradient, d2t, one and many chunks, and a target
+index whose draft rows share target rows across chunk edges (draft and target rows at
+different offsets from a 16-byte boundary)."""
+
+import itertools
 
 import torch
 
@@ -26,8 +30,11 @@ def case(g, t, h, vd, v, dtype):
     return [x.to(dtype) for x in (xd, w_d, xt, w_t)], weight, depth, d2t
 
 
-def run(inputs, weight, depth, d2t, device, kind, chunk, grad):
+def run(inputs, weight, depth, d2t, device, kind, chunk, grad, index=None):
     xd, w_d, xt, w_t = (x.to(device) for x in inputs)
+    if index is not None:  # draft row t against target row index[t] of the first rows of xt
+        xt = xt[: int(index.max()) + 1].contiguous()
+        index = index.to(device)
     xd = xd.clone().requires_grad_(grad)
     w_d = w_d.clone().requires_grad_(grad)
     loss, m = fused_linear_kl(
@@ -39,6 +46,7 @@ def run(inputs, weight, depth, d2t, device, kind, chunk, grad):
         depth.to(device),
         num_depths=3,
         d2t=None if d2t is None else d2t.to(device),
+        target_index=index,
         chunk_size=chunk,
         kind=kind,
     )
@@ -57,19 +65,22 @@ def main():
             inputs, weight, depth, d2t = case(g, t, h, vd, v, dtype)
             # the CPU op on the same (rounded) values in fp32 is the reference
             ref_inputs = [x.float() for x in inputs]
-            for kind in ("kl", "ce"):
-                for grad in (True, False):
-                    # marks each case in the sanitizer's log (its reports are printed in order)
-                    print(f"case t={t} h={h} vd={vd} v={v} chunk={chunk} {dtype} {kind} grad={grad}", flush=True)
-                    got = run(inputs, weight, depth, d2t, "cuda", kind, chunk, grad)
-                    want = run(ref_inputs, weight, depth, d2t, "cpu", kind, chunk, grad)
-                    tol = 1e-4 if dtype == torch.float32 else 3e-2
-                    assert torch.allclose(got[0], want[0], rtol=tol, atol=1e-5), (t, vd, dtype, kind, got[0], want[0])
-                    assert torch.equal(got[1], want[1]), (t, vd, dtype, kind)
-                    if grad:
-                        for a, b in zip(got[2:], want[2:]):
-                            err = float((a - b).norm() / b.norm().clamp_min(1e-20))
-                            assert err <= tol, (t, vd, dtype, kind, err)
+            shared = torch.randint(0, max(1, t // 3), (t,), generator=g)
+            for kind, grad, index in itertools.product(("kl", "ce"), (True, False), (None, shared)):
+                # marks each case in the sanitizer's log (its reports are printed in order)
+                print(
+                    f"case t={t} h={h} vd={vd} v={v} chunk={chunk} {dtype} {kind} grad={grad} index={index is not None}",
+                    flush=True,
+                )
+                got = run(inputs, weight, depth, d2t, "cuda", kind, chunk, grad, index)
+                want = run(ref_inputs, weight, depth, d2t, "cpu", kind, chunk, grad, index)
+                tol = 1e-4 if dtype == torch.float32 else 3e-2
+                assert torch.allclose(got[0], want[0], rtol=tol, atol=1e-5), (t, vd, dtype, kind, got[0], want[0])
+                assert torch.equal(got[1], want[1]), (t, vd, dtype, kind)
+                if grad:
+                    for a, b in zip(got[2:], want[2:]):
+                        err = float((a - b).norm() / b.norm().clamp_min(1e-20))
+                        assert err <= tol, (t, vd, dtype, kind, err)
     torch.cuda.synchronize()
     print("fused_linear_kl sanitizer drive: OK")
 

@@ -1,12 +1,13 @@
-// Fused linear-KL / CE row kernel: one thread block per row of a [rows, vocab] chunk of draft
-// and target logits (the GEMMs that produce them run in cuBLAS, see loss_glue.cpp).
+// Fused linear-KL / CE row kernels: one thread block per row of a chunk of logits (the GEMMs
+// that produce them run in cuBLAS, see loss_glue.cpp).
 //
-// Pass 1 streams both rows once with 16-byte loads and keeps, per thread and per side, an
-// online softmax state (running max, sum of exp(x - max), first argmax); the block merges
-// the states. Pass 2 streams the rows again, accumulates the loss (KL or CE) and overwrites
-// the draft row with weight * dloss/dlogit. Both passes are bandwidth bound: per logit
-// element 2 * 2 reads + 1 write of 2 bytes (bf16) and 4 exp, against 8 * H FLOPs of GEMM
-// work per element around it, so the kernel is a few percent of the whole op.
+// target_stats_kernel streams a target row once with 16-byte loads, keeping per thread an
+// online softmax state (running max, sum of exp(x - max), first argmax) that the block merges:
+// one pass per distinct target row, however many draft rows share it. draft_rows_kernel does
+// the same for a draft row (pass 1), then streams it again with its target row (pass 2),
+// accumulates the loss (KL or CE) and overwrites the draft row with weight * dloss/dlogit.
+// Both are bandwidth bound: per draft logit 2 + 2 reads + 1 write of 2 bytes (bf16) and 2 exp,
+// against 8 * H FLOPs of GEMM work per element around them.
 //
 // No torch include here: raw pointers and a launcher (loss_kernels.h).
 #include "loss/loss_kernels.h"
@@ -190,118 +191,119 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// ---- the kernel -----------------------------------------------------------------------------
+// Merges the block's per-thread states; every thread returns the same merged state (all merge
+// the warp results in the same order). `sh` holds kWarps entries per field.
+struct StateSmem {
+  float max[kWarps];
+  float sum[kWarps];
+  int idx[kWarps];
+};
+
+template <bool kSum>
+__device__ __forceinline__ SoftmaxState block_merge(SoftmaxState s, StateSmem& sh) {
+  warp_merge<kSum>(s);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sh.max[warp] = s.max;
+    sh.sum[warp] = s.sum;
+    sh.idx[warp] = s.idx;
+  }
+  __syncthreads();
+  SoftmaxState b = {sh.max[0], sh.sum[0], sh.idx[0]};
+#pragma unroll
+  for (int k = 1; k < kWarps; ++k) merge<kSum>(b, sh.max[k], sh.sum[k], sh.idx[k]);
+  return b;
+}
+
+// Elements of `row` before its first 16-byte boundary go one by one (rows of an odd vocab
+// start misaligned); the caching allocator aligns every buffer, so a row is always aligned to
+// its element size.
+template <typename T>
+__device__ __forceinline__ int misaligned_head(const T* row, int vocab) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(row);
+  const int head = static_cast<int>(((16u - (a & 15u)) & 15u) / sizeof(T));
+  return head > vocab ? vocab : head;
+}
+
+// Folds one row into s: scalar head, 16-byte vectors (two in flight per thread), scalar tail.
+template <typename T, bool kSum, bool kReadOnly>
+__device__ __forceinline__ void fold_row(SoftmaxState& s, const T* row, int vocab) {
+  constexpr int N = VecWidth<T>::value;
+  const int tid = threadIdx.x;
+  const int head = misaligned_head(row, vocab);
+  const int nvec = (vocab - head) / N;
+  const int tail = head + nvec * N;
+  for (int i = tid; i < head; i += kThreads) {
+    const float x[1] = {to_float(row[i])};
+    fold<1, kSum>(s, x, i);
+  }
+  int v = tid;
+  for (; v + kThreads < nvec; v += 2 * kThreads) {
+    const int b0 = head + v * N;
+    const int b1 = b0 + kThreads * N;
+    float x0[N], x1[N];
+    load_vec<kReadOnly>(row + b0, x0);
+    load_vec<kReadOnly>(row + b1, x1);
+    fold<N, kSum>(s, x0, b0);
+    fold<N, kSum>(s, x1, b1);
+  }
+  if (v < nvec) {
+    const int b0 = head + v * N;
+    float x0[N];
+    load_vec<kReadOnly>(row + b0, x0);
+    fold<N, kSum>(s, x0, b0);
+  }
+  for (int i = tail + tid; i < vocab; i += kThreads) {
+    const float x[1] = {to_float(row[i])};
+    fold<1, kSum>(s, x, i);
+  }
+}
+
+// ---- target rows: softmax statistics once per distinct target row ---------------------------
 template <typename T, bool kCE>
 __global__ void __launch_bounds__(kThreads)
-    fused_kl_rows_kernel(T* __restrict__ draft, const T* __restrict__ target, int vocab,
-                         const float* __restrict__ weight, const int32_t* __restrict__ depth,
-                         float* __restrict__ row_loss, unsigned long long* __restrict__ correct,
-                         unsigned long long* __restrict__ total, int num_depths, bool write_grad) {
+    target_stats_kernel(const T* __restrict__ logits, int vocab, float* __restrict__ lse, int* __restrict__ argmax) {
+  __shared__ StateSmem sh;
+  const T* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
+  SoftmaxState s = empty_state();
+  fold_row<T, !kCE, true>(s, row, vocab);  // ce needs only the argmax
+  const SoftmaxState b = block_merge<!kCE>(s, sh);
+  if (threadIdx.x == 0) {
+    lse[blockIdx.x] = kCE ? 0.f : b.max + logf(b.sum);
+    argmax[blockIdx.x] = b.idx;
+  }
+}
+
+// ---- draft rows: softmax, loss, argmax agreement and the in-place logit gradient -----------
+template <typename T, bool kCE>
+__global__ void __launch_bounds__(kThreads)
+    draft_rows_kernel(T* __restrict__ draft, const T* __restrict__ target, int vocab,
+                      const int64_t* __restrict__ target_slot, int64_t target_base,
+                      const float* __restrict__ target_lse, const int* __restrict__ target_argmax,
+                      const float* __restrict__ weight, const int32_t* __restrict__ depth, float* __restrict__ row_loss,
+                      unsigned long long* __restrict__ correct, unsigned long long* __restrict__ total, int num_depths,
+                      bool write_grad) {
   constexpr int N = VecWidth<T>::value;
-  __shared__ float sh_max[2][kWarps];
-  __shared__ float sh_sum[2][kWarps];
-  __shared__ int sh_idx[2][kWarps];
+  __shared__ StateSmem sh;
   __shared__ float sh_acc[kWarps];
 
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
+  const int64_t slot = target_slot[row] - target_base;
   T* d_row = draft + row * static_cast<int64_t>(vocab);
-  const T* t_row = target + row * static_cast<int64_t>(vocab);
+  const T* t_row = target + slot * static_cast<int64_t>(vocab);
   const float w = weight[row];
 
-  // Elements before the first 16-byte boundary and after the last full vector go one by one.
-  // Both buffers come from the caching allocator with the same row length, so their rows share
-  // the same misalignment; if not (never in practice), everything goes the scalar way.
-  const uintptr_t da = reinterpret_cast<uintptr_t>(d_row);
-  const uintptr_t ta = reinterpret_cast<uintptr_t>(t_row);
-  int head = static_cast<int>(((16u - (da & 15u)) & 15u) / sizeof(T));
-  if ((da & 15u) != (ta & 15u) || head > vocab) head = vocab;
-  const int nvec = (vocab - head) / N;
-  const int tail = head + nvec * N;
-
-  if (w == 0.f) {
-    // Out of the loss: zero gradient row, zero loss, not counted.
-    if (write_grad) {
-      const T zero = from_float<T>(0.f);
-      for (int i = tid; i < head; i += kThreads) d_row[i] = zero;
-      float z[N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) z[j] = 0.f;
-      for (int v = tid; v < nvec; v += kThreads) store_vec(d_row + head + v * N, z);
-      for (int i = tail + tid; i < vocab; i += kThreads) d_row[i] = zero;
-    }
-    if (tid == 0) row_loss[row] = 0.f;
-    return;
-  }
-
-  // ---- pass 1: softmax statistics and argmax of both rows --------------------------------
-  constexpr bool kTargetSum = !kCE;  // CE needs only the target argmax
+  // ---- pass 1: softmax statistics and argmax of the draft row -----------------------------
   SoftmaxState sd = empty_state();
-  SoftmaxState st = empty_state();
-  for (int i = tid; i < head; i += kThreads) {
-    const float xd[1] = {to_float(d_row[i])};
-    const float xt[1] = {to_float(t_row[i])};
-    fold<1, true>(sd, xd, i);
-    fold<1, kTargetSum>(st, xt, i);
-  }
-  {
-    int v = tid;
-    // two vectors per side in flight per thread before any of them is consumed
-    for (; v + kThreads < nvec; v += 2 * kThreads) {
-      const int b0 = head + v * N;
-      const int b1 = b0 + kThreads * N;
-      float xd0[N], xt0[N], xd1[N], xt1[N];
-      load_vec<false>(d_row + b0, xd0);
-      load_vec<true>(t_row + b0, xt0);
-      load_vec<false>(d_row + b1, xd1);
-      load_vec<true>(t_row + b1, xt1);
-      fold<N, true>(sd, xd0, b0);
-      fold<N, kTargetSum>(st, xt0, b0);
-      fold<N, true>(sd, xd1, b1);
-      fold<N, kTargetSum>(st, xt1, b1);
-    }
-    if (v < nvec) {
-      const int b0 = head + v * N;
-      float xd0[N], xt0[N];
-      load_vec<false>(d_row + b0, xd0);
-      load_vec<true>(t_row + b0, xt0);
-      fold<N, true>(sd, xd0, b0);
-      fold<N, kTargetSum>(st, xt0, b0);
-    }
-  }
-  for (int i = tail + tid; i < vocab; i += kThreads) {
-    const float xd[1] = {to_float(d_row[i])};
-    const float xt[1] = {to_float(t_row[i])};
-    fold<1, true>(sd, xd, i);
-    fold<1, kTargetSum>(st, xt, i);
-  }
-
-  warp_merge<true>(sd);
-  warp_merge<kTargetSum>(st);
-  if (lane == 0) {
-    sh_max[0][warp] = sd.max;
-    sh_sum[0][warp] = sd.sum;
-    sh_idx[0][warp] = sd.idx;
-    sh_max[1][warp] = st.max;
-    sh_sum[1][warp] = st.sum;
-    sh_idx[1][warp] = st.idx;
-  }
-  __syncthreads();
-  // Every thread merges the warp results in the same order, so all hold identical values.
-  SoftmaxState bd = {sh_max[0][0], sh_sum[0][0], sh_idx[0][0]};
-  SoftmaxState bt = {sh_max[1][0], sh_sum[1][0], sh_idx[1][0]};
-#pragma unroll
-  for (int k = 1; k < kWarps; ++k) {
-    merge<true>(bd, sh_max[0][k], sh_sum[0][k], sh_idx[0][k]);
-    merge<kTargetSum>(bt, sh_max[1][k], sh_sum[1][k], sh_idx[1][k]);
-  }
+  fold_row<T, true, false>(sd, d_row, vocab);
+  const SoftmaxState bd = block_merge<true>(sd, sh);
   const float lse_d = bd.max + logf(bd.sum);
-  const float lse_t = kCE ? 0.f : bt.max + logf(bt.sum);
-  const int target_idx = bt.idx;
+  const float lse_t = target_lse[slot];
+  const int target_idx = target_argmax[slot];
 
-  // ---- pass 2: loss and in-place gradient ----------------------------------------------------
+  // ---- pass 2: loss and in-place gradient ---------------------------------------------------
   float acc = 0.f;
   // grad_v = w * (q_v - p_v) (KL) or w * (q_v - [v == target_idx]) (CE)
   auto element = [&](float xd, float xt, int i) -> float {
@@ -318,6 +320,12 @@ __global__ void __launch_bounds__(kThreads)
       return w * (q - p);
     }
   };
+  // The draft row and its target row are vectorised together when they share their offset from
+  // a 16-byte boundary (always for vocab sizes that are a multiple of 8; else scalar).
+  int head = misaligned_head(d_row, vocab);
+  if (!kCE && head != misaligned_head(t_row, vocab)) head = vocab;
+  const int nvec = (vocab - head) / N;
+  const int tail = head + nvec * N;
   for (int i = tid; i < head; i += kThreads) {
     const float g = element(to_float(d_row[i]), kCE ? 0.f : to_float(t_row[i]), i);
     if (write_grad) d_row[i] = from_float<T>(g);
@@ -357,7 +365,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   acc = warp_sum(acc);
-  if (lane == 0) sh_acc[warp] = acc;
+  if ((tid & 31) == 0) sh_acc[tid >> 5] = acc;
   __syncthreads();
   if (tid == 0) {
     float loss = 0.f;
@@ -372,8 +380,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+bool bad_shape(int64_t rows, int64_t vocab) { return rows > INT_MAX || vocab <= 0 || vocab > INT_MAX / 2; }
+
 template <typename T>
-cudaError_t launch_typed(const FusedKlRowsArgs& a, cudaStream_t stream) {
+cudaError_t launch_stats_typed(const TargetStatsArgs& a, cudaStream_t stream) {
+  const T* logits = static_cast<const T*>(a.logits);
+  const dim3 grid(static_cast<unsigned>(a.rows));
+  const int vocab = static_cast<int>(a.vocab);
+  if (a.kind == LossKind::kCE) {
+    target_stats_kernel<T, true><<<grid, kThreads, 0, stream>>>(logits, vocab, a.lse, a.argmax);
+  } else {
+    target_stats_kernel<T, false><<<grid, kThreads, 0, stream>>>(logits, vocab, a.lse, a.argmax);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_rows_typed(const DraftRowsArgs& a, cudaStream_t stream) {
   T* draft = static_cast<T*>(a.draft_logits);
   const T* target = static_cast<const T*>(a.target_logits);
   auto* correct = reinterpret_cast<unsigned long long*>(a.correct);
@@ -381,28 +404,44 @@ cudaError_t launch_typed(const FusedKlRowsArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.rows));
   const int vocab = static_cast<int>(a.vocab);
   if (a.kind == LossKind::kCE) {
-    fused_kl_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(draft, target, vocab, a.weight, a.depth, a.row_loss,
-                                                                 correct, total, a.num_depths, a.write_grad);
+    draft_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(draft, target, vocab, a.target_slot, a.target_base,
+                                                              a.target_lse, a.target_argmax, a.weight, a.depth,
+                                                              a.row_loss, correct, total, a.num_depths, a.write_grad);
   } else {
-    fused_kl_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(draft, target, vocab, a.weight, a.depth, a.row_loss,
-                                                                  correct, total, a.num_depths, a.write_grad);
+    draft_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(draft, target, vocab, a.target_slot, a.target_base,
+                                                               a.target_lse, a.target_argmax, a.weight, a.depth,
+                                                               a.row_loss, correct, total, a.num_depths, a.write_grad);
   }
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_fused_kl_rows(const FusedKlRowsArgs& args, cudaStream_t stream) {
+cudaError_t launch_target_stats(const TargetStatsArgs& args, cudaStream_t stream) {
   if (args.rows <= 0) return cudaSuccess;
-  if (args.rows > INT_MAX || args.vocab <= 0 || args.vocab > INT_MAX / 2) return cudaErrorInvalidValue;
+  if (bad_shape(args.rows, args.vocab)) return cudaErrorInvalidValue;
+  switch (args.dtype) {
+    case LogitDtype::kFloat32:
+      return launch_stats_typed<float>(args, stream);
+    case LogitDtype::kFloat16:
+      return launch_stats_typed<__half>(args, stream);
+    case LogitDtype::kBFloat16:
+      return launch_stats_typed<__nv_bfloat16>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_draft_rows(const DraftRowsArgs& args, cudaStream_t stream) {
+  if (args.rows <= 0) return cudaSuccess;
+  if (bad_shape(args.rows, args.vocab)) return cudaErrorInvalidValue;
   static_assert(sizeof(unsigned long long) == sizeof(int64_t), "int64 counters are updated as u64");
   switch (args.dtype) {
     case LogitDtype::kFloat32:
-      return launch_typed<float>(args, stream);
+      return launch_rows_typed<float>(args, stream);
     case LogitDtype::kFloat16:
-      return launch_typed<__half>(args, stream);
+      return launch_rows_typed<__half>(args, stream);
     case LogitDtype::kBFloat16:
-      return launch_typed<__nv_bfloat16>(args, stream);
+      return launch_rows_typed<__nv_bfloat16>(args, stream);
   }
   return cudaErrorInvalidValue;
 }

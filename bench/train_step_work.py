@@ -1,0 +1,133 @@
+"""What one training step has to do and where its GPU time goes: the matmul floor of a layout
+(step_flops_floor), the cuBLAS rates it is priced at (gemm_rates), and the profiled kernel time
+by class (profile_step). Used by bench_train_step.py; importable without a GPU."""
+
+from __future__ import annotations
+
+import time
+
+
+def gemm_rates(env, vocab):
+    """cuBLAS bf16 TF/s (fp32 on the CPU) on the step's two GEMM shapes: the head ([2048, H] x
+    [H, vocab]) and the MLP ([8192, H] x [H, I]); measured once per vocab in this run."""
+    torch, dev = env["torch"], env["dev"]
+    if vocab in env["rates"]:
+        return env["rates"][vocab]
+    h, i_sz = env["vcfg"].hidden_size, env["vcfg"].intermediate_size
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    out = {}
+    for key, (m, nn) in {"head": (2048, vocab), "body": (8192, i_sz)}.items():
+        a = torch.randn(m, h, device=dev, dtype=dt)
+        b = torch.randn(h, nn, device=dev, dtype=dt)
+        reps = 20 if dev.type == "cuda" else 2
+        for _ in range(2):
+            a @ b
+        sync(env)
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync(env)
+        out[key] = 2.0 * m * h * nn * reps / (time.perf_counter() - t) / 1e12
+        del a, b
+    env["rates"][vocab] = out
+    return out
+
+
+def sync(env):
+    if env["dev"].type == "cuda":
+        env["torch"].cuda.synchronize()
+
+
+KERNEL_CLASSES = ("gemm", "index", "copy", "optimizer", "elementwise", "loss", "attention")
+
+
+def kernel_class(name: str, device_type: str) -> str:
+    """The class of one profiled kernel (CUDA) or leaf op (CPU smoke test) by its name."""
+    n = name.lower()
+    if any(s in n for s in ("cod_attn", "flex", "triton_tem", "cod_attention", "scaled_dot_product")):
+        return "attention"
+    if any(s in n for s in ("draft_rows", "target_stats", "loss_forward_kernel", "loss_backward_kernel")):
+        return "loss"
+    if device_type == "cpu" and "fused_linear_kl" in n:
+        return "loss"
+    if any(s in n for s in ("adam", "multi_tensor_apply")):
+        return "optimizer"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "aten::mm", "aten::addmm")):
+        return "gemm"
+    if any(s in n for s in ("index", "gather", "scatter", "embedding", "sort", "segment", "unique", "nonzero")):
+        return "index"
+    if any(s in n for s in ("copy", "cat", "memcpy", "memset", "fill", "aten::to", "zero_", "contiguous")):
+        return "copy"
+    return "elementwise"
+
+
+def profile_step(env, step):
+    """Kernel ms per class of one step (CPU smoke test: self time of the leaf ops)."""
+    dev = env["dev"]
+    from torch.profiler import ProfilerActivity, profile
+
+    act = ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[act]) as prof:
+        t = time.perf_counter()
+        step(10_000)
+        sync(env)
+        wall = time.perf_counter() - t
+    by = dict.fromkeys(KERNEL_CLASSES, 0.0)
+    top = {}
+    for e in prof.key_averages():
+        if dev.type == "cuda":
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        else:
+            us = e.self_cpu_time_total if not e.key.startswith(("ProfilerStep", "[")) else 0
+        if us <= 0:
+            continue
+        cls = kernel_class(e.key, dev.type)
+        by[cls] += us / 1e3
+        top[e.key[:120]] = (cls, round(us / 1e3, 3))
+    heavy = sorted(top.items(), key=lambda kv: -kv[1][1])[:25]
+    return {
+        "classes_ms": {k: round(v, 2) for k, v in by.items()},
+        "kernel_ms": round(sum(by.values()), 2),
+        "wall_ms": round(wall * 1e3, 2),
+        "top": [[k, c, ms] for k, (c, ms) in heavy],
+    }
+
+
+def step_flops_floor(layout, weight, cfg, num_layers: int, vocab: int) -> dict:
+    """bf16 matmul FLOPs of the work a step cannot avoid on this layout (elementwise work, norms,
+    softmaxes and the optimizer are not counted). weight: the loss mask at each token.
+      fc            fwd + weight grad on the N unique stream rows        4 * N * 3H * H
+      layer-0 q/k/v on the N unique rows (fwd, input and weight grad)    6 * N * 2H * (Hq + 2 Hkv) D
+      o_proj + MLP  every token, but only the Tw weighted ones in the
+                    last layer (nobody reads the others' output)         6 * rows * (Hq D H + 3 H I)
+      layers >= 1   q/k/v on all T tokens                                6 * T * H * (Hq + 2 Hkv) D
+      attention     4 D Hq per (query, allowed key) pair, x3.5 with the backward
+      heads         draft lm_head fwd + input grad on the Tw rows         4 * Tw * H * V
+                    verifier logits at the Mw distinct weighted positions 2 * Mw * H * V
+    Returns the FLOPs per group (floats) and the counts."""
+    import torch as _t
+
+    from peagle_ext.reference import document_starts
+
+    h, i_sz = cfg.hidden_size, cfg.intermediate_size
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or h // hq
+    n, t = layout.seq_len, layout.num_tokens
+    doc = layout.document_ids.long()
+    a, dep = layout.anchor.long(), layout.depth.long()
+    pos = a + dep
+    tw = int((weight > 0).sum())
+    mw = int(pos[weight > 0].unique().numel())
+    starts = document_starts(doc)
+    pairs = float(_t.where(doc[a] >= 0, (a - starts[a] + 1) + dep, _t.zeros_like(a)).sum())
+    post = 6.0 * (hq * d * h + 3 * h * i_sz)
+    body = {
+        "fc": 4.0 * n * 3 * h * h,
+        "layer0_qkv": 6.0 * n * 2 * h * (hq + 2 * hkv) * d,
+        "post": post * (t * (num_layers - 1) + tw),
+        "deep_qkv": 6.0 * t * h * (hq + 2 * hkv) * d * (num_layers - 1),
+        "attention": 3.5 * 4.0 * d * hq * pairs * num_layers,
+    }
+    heads = {"draft_head": 4.0 * tw * h * vocab, "verifier_head": 2.0 * mw * h * vocab}
+    return {"body": body, "heads": heads, "T": t, "weighted_rows": tw, "distinct_targets": mw}
