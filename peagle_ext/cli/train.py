@@ -143,11 +143,12 @@ def run(args: argparse.Namespace) -> int:
         f"P-EAGLE drafter trained: {r.steps} steps in {r.wall_s / 60:.1f} min"
         + (f" ({r.skipped_steps} non-finite steps skipped)" if r.skipped_steps else "")
     )
-    print(f"per-depth accuracy ({which}, argmax agreement with the verifier):")
+    print(f"per-depth accuracy ({which}, argmax agreement with the verifier inside the draft vocab):")
     print("  " + "  ".join(f"d{i}={a:.3f}" for i, a in enumerate(summ["acc"])))
+    print(f"  full accuracy {summ['full_acc']:.3f}, loss {summ['loss']:.4f}")
     print(
-        f"  full accuracy {summ['full_acc']:.3f}, loss {summ['loss']:.4f}, estimated acceptance length "
-        f"{summ['accept_len']:.2f} (= sum_k prod_(j<=k) acc_j draft tokens per step, +1 bonus token)"
+        f"  estimated acceptance length {summ['accept_len']:.2f} tokens per verifier round "
+        "(1 bonus token + sum_k prod_(j<=k) acc_j accepted drafts, as `peagle eval` counts them)"
     )
     print(f"checkpoint: {r.final_dir}  (vLLM/speculators format; `peagle export {r.final_dir} DST` for bf16)")
     for p in r.plots:
