@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import datagen as datagen_cmd
 from . import eval as eval_cmd
 from . import export as export_cmd
 from . import train as train_cmd
 
-SUBCOMMANDS = {"train": train_cmd, "export": export_cmd, "eval": eval_cmd}
+SUBCOMMANDS = {"train": train_cmd, "export": export_cmd, "eval": eval_cmd, "datagen": datagen_cmd}
 
 
 def build_parser() -> argparse.ArgumentParser:
