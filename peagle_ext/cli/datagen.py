@@ -29,7 +29,12 @@ def add_arguments(p) -> None:
         default=2048,
         help="prompt + answer tokens at most (default 2048, the training seq-len): longer turns are not generated",
     )
-    p.add_argument("--turns", choices=["first", "all"], default="first", help="first assistant turn only (default) or all")
+    p.add_argument(
+        "--turns",
+        choices=["first", "all"],
+        default="first",
+        help="regenerate the first assistant turn only (default; later turns dropped) or all, turn by turn",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0 (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
