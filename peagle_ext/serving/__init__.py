@@ -4,6 +4,8 @@ evaluation path of `peagle eval`) and the vLLM plugin.
 - `verifier`: Verifier, a causal LM run step by step with a KV cache and aux hidden-state capture.
 - `drafter`: Drafter (the interface) and PEagleDrafter (a PEagleDraftModel with a draft KV cache).
 - `decode`: greedy_generate, speculative_generate and the acceptance statistics.
+- `teacher_forced`: drafting rounds at every anchor of a given text (decoding's acceptance on the
+  positions and contexts the trainer validates on).
 - `vllm_plugin`: routes vLLM's parallel-drafting input step through peagle_ext's op.
 """
 
@@ -17,6 +19,7 @@ from .decode import (
     speculative_generate,
 )
 from .drafter import Drafter, PEagleDrafter
+from .teacher_forced import TeacherForcedResult, scored_chains_layout, teacher_forced_rounds
 from .verifier import Verifier
 
 __all__ = [
@@ -30,4 +33,7 @@ __all__ = [
     "Drafter",
     "PEagleDrafter",
     "Verifier",
+    "TeacherForcedResult",
+    "scored_chains_layout",
+    "teacher_forced_rounds",
 ]
