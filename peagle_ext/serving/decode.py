@@ -128,7 +128,9 @@ def greedy_generate(
     n = prompt.shape[0]
     _check_budget(verifier, n, max_new_tokens)
     if engine is not None and n + max_new_tokens > engine.capacity:
-        raise ValueError(f"prompt + max_new_tokens = {n + max_new_tokens} exceeds the engine's capacity {engine.capacity}")
+        raise ValueError(
+            f"prompt + max_new_tokens = {n + max_new_tokens} exceeds the engine's capacity {engine.capacity}"
+        )
     eos = _eos_set(eos_token_id)
     _sync(verifier.device)
     t0 = time.perf_counter()
@@ -201,7 +203,8 @@ def speculative_generate(
     if engine is not None:
         if capacity > engine.capacity:
             raise ValueError(
-                f"prompt + max_new_tokens + K = {n + max_new_tokens + k} exceeds the engine's capacity {engine.capacity}"
+                f"prompt + max_new_tokens + K = {n + max_new_tokens + k} exceeds the engine's "
+                f"capacity {engine.capacity}"
             )
         capacity = engine.capacity
     block_table = torch.arange(capacity // BLOCK_SIZE, dtype=torch.int32, device=dev)[None]

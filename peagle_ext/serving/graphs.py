@@ -67,7 +67,8 @@ class RoundEngine:
         # the round's inputs: the last verified tokens, their positions and aux states, the bonus
         self.tgt_ids = torch.zeros(k + 1, dtype=torch.int32, device=dev)
         self.tgt_pos = torch.arange(k + 1, dtype=torch.int64, device=dev)
-        self.aux = torch.zeros(k + 1, len(verifier.aux_layer_ids) * verifier.hidden_size, dtype=verifier.dtype, device=dev)
+        width = len(verifier.aux_layer_ids) * verifier.hidden_size
+        self.aux = torch.zeros(k + 1, width, dtype=verifier.dtype, device=dev)
         self.bonus = torch.zeros(1, dtype=torch.int32, device=dev)
         self.n_rej = torch.zeros(1, dtype=torch.int32, device=dev)
         self.seq_len = torch.full((1,), k + 1, dtype=torch.int64, device=dev)

@@ -102,10 +102,8 @@ class StaticVerifier:
     def new_cache(self, capacity: int | None = None) -> StaticKV:
         cap = capacity or self.default_capacity or self.max_positions
         if not cap:
-            raise ValueError("StaticVerifier.new_cache needs a capacity (the model config has no max_position_embeddings)")
-        return StaticKV(
-            self.num_layers, self.kv_heads, int(cap), self.head_dim, device=self.device, dtype=self.dtype
-        )
+            raise ValueError("StaticVerifier.new_cache needs a capacity (the config has no max_position_embeddings)")
+        return StaticKV(self.num_layers, self.kv_heads, int(cap), self.head_dim, device=self.device, dtype=self.dtype)
 
     @staticmethod
     def crop(cache: StaticKV, length: int):
