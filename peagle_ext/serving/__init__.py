@@ -6,11 +6,14 @@ evaluation path of `peagle eval`) and the vLLM plugin.
 - `decode`: greedy_generate, speculative_generate and the acceptance statistics.
 - `teacher_forced`: drafting rounds at every anchor of a given text (decoding's acceptance on the
   positions and contexts the trainer validates on).
+- `static_verifier`: StaticVerifier, the Llama-family verifier over a preallocated KV cache.
+- `graphs`: RoundEngine / GreedyEngine, fixed-shape decoding steps (CUDA graphs on a GPU).
 - `vllm_plugin`: routes vLLM's parallel-drafting input step through peagle_ext's op.
 """
 
 from .decode import (
     BLOCK_SIZE,
+    PROFILE_PARTS,
     GreedyResult,
     SpecResult,
     acceptance_stats,
@@ -24,6 +27,7 @@ from .verifier import Verifier
 
 __all__ = [
     "BLOCK_SIZE",
+    "PROFILE_PARTS",
     "GreedyResult",
     "SpecResult",
     "acceptance_stats",

@@ -154,7 +154,7 @@ def greedy_generate(
 
 
 # the parts of a round that profile=True times (device synchronised around each)
-PROFILE_PARTS = ("verify", "hidden", "batch", "draft", "accept", "crop", "engine_round")
+PROFILE_PARTS = ("prefill", "verify", "hidden", "batch", "draft", "accept", "crop", "engine_round")
 
 
 def _check_spec_args(verifier, drafter, k):
@@ -231,7 +231,7 @@ def speculative_generate(
     with verifier.capturing():
         tick("accept")
         logits, aux = verifier.forward(prompt, cache, 0, last_only=True)
-        tick("verify")
+        tick("prefill")
         bonus = logits[-1].argmax().reshape(1)
         out = [int(bonus)]
         tgt_ids, tgt_pos = prompt, torch.arange(n, device=dev)
@@ -301,8 +301,8 @@ def speculative_generate(
         time.perf_counter() - t0,
         k,
         accepted,
-        sum(v for p, v in clock.items() if p not in ("verify", "engine_round")) if profile else None,
-        clock["verify"] if profile else None,
+        sum(v for p, v in clock.items() if p not in ("prefill", "verify", "engine_round")) if profile else None,
+        clock["verify"] + clock["prefill"] if profile else None,
         prof,
     )
 

@@ -219,3 +219,30 @@ def test_cuda_graph_engines_equal_eager(vdir):
     ge, gg = GreedyEngine(st, 128, cuda_graph=False), GreedyEngine(st, 128, cuda_graph=True)
     for p in _prompts(9):
         assert greedy_generate(st, p, 50, engine=ge).tokens == greedy_generate(st, p, 50, engine=gg).tokens
+
+
+def test_cli_eval_profile_and_verifier_impl(vdir, tmp_path):
+    import json
+
+    from tests.helpers import run_cli
+
+    vm = _load(vdir, torch.float32)
+    _drafter(vm, k=3).save_pretrained(tmp_path / "draft")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "the water is hot"}\n{"prompt": "one day we can find"}\n')
+    base = ["eval", "--verifier", str(vdir), "--draft", str(tmp_path / "draft"), "--bench", str(prompts)]
+    base += ["--max-new-tokens", "12", "--quiet", "--k-sweep", "1..3"]
+    r = run_cli([*base, "--profile", "--profile-prompts", "1", "--json", str(tmp_path / "s.json")], timeout=300)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "s.json").read_text())
+    assert rep["verifier_impl"] == "StaticVerifier" and rep["cuda_graphs"] is False and rep["lossless"]
+    prof = rep["profile"]
+    assert set(prof["parts_ms_per_round"]) == {"verify", "hidden", "batch", "draft", "accept", "crop"}
+    assert prof["round_ms"] > prof["overhead_ms"] > 0 and prof["engine_round_ms"] > 0 and prof["rounds"] > 0
+    assert "round profile" in r.stdout and "beyond the verifier forward" in r.stdout
+    r = run_cli([*base, "--verifier-impl", "hf", "--json", str(tmp_path / "h.json")], timeout=300)
+    assert r.returncode == 0, r.stderr
+    hf = json.loads((tmp_path / "h.json").read_text())
+    assert hf["verifier_impl"] == "Verifier" and "profile" not in hf
+    # the same tokens whichever verifier runs them (float32: equal up to near-ties, none here)
+    assert [p["accepted_per_round"] for p in hf["prompts"]] == [p["accepted_per_round"] for p in rep["prompts"]]
