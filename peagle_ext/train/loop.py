@@ -40,6 +40,7 @@ from .checkpoint import (
 )
 from .dataset import cod_seed, concat_examples, epoch_order
 from .distributed import DistContext
+from .early_stop import StopRule
 from .hidden import HiddenStates
 from .metrics import Meter
 from .optim import lr_lambda
@@ -59,6 +60,7 @@ class TrainResult:
     skipped_steps: int = 0
     stopped_early: bool = False
     wall_s: float = 0.0
+    stop_reason: str | None = None  # an early stop or the time budget ended the run before max_steps
 
 
 def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
@@ -220,6 +222,8 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
     skipped = history_skipped
     val_summary = None
     stopped = False
+    rule = StopRule(s.early_stop_patience, s.early_stop_min_delta, s.max_minutes, t_start)
+    stop_reason = None
     bar = progress_bar(
         range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps, disable=not s.progress
     )
@@ -330,7 +334,10 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
             val_summary = evaluate(model, val_h, s, autocast, device, ctx)
             log.write({"step": step, "split": "val", **val_summary})
-        if step % s.checkpoint_every == 0 or step == s.max_steps:
+            stop_reason = rule.after_val(val_summary["loss"])
+        if s.max_minutes is not None and stop_reason is None and ctx.sum_scalar(float(rule.over_time())) > 0:
+            stop_reason = f"the time budget of {s.max_minutes:g} min is spent (--max-minutes)"
+        if step % s.checkpoint_every == 0 or step == s.max_steps or stop_reason:
             ctx.save_checkpoint(
                 out,
                 step,
@@ -350,9 +357,14 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
         if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
             stopped = True
             break
+        if stop_reason:
+            log.event("stop", f"stopping at step {step}: {stop_reason}", step=step)
+            break
     bar.close()
     train_summary = meter.summary()
-    result = TrainResult(out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start)
+    result = TrainResult(
+        out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start, stop_reason
+    )
     if stopped:
         return result
     final = out / "final"
