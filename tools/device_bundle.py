@@ -57,7 +57,7 @@ def truncate_conversation(tokenizer, messages: list[dict], max_tokens: int, marg
         return messages
     cut = offs[max_tokens + margin][0]
     out, pos = [], 0
-    for i, m in enumerate(messages):
+    for m in messages:
         start = text.find(m["content"], pos)
         if start < 0:
             return messages
@@ -76,7 +76,7 @@ def truncate_conversation(tokenizer, messages: list[dict], max_tokens: int, marg
     return out
 
 
-def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None):
+def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep_data: bool = False):
     import importlib.util
 
     from peagle_ext.data import load_conversations, load_eval_prompts, resolve_verifier_path, smollm2_gguf_path
@@ -96,17 +96,24 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None):
     raw_chars = sum(len(m["content"]) for c in convs for m in c)
     kept_chars = 0
     data = bundle / "sharegpt.jsonl.xz"
-    with lzma.open(data, "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as f:
-        for c in convs:
-            t = truncate_conversation(tok, c, max_tokens)
-            kept_chars += sum(len(m["content"]) for m in t)
-            f.write(json.dumps({"messages": t}, ensure_ascii=False) + "\n")
+    old = bundle / "MANIFEST.json"
+    old = json.loads(old.read_text()) if old.is_file() else {}
+    if keep_data and data.is_file() and old.get("max_tokens") == max_tokens and old.get("conversations") == len(convs):
+        kept_chars = old["content_chars"]["kept"]  # the data of an earlier pack with these settings
+    else:
+        with lzma.open(data, "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as f:
+            for c in convs:
+                t = truncate_conversation(tok, c, max_tokens)
+                kept_chars += sum(len(m["content"]) for m in t)
+                f.write(json.dumps({"messages": t}, ensure_ascii=False) + "\n")
     for bench in ("mtbench", "humaneval"):
         with open(bundle / f"{bench}.jsonl", "w", encoding="utf-8") as f:
             for msgs in load_eval_prompts(bench):
                 f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
 
     gguf = smollm2_gguf_path()
+    for old_part in bundle.glob("gguf.part*"):
+        old_part.unlink()
     part = int(part_mib * 2**20)
     parts = []
     with open(gguf, "rb") as src:
@@ -147,12 +154,14 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None):
         print(f"{v / mib:8.2f} MiB  {k}")
     print(
         f"{len(convs)} conversations, content {raw_chars / 1e6:.1f}M -> {kept_chars / 1e6:.1f}M characters "
-        f"(cut after {max_tokens} tokens + margin); runs: "
-        + ", ".join(f"{r['mib']:.1f} MiB" for r in manifest["runs"])
+        f"(cut after {max_tokens} tokens + margin); runs: " + ", ".join(f"{r['mib']:.1f} MiB" for r in manifest["runs"])
     )
 
 
 def join(bundle: Path):
+    if (bundle / "verifier" / "model.safetensors").is_file():
+        print(f"verifier: {bundle / 'verifier'} (joined before)")
+        return
     man = json.loads((bundle / "MANIFEST.json").read_text())
     g = man["gguf"]
     out = bundle / "verifier.gguf"
@@ -186,13 +195,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("pack")
     p.add_argument("bundle")
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--part-mib", type=float, default=56.0)
+    p.add_argument("--part-mib", type=float, default=52.0)
     p.add_argument("--limit", type=int, default=None, help="first N conversations only (a quick check)")
+    p.add_argument("--keep-data", action="store_true", help="keep BUNDLE/sharegpt.jsonl.xz of an earlier pack")
     j = sub.add_parser("join")
     j.add_argument("bundle")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
-        pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit)
+        pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit, a.keep_data)
     else:
         join(Path(a.bundle))
     return 0

@@ -383,6 +383,7 @@ def _train(s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, s
             "train": train_summary,
             "val": val_summary,
             "skipped_steps": skipped,
+            "stop_reason": stop_reason,
         }
     )
     return result

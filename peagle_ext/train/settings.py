@@ -119,9 +119,7 @@ class TrainSettings:
         need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
         need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
         need(self.dist in ("ddp", "fsdp"), f"--dist must be ddp or fsdp, got {self.dist!r}")
-        need(
-            self.early_stop_patience is None or self.early_stop_patience >= 1, "--early-stop-patience must be >= 1"
-        )
+        need(self.early_stop_patience is None or self.early_stop_patience >= 1, "--early-stop-patience must be >= 1")
         need(0 <= self.early_stop_min_delta < 1, "--early-stop-min-delta must be in [0, 1)")
         need(self.max_minutes is None or self.max_minutes > 0, "--max-minutes must be > 0")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
