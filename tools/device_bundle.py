@@ -132,6 +132,8 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
     files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     sizes = {str(p.relative_to(bundle)): p.stat().st_size for p in files}
     common = [k for k in sizes if not k.startswith("gguf.part") and k != "sharegpt.jsonl.xz"]
+    # what a run carries, by top-level entry (a device call takes at most 8 carried paths)
+    tops = sorted({k.split("/")[0] for k in common} | {"MANIFEST.json"})
     mib = 2**20
     manifest = {
         "max_tokens": max_tokens,
@@ -141,7 +143,7 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
         "files": {k: {"bytes": v, "sha256": _sha256(bundle / k)} for k, v in sizes.items()},
         # what each run carries (besides the repository): the parts go with runs on one machine
         "runs": [
-            {"carry": [*common, parts[0]], "mib": (sum(sizes[k] for k in common) + sizes[parts[0]]) / mib},
+            {"carry": [*tops, parts[0]], "mib": (sum(sizes[k] for k in common) + sizes[parts[0]]) / mib},
             *[{"carry": [p], "mib": sizes[p] / mib} for p in parts[1:-1]],
             {
                 "carry": [parts[-1], "sharegpt.jsonl.xz"],
