@@ -105,10 +105,12 @@ phase_setup() {
       > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
   fi
   python3 -c "import peagle_ext; print(peagle_ext.build_info())" | tee -a "$SUMMARY"
-  if [ -n "$BUNDLE" ]; then timed python3 tools/device_bundle.py join "$BUNDLE"; fi
+  # the GGUF parts arrive with consecutive device calls: join once they are all there
+  if [ -n "$BUNDLE" ]; then timed python3 tools/device_bundle.py join "$BUNDLE" --if-complete | tee -a "$SUMMARY"; fi
 }
 
 phase_data() {
+  if [ -n "$BUNDLE" ] && [ ! -f "$VERIFIER/model.safetensors" ]; then timed python3 tools/device_bundle.py join "$BUNDLE"; fi
   [ -f "$DATA/train.jsonl" ] && { note "data: $DATA/train.jsonl exists"; return; }
   mkdir -p "$DATA"
   timed python3 - "$DATA" "$HOLDOUT" "${BUNDLE:+$BUNDLE/sharegpt.jsonl.xz}" <<'EOF'

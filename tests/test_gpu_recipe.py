@@ -114,3 +114,25 @@ def test_bundle_cut_keeps_the_first_tokens(tmp_path):
         b, mb = tokenize_conversation(tok, t, max_len=48)
         assert a.tolist() == b.tolist() and ma.tolist() == mb.tolist()
     assert cut > 10
+
+
+def test_bundle_join_checks_parts(tmp_path):
+    import hashlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from device_bundle import join
+
+    blob = bytes(range(256)) * 40
+    (tmp_path / "gguf.part00").write_bytes(blob[:6000])
+    sha = hashlib.sha256(blob).hexdigest()
+    man = {"gguf": {"size": len(blob), "sha256": sha, "parts": ["gguf.part00", "gguf.part01"]}}
+    (tmp_path / "MANIFEST.json").write_text(json.dumps(man))
+    join(tmp_path, if_complete=True)  # a part is still on its way: nothing happens
+    assert not (tmp_path / "verifier.gguf").exists()
+    with pytest.raises(SystemExit, match="missing gguf.part01"):
+        join(tmp_path)
+    (tmp_path / "gguf.part01").write_bytes(blob[6000:-1] + b"x")  # a damaged part
+    with pytest.raises(SystemExit, match="sha256"):
+        join(tmp_path)
+    assert not (tmp_path / "verifier.gguf").exists() and not (tmp_path / "verifier.tmp").exists()

@@ -12,7 +12,7 @@ a limit on the files each run may carry: written here, joined there.
         BUNDLE/gguf.part00, ...       the SmolLM2 GGUF cut in parts of at most --part-mib MiB
         BUNDLE/gguf/                  the pure-Python `gguf` package transformers reads GGUF with
         BUNDLE/MANIFEST.json          sizes and sha256 of everything, and which files a run carries
-    python tools/device_bundle.py join BUNDLE
+    python tools/device_bundle.py join BUNDLE [--if-complete]
         joins the parts into BUNDLE/verifier.gguf (checking the sha256) and converts it into the
         transformers directory BUNDLE/verifier/ (peagle_ext.data.convert_gguf_to_hf)
 
@@ -160,7 +160,7 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
     )
 
 
-def join(bundle: Path):
+def join(bundle: Path, if_complete: bool = False):
     if (bundle / "verifier" / "model.safetensors").is_file():
         print(f"verifier: {bundle / 'verifier'} (joined before)")
         return
@@ -169,6 +169,9 @@ def join(bundle: Path):
     out = bundle / "verifier.gguf"
     if not (out.is_file() and out.stat().st_size == g["size"] and _sha256(out) == g["sha256"]):
         missing = [p for p in g["parts"] if not (bundle / p).is_file()]
+        if missing and if_complete:
+            print(f"device_bundle join: {', '.join(missing)} not here yet; nothing joined")
+            return
         if missing:
             raise SystemExit(f"device_bundle join: missing {', '.join(missing)} in {bundle} (carry every part first)")
         tmp = out.with_suffix(".tmp")
@@ -202,11 +205,12 @@ def main(argv=None) -> int:
     p.add_argument("--keep-data", action="store_true", help="keep BUNDLE/sharegpt.jsonl.xz of an earlier pack")
     j = sub.add_parser("join")
     j.add_argument("bundle")
+    j.add_argument("--if-complete", action="store_true", help="exit 0 without joining while parts are missing")
     a = ap.parse_args(argv)
     if a.cmd == "pack":
         pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit, a.keep_data)
     else:
-        join(Path(a.bundle))
+        join(Path(a.bundle), a.if_complete)
     return 0
 
 
