@@ -34,7 +34,16 @@
 #                        other setting (MT-Bench, K=EVAL_K only)
 #   consistency  ~60 s   tools/consistency.py on 60 held-out conversations
 # Total for the defaults (3 settings): ~90 + 15 + 240 + 540 + 260 + 60 s = ~20 min; the ~15 min
-# study budget: TRAIN_MINUTES=2 (or SETTINGS="1:orig 1:regen") and DATAGEN_SECONDS=180.
+# study budget: TRAIN_MINUTES=2 (or SETTINGS="1:orig 1:regen") and DATAGEN_SECONDS=150.
+#
+# On a machine that takes at most 64 MiB and 10 minutes a call (the bundle's MANIFEST.json lists
+# what each call carries), in calls that follow each other on one held machine:
+#   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
+#      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
+#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: DATAGEN_SECONDS=150 TRAIN_MINUTES=2.5
+#      SETTINGS=1:orig `... setup data datagen train`
+#   3. TRAIN_MINUTES=2 SETTINGS="1:regen 2:regen" `... train`, then `... eval report`
+#   4. (if time is left) `... consistency report`, and more training: a later call resumes it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
