@@ -4,12 +4,12 @@ For each bench (MT-Bench first turns, HumanEval) and each K of the sweep: accept
 (tokens per verifier round), per-position acceptance, tokens/s of speculative and of plain greedy
 decoding (same verifier, same prompts, same KV-cache loop, timed the same way), losslessness
 (output == the verifier's own greedy output, per prompt), and a PNG of acceptance length and
-speed-up vs K. Then a profiled pass (device synchronised around each part) splits a round into
-verifier forward and draft step, and compares the speed-up with its bound:
+speed-up vs K. Then a profiled pass (peagle_ext.eval.profile_rounds, device synchronised around
+each part) splits a round into its parts and compares the speed-up with its bound:
 
-    t_step  = plain greedy time per token             (one verifier forward of 1 token)
-    t_round = speculative time per round              (draft step + verifier forward of K+1 tokens)
-    bound   = acceptance_length * t_step / t_verify   (speed-up if the draft step were free)
+    t_step  = plain greedy time per token             (the baseline's step, on its engine)
+    t_round = speculative time per round              (the engine's round: draft + verify + bookkeeping)
+    bound   = acceptance_length * t_step / t_verify   (speed-up if everything but the verifier were free)
     achieved = acceptance_length * t_step / t_round   (~ tokens/s ratio)
 
 Drafter: --draft DIR, else $PEAGLE_DRAFT, else an UNTRAINED random drafter (acceptance ~1: then
@@ -61,38 +61,49 @@ def _random_drafter(model, num_depths=8):
     return dm
 
 
-def _profile(verifier, drafter, prompts, k, max_new, eos):
-    """Round breakdown over `prompts` with the device synchronised around each part."""
-    base_s = base_tok = 0.0
-    spec = []
-    for _, p in prompts:
-        b = greedy_generate(verifier, p, max_new, eos_token_id=eos)
-        base_s += b.wall_s
-        base_tok += len(b.tokens)
-        spec.append(speculative_generate(verifier, drafter, p, k, max_new, eos_token_id=eos, profile=True))
-    rounds = sum(s.rounds for s in spec)
-    acc_len = (sum(sum(s.accepted) for s in spec) + rounds) / rounds
-    t_step = base_s / base_tok
-    t_draft = sum(s.draft_s for s in spec) / rounds
-    t_verify = sum(s.verify_s for s in spec) / rounds
-    t_round = sum(s.wall_s for s in spec) / rounds
+def _profile(verifier, drafter, prompts, k, max_new, eos, engines, greedy_engine):
+    """profile_rounds over `prompts` plus the bound / achieved speed-ups (module docstring)."""
+    from peagle_ext.eval import profile_rounds
+
+    p = profile_rounds(
+        verifier,
+        drafter,
+        [t for _, t in prompts],
+        k,
+        max_new,
+        eos_token_id=eos,
+        engine=engines.get(k),
+        greedy_engine=greedy_engine,
+    )
+    t_step = p.get("greedy_engine_step_ms", p["greedy_step_ms"])
+    t_round = p.get("engine_round_ms", p["round_ms"])
+    t_verify = p["parts_ms_per_round"]["verify"]
+    al = p["acceptance_length"] or 1.0
     return {
-        "num_spec_tokens": k,
-        "acceptance_length": acc_len,
-        "t_step_ms": 1e3 * t_step,
-        "t_round_ms": 1e3 * t_round,
-        "t_draft_ms": 1e3 * t_draft,
-        "t_verify_ms": 1e3 * t_verify,
+        **p,
+        "t_step_ms": t_step,
+        "t_round_ms": t_round,
+        "t_verify_ms": t_verify,
+        "t_draft_ms": p["overhead_ms"],
         "verify_cost_in_steps": t_verify / t_step,
-        "draft_cost_in_steps": t_draft / t_step,
-        "speedup_bound_free_draft": acc_len * t_step / t_verify,
-        "speedup_achieved": acc_len * t_step / t_round,
+        "draft_cost_in_steps": p["overhead_ms"] / t_step,
+        "speedup_bound_free_draft": al * t_step / t_verify,
+        "speedup_achieved": al * t_step / t_round,
     }
 
 
 def main(argv=None) -> int:
     from peagle_ext.data import load_verifier
-    from peagle_ext.eval import eos_ids, evaluate, load_drafter, parse_k_sweep, plot_k_sweep, render_prompts
+    from peagle_ext.eval import (
+        build_engines,
+        eos_ids,
+        evaluate,
+        load_drafter,
+        make_verifier,
+        parse_k_sweep,
+        plot_k_sweep,
+        render_prompts,
+    )
 
     quick = os.environ.get("QUICK", "0") not in ("", "0")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -105,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64 if quick else 128)
     ap.add_argument("--k-sweep", default="1,2,4,8" if quick else "1..8")
     ap.add_argument("--num-spec-tokens", type=int, default=None, help="main K (default: the largest of the sweep)")
+    ap.add_argument("--verifier-impl", default="auto", choices=["auto", "static", "hf"])
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype) or (
@@ -117,7 +129,7 @@ def main(argv=None) -> int:
     else:
         drafter = PEagleDrafter(_random_drafter(model), device=dev, dtype=dtype)
         draft_name = "UNTRAINED random drafter (no --draft / PEAGLE_DRAFT): acceptance ~1, overhead only"
-    verifier = Verifier(model, drafter.aux_layer_ids)
+    verifier = make_verifier(model, drafter.aux_layer_ids, args.verifier_impl)
     ks = [k for k in parse_k_sweep(args.k_sweep) if k <= drafter.num_depths]
     k_main = args.num_spec_tokens or max(ks)
     eos = eos_ids(model, tok)
@@ -153,7 +165,13 @@ def main(argv=None) -> int:
                 f"{args.verifier} + P-EAGLE, {bench} ({len(prompts)} prompts, {dev})",
             )
         )
-        r["profile"] = [_profile(verifier, drafter, prompts[:3], k, args.max_new_tokens, eos) for k in (1, k_main)]
+        engines, greedy_engine = build_engines(
+            verifier, drafter, sorted({1, k_main}), max(len(t) for _, t in prompts) + args.max_new_tokens, None
+        )
+        r["profile"] = [
+            _profile(verifier, drafter, prompts[:3], k, args.max_new_tokens, eos, engines, greedy_engine)
+            for k in sorted({1, k_main})
+        ]
         r["wall_s"] = time.perf_counter() - t0
         report["benches"][bench] = r
         for s in r["k_sweep"]:
@@ -170,7 +188,7 @@ def main(argv=None) -> int:
             f"{s['baseline_tokens_per_s']:>12.1f} {s['speedup']:>8.2f} {s['num_lossless']:>4}/{args.num_prompts}"
         )
     print()
-    print("round breakdown (3 prompts, device synchronised): times in ms; costs in greedy steps")
+    print("round breakdown (3 prompts, device synchronised; t_draft = everything but the verifier forward): ms")
     print(
         f"{'bench':<10} {'K':>2} {'accept_len':>10} {'t_step':>7} {'t_verify':>8} {'t_draft':>7} "
         f"{'verify/step':>11} {'draft/step':>10} {'bound':>6} {'achieved':>8}"

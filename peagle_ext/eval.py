@@ -7,6 +7,11 @@ for token (`lossless`). Reports acceptance length (tokens per verifier round = a
 1), per-position acceptance, tokens/s of both and, with a K sweep, the same per K plus a PNG of
 acceptance length (and speed-up) vs K.
 
+Decoding runs on a StaticVerifier (the verifier's modules over a preallocated KV cache) when the
+verifier is of the Llama family, with every round after the first, and every baseline step after
+the prefill, on the fixed-shape engines of peagle_ext.serving.graphs: CUDA graphs on a GPU, the
+same computation eagerly on a CPU. Other verifiers run through transformers with a DynamicCache.
+
 Prompts: peagle_ext.data.load_eval_prompts (MT-Bench first turns, HumanEval problems as a user
 message "Complete the following Python function" + the code, or a JSONL), every one rendered
 with the verifier tokenizer's chat template (add_generation_prompt=True); a tokenizer without a
@@ -23,6 +28,7 @@ import torch
 from .data import load_eval_prompts
 from .model import PEagleDraftModel
 from .serving import (
+    PROFILE_PARTS,
     GreedyResult,
     PEagleDrafter,
     SpecResult,
@@ -32,6 +38,8 @@ from .serving import (
     greedy_generate,
     speculative_generate,
 )
+from .serving.graphs import GreedyEngine, RoundEngine
+from .serving.static_verifier import StaticVerifier, static_verifier_support
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,6 +75,19 @@ def load_drafter(path, verifier: Verifier, *, dtype: torch.dtype | None = None) 
     if top >= verifier.vocab_size:
         raise ValueError(f"drafter {d} drafts token id {top}, the verifier's vocab has {verifier.vocab_size} ids")
     return PEagleDrafter(model, device=verifier.device, dtype=dtype or verifier.dtype)
+
+
+def make_verifier(model, aux_layer_ids, impl: str = "auto"):
+    """The decoding verifier: impl "static" (StaticVerifier), "hf" (transformers with a
+    DynamicCache) or "auto" (static when the model supports it)."""
+    if impl not in ("auto", "static", "hf"):
+        raise ValueError(f"verifier implementation must be auto, static or hf, got {impl!r}")
+    why = static_verifier_support(model)
+    if impl == "static" and why is not None:
+        raise ValueError(f"--verifier-impl static: {why}")
+    if impl == "hf" or why is not None:
+        return Verifier(model, aux_layer_ids)
+    return StaticVerifier(model, aux_layer_ids)
 
 
 def render_prompts(tokenizer, bench: str, num_prompts: int | None) -> list[tuple[str, list[int]]]:
@@ -173,11 +194,16 @@ def evaluate(
     eos_token_id=None,
     warmup: bool = True,
     log=None,
+    cuda_graphs: bool | None = None,
+    profile_prompts: int = 0,
 ) -> dict:
     """Baseline + speculative decoding of every prompt; the JSON report (without run metadata).
 
     The main K runs interleaved with the baseline prompt by prompt (so machine-load drift hits
-    both alike); the other K of the sweep run afterwards against the same baseline."""
+    both alike); the other K of the sweep run afterwards against the same baseline. With a
+    StaticVerifier the rounds run on engines (module docstring); cuda_graphs: replay them as CUDA
+    graphs (default: when the verifier is on a GPU). profile_prompts > 0: afterwards, time the
+    parts of a round on that many prompts (report["profile"], see profile_rounds)."""
     if not prompts:
         raise ValueError("no prompts to evaluate")
     ks = sorted(set(k_sweep or [])) if k_sweep else []
@@ -186,14 +212,23 @@ def evaluate(
             raise ValueError(f"num_spec_tokens {k} is larger than the drafter's num_depths {drafter.num_depths}")
     say = log or (lambda s: None)
     ids = [p for p, _ in prompts]
+    engines, greedy_engine = build_engines(
+        verifier, drafter, [num_spec_tokens, *ks], max(len(t) for _, t in prompts) + max_new_tokens, cuda_graphs
+    )
+    eng = engines.get
+    eos = eos_token_id
     if warmup:  # first-call costs (allocator, kernels, lazy init) outside the timed runs
         w = min(8, max_new_tokens)
-        greedy_generate(verifier, prompts[0][1], w, eos_token_id=eos_token_id)
-        speculative_generate(verifier, drafter, prompts[0][1], num_spec_tokens, w, eos_token_id=eos_token_id)
+        greedy_generate(verifier, prompts[0][1], w, eos_token_id=eos_token_id, engine=greedy_engine)
+        speculative_generate(
+            verifier, drafter, prompts[0][1], num_spec_tokens, w, eos_token_id=eos_token_id, engine=eng(num_spec_tokens)
+        )
     base, main = [], []
     for i, (pid, toks) in enumerate(prompts):
-        b = greedy_generate(verifier, toks, max_new_tokens, eos_token_id=eos_token_id)
-        s = speculative_generate(verifier, drafter, toks, num_spec_tokens, max_new_tokens, eos_token_id=eos_token_id)
+        b = greedy_generate(verifier, toks, max_new_tokens, eos_token_id=eos_token_id, engine=greedy_engine)
+        s = speculative_generate(
+            verifier, drafter, toks, num_spec_tokens, max_new_tokens, eos_token_id=eos, engine=eng(num_spec_tokens)
+        )
         base.append(b)
         main.append(s)
         say(
@@ -209,7 +244,7 @@ def evaluate(
                 r = report
             else:
                 spec = [
-                    speculative_generate(verifier, drafter, t, k, max_new_tokens, eos_token_id=eos_token_id)
+                    speculative_generate(verifier, drafter, t, k, max_new_tokens, eos_token_id=eos, engine=eng(k))
                     for _, t in prompts
                 ]
                 r = summarize_k(k, ids, spec, base)
@@ -219,7 +254,89 @@ def evaluate(
             )
             sweep.append({key: v for key, v in r.items() if key != "prompts"})
         report["k_sweep"] = sweep
+    report["verifier_impl"] = type(verifier).__name__
+    report["cuda_graphs"] = any(e.graph is not None for e in engines.values())
+    if profile_prompts:
+        report["profile"] = profile_rounds(
+            verifier,
+            drafter,
+            [t for _, t in prompts[:profile_prompts]],
+            num_spec_tokens,
+            max_new_tokens,
+            eos_token_id=eos_token_id,
+            engine=eng(num_spec_tokens),
+            greedy_engine=greedy_engine,
+        )
     return report
+
+
+def build_engines(verifier, drafter, ks, longest: int, cuda_graphs: bool | None):
+    """({K: RoundEngine}, GreedyEngine) for a StaticVerifier and a PEagleDrafter, all on one
+    capacity (longest prompt + new tokens + the largest K); ({}, None) otherwise."""
+    if not isinstance(verifier, StaticVerifier) or not isinstance(drafter, PEagleDrafter):
+        return {}, None
+    graphs = verifier.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+    cap = -(-(longest + max(ks)) // 64) * 64
+    drafter.reset(cap)  # before any capture: engines keep pointers into the drafter's cache
+    engines = {k: RoundEngine(verifier, drafter, k, cap, cuda_graph=graphs) for k in sorted(set(ks))}
+    return engines, GreedyEngine(verifier, cap, cuda_graph=graphs)
+
+
+def profile_rounds(
+    verifier, drafter, prompt_ids, k, max_new_tokens, *, eos_token_id=None, engine=None, greedy_engine=None
+):
+    """Milliseconds per round of each part of a speculative round (the general loop, device
+    synchronised around every part: PROFILE_PARTS; the prefill apart, per prompt), per engine
+    round, and per baseline token with and without its engine (prefill included), over
+    `prompt_ids`; plus the acceptance length of these runs."""
+    parts = dict.fromkeys(PROFILE_PARTS, 0.0)
+    rounds = 0
+    accepted = []
+    for p in prompt_ids:
+        r = speculative_generate(verifier, drafter, p, k, max_new_tokens, eos_token_id=eos_token_id, profile=True)
+        for name in PROFILE_PARTS:
+            parts[name] += r.profile[name]
+        rounds += r.rounds
+        accepted += r.accepted
+    out = {
+        "num_spec_tokens": k,
+        "prompts": len(prompt_ids),
+        "rounds": rounds,
+        "acceptance_length": acceptance_stats(accepted, k)["acceptance_length"],
+        "prefill_ms_per_prompt": 1e3 * parts["prefill"] / max(len(prompt_ids), 1),
+        "parts_ms_per_round": {
+            n: 1e3 * v / max(rounds, 1) for n, v in parts.items() if n not in ("engine_round", "prefill")
+        },
+    }
+    out["round_ms"] = sum(out["parts_ms_per_round"].values())
+    out["overhead_ms"] = out["round_ms"] - out["parts_ms_per_round"]["verify"]
+
+    def per_step(fn):
+        tok = sec = 0.0
+        for p in prompt_ids:
+            r = fn(p)
+            sec += r.wall_s
+            tok += len(r.tokens)
+        return sec, tok
+
+    sec, tok = per_step(lambda p: greedy_generate(verifier, p, max_new_tokens, eos_token_id=eos_token_id))
+    out["greedy_step_ms"] = 1e3 * sec / max(tok, 1)
+    if engine is not None:
+        e_sec = e_rounds = 0.0
+        for p in prompt_ids:
+            r = speculative_generate(
+                verifier, drafter, p, k, max_new_tokens, eos_token_id=eos_token_id, engine=engine, profile=True
+            )
+            e_sec += r.profile["engine_round"]
+            e_rounds += r.profile["engine_rounds"]
+        out["engine_round_ms"] = 1e3 * e_sec / max(e_rounds, 1)
+        out["engine_cuda_graph"] = engine.graph is not None
+    if greedy_engine is not None:
+        sec, tok = per_step(
+            lambda p: greedy_generate(verifier, p, max_new_tokens, eos_token_id=eos_token_id, engine=greedy_engine)
+        )
+        out["greedy_engine_step_ms"] = 1e3 * sec / max(tok, 1)
+    return out
 
 
 def fmt(x, nd=1):

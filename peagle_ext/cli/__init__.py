@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import datagen as datagen_cmd
 from . import eval as eval_cmd
 from . import export as export_cmd
 from . import hidden_states as hidden_states_cmd
@@ -16,6 +17,7 @@ SUBCOMMANDS = {
     "hidden-states": hidden_states_cmd,
     "export": export_cmd,
     "eval": eval_cmd,
+    "datagen": datagen_cmd,
 }
 
 

@@ -15,6 +15,7 @@ from ..eval import (
     evaluate,
     fmt,
     load_drafter,
+    make_verifier,
     parse_k_sweep,
     plot_k_sweep,
     render_prompts,
@@ -42,6 +43,26 @@ def add_arguments(p) -> None:
         choices=["auto", *DTYPES],
         help="verifier and drafter dtype; auto = bfloat16 on cuda, float32 on cpu",
     )
+    p.add_argument(
+        "--verifier-impl",
+        default="auto",
+        choices=["auto", "static", "hf"],
+        help="static: the verifier's modules over a preallocated KV cache (Llama/Qwen families), hf: "
+        "transformers with a DynamicCache; auto = static where supported",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="replay the fixed-shape rounds as CUDA graphs (auto = on cuda with the static verifier)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        default=False,
+        help="also time the parts of a round (draft forward, batch step, verifier forward, crop, bookkeeping)",
+    )
+    p.add_argument("--profile-prompts", type=int, default=3, help="prompts of the --profile pass (default 3)")
     p.add_argument("--ignore-eos", action="store_true", default=False, help="always generate max-new-tokens tokens")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=True)
     p.add_argument("--quiet", action="store_true", default=False, help="no per-prompt lines")
@@ -64,7 +85,8 @@ def run(args) -> int:
     draft_dir = resolve_draft_dir(args.draft)  # fail fast, before loading the verifier
     model, tok = load_verifier(args.verifier, device=device, dtype=dtype, require_chat_template=False)
     drafter = load_drafter(draft_dir, Verifier(model), dtype=dtype)
-    verifier = Verifier(model, aux_layer_ids=drafter.aux_layer_ids)
+    verifier = make_verifier(model, drafter.aux_layer_ids, args.verifier_impl)
+    _check_pos_int("--profile-prompts", args.profile_prompts)
     k = args.num_spec_tokens or drafter.num_depths
     if k > drafter.num_depths:
         raise ValueError(
@@ -87,6 +109,8 @@ def run(args) -> int:
         eos_token_id=eos,
         warmup=args.warmup,
         log=log,
+        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
+        profile_prompts=args.profile_prompts if args.profile else 0,
     )
     meta = {
         "verifier": str(args.verifier),
@@ -139,6 +163,7 @@ def _print_summary(r: dict):
         f"(speed-up x{fmt(r['speedup'], 2)})"
     )
     print(f"  lossless (== verifier greedy): {r['num_lossless']}/{r['num_prompts']} prompts")
+    print(f"  verifier: {r['verifier_impl']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
     if r.get("k_sweep"):
         print("  K  accept_len  tok/s   speed-up  lossless")
         for s in r["k_sweep"]:
@@ -146,3 +171,35 @@ def _print_summary(r: dict):
                 f"  {s['num_spec_tokens']:<2} {fmt(s['acceptance_length'], 3):>10}  {fmt(s['tokens_per_s']):>6}  "
                 f"{fmt(s['speedup'], 2):>8}  {s['num_lossless']}/{r['num_prompts']}"
             )
+    if r.get("profile"):
+        print_profile(r["profile"], r["device"])
+
+
+def print_profile(p: dict, device: str):
+    parts = p["parts_ms_per_round"]
+    print(
+        f"  round profile, K={p['num_spec_tokens']}, {p['prompts']} prompts, {p['rounds']} rounds, acceptance "
+        f"{fmt(p['acceptance_length'], 2)} (device synchronised around every part), ms per round:"
+    )
+    print(
+        "    "
+        + "  ".join(f"{n} {v:.3f}" for n, v in parts.items())
+        + f"  (prefill {p['prefill_ms_per_prompt']:.1f} ms a prompt)"
+    )
+    print(
+        f"    = {p['round_ms']:.3f} ms a round part by part, of which {p['overhead_ms']:.3f} ms beyond the verifier "
+        f"forward ({100 * p['overhead_ms'] / max(p['round_ms'], 1e-12):.0f}%)"
+    )
+    line = f"    plain greedy {p['greedy_step_ms']:.3f} ms/token"
+    if "engine_round_ms" in p:
+        kind = "CUDA graph" if p.get("engine_cuda_graph") else "fixed shapes, eager"
+        line += f"; engine round ({kind}) {p['engine_round_ms']:.3f} ms"
+    if "greedy_engine_step_ms" in p:
+        line += f"; engine greedy step {p['greedy_engine_step_ms']:.3f} ms/token"
+    print(line)
+    step = p.get("greedy_engine_step_ms", p["greedy_step_ms"])
+    rnd = p.get("engine_round_ms", p["round_ms"])
+    print(
+        f"    a round costs {rnd / max(step, 1e-12):.2f} greedy steps: speculative decoding is faster than greedy "
+        f"when the acceptance length exceeds that ({device})"
+    )

@@ -109,6 +109,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=["cosine", "linear", "constant"], help=f"Default {d.schedule}")
     g.add_argument("--weight-decay", type=float, help=f"Default {d.weight_decay}")
     g.add_argument("--grad-clip", type=float, help=f"max grad norm (0 = off). Default {d.grad_clip}")
+    g.add_argument(
+        "--early-stop-patience",
+        type=_opt_int,
+        help="stop (saving final/) after this many validation evaluations without improvement (none = off)",
+    )
+    g.add_argument(
+        "--early-stop-min-delta",
+        type=float,
+        help=f"relative validation-loss improvement that counts. Default {d.early_stop_min_delta}",
+    )
+    g.add_argument(
+        "--max-minutes",
+        type=lambda v: None if v.lower() in ("none", "") else float(v),
+        help="wall-clock budget: stop there, saving final/ (none = off)",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--device", help=f"cpu | cuda. Default {d.device}")
     g.add_argument(
@@ -189,12 +204,14 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"P-EAGLE drafter trained: {r.steps} steps in {r.wall_s / 60:.1f} min"
         + (f" ({r.skipped_steps} non-finite steps skipped)" if r.skipped_steps else "")
+        + (f"; stopped before --max-steps: {r.stop_reason}" if r.stop_reason else "")
     )
-    print(f"per-depth accuracy ({which}, argmax agreement with the verifier):")
+    print(f"per-depth accuracy ({which}, argmax agreement with the verifier inside the draft vocab):")
     print("  " + "  ".join(f"d{i}={a:.3f}" for i, a in enumerate(summ["acc"])))
+    print(f"  full accuracy {summ['full_acc']:.3f}, loss {summ['loss']:.4f}")
     print(
-        f"  full accuracy {summ['full_acc']:.3f}, loss {summ['loss']:.4f}, estimated acceptance length "
-        f"{summ['accept_len']:.2f} (= sum_k prod_(j<=k) acc_j draft tokens per step, +1 bonus token)"
+        f"  estimated acceptance length {summ['accept_len']:.2f} tokens per verifier round "
+        "(1 bonus token + sum_k prod_(j<=k) acc_j accepted drafts, as `peagle eval` counts them)"
     )
     print(f"checkpoint: {r.final_dir}  (vLLM/speculators format; `peagle export {r.final_dir} DST` for bf16)")
     for p in r.plots:

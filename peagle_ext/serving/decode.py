@@ -64,9 +64,11 @@ class SpecResult:
     num_spec_tokens: int
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round (0..K)
     # with profile=True: time outside the verifier (acceptance bookkeeping, fc of the new hidden
-    # states, the batch op, the draft forward) and in verifier forwards (prefill included)
+    # states, the batch op, the draft forward) and in verifier forwards (prefill included) of the
+    # rounds run part by part, and `profile`: seconds per part (PROFILE_PARTS)
     draft_s: float | None = None
     verify_s: float | None = None
+    profile: dict | None = None
 
     @property
     def rounds(self) -> int:
@@ -116,26 +118,57 @@ def _eos_set(eos_token_id) -> frozenset:
 
 
 @torch.inference_mode()
-def greedy_generate(verifier: Verifier, prompt_ids, max_new_tokens: int, *, eos_token_id=None) -> GreedyResult:
-    """Plain greedy decoding with the KV cache, one token per forward (the baseline)."""
+def greedy_generate(
+    verifier: Verifier, prompt_ids, max_new_tokens: int, *, eos_token_id=None, engine=None
+) -> GreedyResult:
+    """Plain greedy decoding with the KV cache, one token per forward (the baseline). engine: a
+    GreedyEngine (serving/graphs.py) of this verifier: the steps after the prefill run on its
+    static buffers (as a CUDA graph when it holds one)."""
     prompt = _as_prompt(prompt_ids, verifier.device)
     n = prompt.shape[0]
     _check_budget(verifier, n, max_new_tokens)
+    if engine is not None and n + max_new_tokens > engine.capacity:
+        raise ValueError(
+            f"prompt + max_new_tokens = {n + max_new_tokens} exceeds the engine's capacity {engine.capacity}"
+        )
     eos = _eos_set(eos_token_id)
     _sync(verifier.device)
     t0 = time.perf_counter()
-    cache = verifier.new_cache()
+    cache = engine.cache if engine is not None else verifier.new_cache(n + max_new_tokens)
     logits, _ = verifier.forward(prompt, cache, 0, last_only=True)
     tok = int(logits[-1].argmax())
     out = [tok]
+    if engine is not None:
+        engine.begin(tok, n)
     while len(out) < max_new_tokens and tok not in eos:
-        logits, _ = verifier.forward(
-            torch.tensor([tok], device=verifier.device), cache, n + len(out) - 1, last_only=True
-        )
-        tok = int(logits[-1].argmax())
+        if engine is not None:
+            tok = engine.step()
+        else:
+            logits, _ = verifier.forward(
+                torch.tensor([tok], device=verifier.device), cache, n + len(out) - 1, last_only=True
+            )
+            tok = int(logits[-1].argmax())
         out.append(tok)
     _sync(verifier.device)
     return GreedyResult(out, n, time.perf_counter() - t0)
+
+
+# the parts of a round that profile=True times (device synchronised around each)
+PROFILE_PARTS = ("prefill", "verify", "hidden", "batch", "draft", "accept", "crop", "engine_round")
+
+
+def _check_spec_args(verifier, drafter, k):
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_spec_tokens must be an int >= 1, got {k!r}")
+    if k > drafter.num_depths:
+        raise ValueError(
+            f"num_spec_tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
+            "(it was trained to draft at most that many tokens in parallel)"
+        )
+    if verifier.aux_layer_ids is None or list(verifier.aux_layer_ids) != list(drafter.aux_layer_ids):
+        raise ValueError(
+            f"the verifier must capture the drafter's aux layers {drafter.aux_layer_ids}, got {verifier.aux_layer_ids}"
+        )
 
 
 @torch.inference_mode()
@@ -148,22 +181,18 @@ def speculative_generate(
     *,
     eos_token_id=None,
     profile: bool = False,
+    engine=None,
 ) -> SpecResult:
     """Greedy speculative decoding (module docstring); the tokens equal greedy_generate's.
-    profile=True also times the draft step and the verifier forwards (synchronising the device
-    around them, which costs a little on CUDA)."""
+
+    profile=True also times the parts of every round (PROFILE_PARTS; synchronising the device
+    around them, which costs a little on CUDA). engine: a RoundEngine (serving/graphs.py) for
+    this verifier, drafter and K: the prefill and the first round run part by part, every later
+    round in one engine step (one CUDA graph replay when the engine holds a graph)."""
     k = num_spec_tokens
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_spec_tokens must be an int >= 1, got {k!r}")
-    if k > drafter.num_depths:
-        raise ValueError(
-            f"num_spec_tokens {k} is larger than the drafter's num_depths {drafter.num_depths} "
-            "(it was trained to draft at most that many tokens in parallel)"
-        )
-    if verifier.aux_layer_ids is None or list(verifier.aux_layer_ids) != list(drafter.aux_layer_ids):
-        raise ValueError(
-            f"the verifier must capture the drafter's aux layers {drafter.aux_layer_ids}, got {verifier.aux_layer_ids}"
-        )
+    _check_spec_args(verifier, drafter, k)
+    if engine is not None and (engine.k != k or engine.verifier is not verifier or engine.drafter is not drafter):
+        raise ValueError("the engine was built for another verifier, drafter or num_spec_tokens")
     dev = verifier.device
     prompt = _as_prompt(prompt_ids, dev)
     n = prompt.shape[0]
@@ -171,6 +200,13 @@ def speculative_generate(
     eos = _eos_set(eos_token_id)
     # draft positions reach (last accepted) + K - 1 < n + max_new_tokens + K
     capacity = -(-(n + max_new_tokens + k) // BLOCK_SIZE) * BLOCK_SIZE
+    if engine is not None:
+        if capacity > engine.capacity:
+            raise ValueError(
+                f"prompt + max_new_tokens + K = {n + max_new_tokens + k} exceeds the engine's "
+                f"capacity {engine.capacity}"
+            )
+        capacity = engine.capacity
     block_table = torch.arange(capacity // BLOCK_SIZE, dtype=torch.int32, device=dev)[None]
     qsl = torch.tensor([0, 0], dtype=torch.int32, device=dev)
     mask_hidden = drafter.mask_hidden.to(dev)
@@ -178,30 +214,33 @@ def speculative_generate(
     _sync(dev)
     t0 = time.perf_counter()
     drafter.reset(capacity)
-    cache = verifier.new_cache()
+    if engine is not None:
+        engine.check()
+    cache = engine.cache if engine is not None else verifier.new_cache(capacity)
     accepted: list[int] = []
-    clock = [0.0, 0.0]  # draft, verify
+    clock = dict.fromkeys(PROFILE_PARTS, 0.0)
+    mark = [t0]
 
-    def tick(i, since):
+    def tick(part):
         if profile:
             _sync(dev)
             now = time.perf_counter()
-            clock[i] += now - since
-            return now
-        return since
+            clock[part] += now - mark[0]
+            mark[0] = now
 
     with verifier.capturing():
-        t = tick(1, time.perf_counter())
+        tick("accept")
         logits, aux = verifier.forward(prompt, cache, 0, last_only=True)
-        t = tick(1, t)
+        tick("prefill")
         bonus = logits[-1].argmax().reshape(1)
         out = [int(bonus)]
         tgt_ids, tgt_pos = prompt, torch.arange(n, device=dev)
         tgt_hidden = drafter.combine_hidden(aux)
+        tick("hidden")
         n_rej = 0
         seq_len = n  # tokens in the verifier cache = position of `bonus`
         out, done = _finish(out, max_new_tokens, eos)
-        while not done:
+        while not done and (engine is None or not accepted):
             t_in = tgt_ids.shape[0]
             qsl[1] = t_in
             batch = prepare_parallel_draft_inputs(
@@ -218,12 +257,13 @@ def speculative_generate(
                 block_size=BLOCK_SIZE,
                 max_model_len=capacity,
             )
+            tick("batch")
             num_rows = t_in + k - 1 - n_rej
             drafts = drafter.propose(batch, k, num_rows, seq_len - 1 + k).to(dev)
-            t = tick(0, t)
+            tick("draft")
             verify_ids = torch.cat([bonus, drafts])
             logits, aux = verifier.forward(verify_ids, cache, seq_len)
-            t = tick(1, t)
+            tick("verify")
             greedy = logits.argmax(-1)
             n_match = torch.cumprod((drafts == greedy[:k]).int(), 0).sum()
             # one device->host copy per round: accepted count, the verified inputs and the greedy tokens
@@ -231,16 +271,39 @@ def speculative_generate(
             a = host[0]
             accepted.append(a)
             new = host[2 : a + 2] + [host[k + 2 + a]]
-            Verifier.crop(cache, seq_len + 1 + a)
-            tgt_ids, tgt_pos = verify_ids, torch.arange(seq_len, seq_len + k + 1, device=dev)
-            tgt_hidden = drafter.combine_hidden(aux)
-            n_rej = k - a
-            seq_len += 1 + a
             bonus = greedy[a].reshape(1)
             out, done = _finish(out + new, max_new_tokens, eos)
+            tick("accept")
+            verifier.crop(cache, seq_len + 1 + a)
+            tick("crop")
+            tgt_ids, tgt_pos = verify_ids, torch.arange(seq_len, seq_len + k + 1, device=dev)
+            tgt_hidden = drafter.combine_hidden(aux)
+            tick("hidden")
+            n_rej = k - a
+            if engine is not None and not done:
+                engine.begin(verify_ids, seq_len, aux, bonus, n_rej)
+            seq_len += 1 + a
+        while not done:  # engine rounds
+            host = engine.step()
+            a = host[0]
+            accepted.append(a)
+            out, done = _finish(out + host[2 : a + 2] + [host[k + 2 + a]], max_new_tokens, eos)
+            tick("engine_round")
     _sync(dev)
+    prof = None
+    if profile:
+        prof = dict(clock)
+        prof["rounds_by_part"] = min(len(accepted), 1) if engine is not None else len(accepted)
+        prof["engine_rounds"] = len(accepted) - prof["rounds_by_part"]
     return SpecResult(
-        out, n, time.perf_counter() - t0, k, accepted, clock[0] if profile else None, clock[1] if profile else None
+        out,
+        n,
+        time.perf_counter() - t0,
+        k,
+        accepted,
+        sum(v for p, v in clock.items() if p not in ("prefill", "verify", "engine_round")) if profile else None,
+        clock["verify"] + clock["prefill"] if profile else None,
+        prof,
     )
 
 

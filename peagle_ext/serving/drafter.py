@@ -86,12 +86,22 @@ class PEagleDrafter(Drafter):
         return self._mask_hidden
 
     def reset(self, capacity: int):
+        """Make room for positions 0..capacity-1 (plus one scratch slot, see forward_static).
+        The cache only grows, so buffers a CUDA graph captured stay valid."""
         cap = int(capacity)
-        if not self._k_cache or self._k_cache[0].shape[0] < cap:
-            shape = (cap, *self._kv_shape)
+        if not self._k_cache or self._k_cache[0].shape[0] < cap + 1:
+            shape = (cap + 1, *self._kv_shape)
             self._k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
             self._v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
+            # key positions of the cache slots; the scratch slot (the last) is never attended
+            self._key_pos = torch.arange(cap + 1, device=self.device)
+            self._key_pos[cap] = torch.iinfo(torch.int64).max
         self.capacity = cap
+
+    @property
+    def kv_cache_ptr(self) -> int:
+        """Address of the KV cache storage (changes when reset() reallocates it)."""
+        return self._k_cache[0].data_ptr() if self._k_cache else 0
 
     def _rope(self, pos: torch.Tensor):
         freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
@@ -106,13 +116,35 @@ class PEagleDrafter(Drafter):
     ) -> torch.Tensor:
         """Final hidden states (before the final norm) of the batch's rows `out_rows` (default
         all num_rows rows), after writing every row's K/V into the cache."""
+        r = slice(0, num_rows)
+        return self._forward(
+            batch.input_ids[r],
+            batch.positions[r],
+            batch.slot_mapping[r],
+            batch.hidden[r],
+            batch.is_masked[r],
+            self._key_pos[:context_len],
+            out_rows,
+        )
+
+    def forward_static(self, batch: DraftBatch, out_rows: torch.Tensor) -> torch.Tensor:
+        """forward_rows over ALL rows of the batch in fixed shapes, with no host sync (what a
+        CUDA graph captures): rejected rows (slot -1) write their K/V to the scratch slot, which
+        no row attends, and every row attends the whole cache under the position mask."""
+        scratch = self._k_cache[0].shape[0] - 1
+        slots = torch.where(batch.slot_mapping < 0, scratch, batch.slot_mapping)
+        return self._forward(
+            batch.input_ids, batch.positions, slots, batch.hidden, batch.is_masked, self._key_pos, out_rows
+        )
+
+    def _forward(self, ids, pos, slots, hid, is_masked, key_pos, out_rows):
         m = self.model
-        ids = batch.input_ids[:num_rows].to(self.device, torch.long)
-        pos = batch.positions[:num_rows].to(self.device)
-        slots = batch.slot_mapping[:num_rows].to(self.device)
-        hid = batch.hidden[:num_rows].to(self.device, self.dtype)
+        ids = ids.to(self.device, torch.long)
+        pos = pos.to(self.device)
+        slots = slots.to(self.device)
+        hid = hid.to(self.device, self.dtype)
+        ctx = key_pos.shape[0]
         cos, sin = self._rope(pos)
-        key_pos = torch.arange(context_len, device=self.device)
         x = None
         last = len(m.layers) - 1
         for li, layer in enumerate(m.layers):
@@ -121,8 +153,7 @@ class PEagleDrafter(Drafter):
                 emb = m.embed_tokens(ids)
                 mask_embed = getattr(m, "mask_embed", None)
                 if mask_embed is not None:  # trained with train_embeddings="mask": the MASK row lives apart
-                    is_mask = batch.is_masked[:num_rows].to(self.device)[:, None]
-                    emb = torch.where(is_mask, mask_embed.to(emb.dtype), emb)
+                    emb = torch.where(is_masked.to(self.device)[:, None], mask_embed.to(emb.dtype), emb)
                 a_in, res = layer.pre_attention(emb, hid)
             else:
                 a_in, res = layer.pre_attention(x)
@@ -138,8 +169,8 @@ class PEagleDrafter(Drafter):
             allowed = key_pos[None, :] <= q_pos[:, None]  # causal by position over the cache
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
-                self._k_cache[li][:context_len].transpose(0, 1)[None],
-                self._v_cache[li][:context_len].transpose(0, 1)[None],
+                self._k_cache[li][:ctx].transpose(0, 1)[None],
+                self._v_cache[li][:ctx].transpose(0, 1)[None],
                 attn_mask=allowed,
                 enable_gqa=attn.num_heads != attn.num_kv_heads,
             )
@@ -157,3 +188,9 @@ class PEagleDrafter(Drafter):
             raise ValueError(f"draft KV cache holds {self.capacity} positions, the round needs {context_len}")
         logits = self.draft_logits(batch, num_spec_tokens, num_rows, context_len)
         return self._draft_ids[logits.argmax(-1)]
+
+    def propose_static(self, batch: DraftBatch, num_spec_tokens: int) -> torch.Tensor:
+        """propose() in fixed shapes (forward_static): long[K] verifier token ids."""
+        rows = batch.token_indices_to_sample[:num_spec_tokens].to(self.device, torch.long)
+        h = self.forward_static(batch, rows)
+        return self._draft_ids[self.model.lm_head(self.model.norm(h)).argmax(-1)]

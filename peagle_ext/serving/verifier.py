@@ -36,7 +36,9 @@ class Verifier:
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
 
-    def new_cache(self):
+    def new_cache(self, capacity: int | None = None):
+        """A KV cache for one sequence (capacity: the positions it must hold; a DynamicCache
+        grows, so it needs none)."""
         from transformers import DynamicCache
 
         try:

@@ -40,6 +40,7 @@ from .checkpoint import (
 )
 from .dataset import cod_seed, concat_examples, epoch_order
 from .distributed import DistContext
+from .early_stop import StopRule
 from .hidden import HiddenStates
 from .metrics import Meter
 from .optim import lr_lambda, make_adamw
@@ -60,6 +61,7 @@ class TrainResult:
     skipped_steps: int = 0
     stopped_early: bool = False
     wall_s: float = 0.0
+    stop_reason: str | None = None  # an early stop or the time budget ended the run before max_steps
 
 
 def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
@@ -227,6 +229,8 @@ def _train(
     skipped = history_skipped
     val_summary = None
     stopped = False
+    rule = StopRule(s.early_stop_patience, s.early_stop_min_delta, s.max_minutes, t_start)
+    stop_reason = None
     bar = progress_bar(
         range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps, disable=not s.progress
     )
@@ -345,7 +349,10 @@ def _train(
                 + " ".join(f"d{i}={a:.3f}" for i, a in enumerate(val_summary["acc"]))
                 + f", estimated acceptance length {val_summary['accept_len']:.2f}",
             )
-        if step % s.checkpoint_every == 0 or step == s.max_steps:
+            stop_reason = rule.after_val(val_summary["loss"])
+        if s.max_minutes is not None and stop_reason is None and ctx.sum_scalar(float(rule.over_time())) > 0:
+            stop_reason = f"the time budget of {s.max_minutes:g} min is spent (--max-minutes)"
+        if step % s.checkpoint_every == 0 or step == s.max_steps or stop_reason:
             ctx.save_checkpoint(
                 out,
                 step,
@@ -365,9 +372,14 @@ def _train(
         if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
             stopped = True
             break
+        if stop_reason:
+            log.event("stop", f"stopping at step {step}: {stop_reason}", step=step)
+            break
     bar.close()
     train_summary = meter.summary()
-    result = TrainResult(out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start)
+    result = TrainResult(
+        out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start, stop_reason
+    )
     if stopped:
         return result
     final = out / "final"
@@ -386,6 +398,7 @@ def _train(
             "train": train_summary,
             "val": val_summary,
             "skipped_steps": skipped,
+            "stop_reason": stop_reason,
         }
     )
     return result

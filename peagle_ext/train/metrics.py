@@ -6,8 +6,11 @@ import torch
 
 
 def acceptance_length(acc: list[float]) -> float:
-    """Estimated accepted draft tokens per step: sum_k prod_{j<=k} acc_j (add 1 for the bonus token)."""
-    total, run = 0.0, 1.0
+    """Estimated tokens per verifier round, counted the way `peagle eval` counts them: the bonus
+    token the verifier adds every round plus the expected accepted drafts,
+    1 + sum_k prod_{j<=k} acc_j. acc[k] stands in for P(draft k+1 accepted | drafts <= k
+    accepted); the per-depth accuracies are unconditional, so this is an estimate."""
+    total, run = 1.0, 1.0
     for a in acc:
         run *= float(a)
         total += run

@@ -62,6 +62,11 @@ class TrainSettings:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     grad_clip: float = 1.0
+    # stop before max_steps (train/early_stop.py): validation evaluations without improvement,
+    # the relative improvement that counts, and a wall-clock budget in minutes
+    early_stop_patience: int | None = None
+    early_stop_min_delta: float = 0.002
+    max_minutes: float | None = None
     # bookkeeping
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16
@@ -123,6 +128,9 @@ class TrainSettings:
         need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
         need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
         need(self.dist in ("ddp", "fsdp"), f"--dist must be ddp or fsdp, got {self.dist!r}")
+        need(self.early_stop_patience is None or self.early_stop_patience >= 1, "--early-stop-patience must be >= 1")
+        need(0 <= self.early_stop_min_delta < 1, "--early-stop-min-delta must be in [0, 1)")
+        need(self.max_minutes is None or self.max_minutes > 0, "--max-minutes must be > 0")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
         need(self.epochs is None or self.epochs > 0, f"--epochs must be > 0, got {self.epochs}")

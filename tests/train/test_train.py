@@ -337,6 +337,8 @@ def test_hidden_state_disk_cache_is_reused_and_bitwise_equal(tiny, tmp_path, mon
 
 
 def test_acceptance_length_formula():
-    assert T.acceptance_length([1.0, 1.0, 1.0]) == 3.0
-    assert abs(T.acceptance_length([0.8, 0.5, 0.5]) - (0.8 + 0.4 + 0.2)) < 1e-12
-    assert T.acceptance_length([0.0, 0.9]) == 0.0
+    # tokens per round as `peagle eval` counts them: the bonus token + the accepted drafts
+    assert T.acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert abs(T.acceptance_length([0.8, 0.5, 0.5]) - (1 + 0.8 + 0.4 + 0.2)) < 1e-12
+    assert T.acceptance_length([0.0, 0.9]) == 1.0
+    assert T.acceptance_length([]) == 1.0

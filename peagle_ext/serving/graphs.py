@@ -1,0 +1,176 @@
+"""Fixed-shape decoding steps over static buffers, replayed as CUDA graphs on a GPU.
+
+A speculative round after the first has fixed shapes: K+1 verified tokens come in, 2K draft rows
+(vLLM's batch for one request) go through the drafter, K+1 tokens go through the verifier. A
+RoundEngine holds every tensor the round reads and writes (the round's inputs, the drafter's
+batch buffers, both KV caches), and one call of its `round()` does
+
+    fc(aux) -> prepare_parallel_draft_inputs(out=...) -> drafter (all 2K rows) -> argmax
+    -> verifier(bonus, d_1..d_K) -> greedy, accepted count a -> next round's inputs
+
+on the device, with no host sync, ending with one packed int tensor [a, verified ids, greedy]
+that the host reads (the only device -> host copy of a round). With cuda_graph=True the engine
+captures round() once and replays it; otherwise (and on CPU) it runs round() eagerly, which is
+the same computation: the CPU tests check it against the general decoding loop token for token.
+
+GreedyEngine is the same for plain greedy decoding (one token per step), so that the baseline
+decoding is timed with the same verifier forward and the same graph replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.parallel_draft import DraftBatch, prepare_parallel_draft_inputs
+from .drafter import PEagleDrafter
+from .static_verifier import StaticKV, StaticVerifier
+
+BLOCK_SIZE = 16
+
+
+def _capture(fn, device):
+    """A CUDA graph of fn() after two warm-up runs on a side stream (as torch.cuda.graphs asks)."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+class RoundEngine:
+    """The speculative rounds after the first, for one verifier, drafter, K and capacity."""
+
+    def __init__(
+        self, verifier: StaticVerifier, drafter: PEagleDrafter, num_spec_tokens: int, capacity: int, *, cuda_graph: bool
+    ):
+        if not isinstance(verifier, StaticVerifier):
+            raise TypeError("RoundEngine needs a StaticVerifier")
+        if not isinstance(drafter, PEagleDrafter):
+            raise TypeError("RoundEngine needs a PEagleDrafter")
+        k = int(num_spec_tokens)
+        if not 1 <= k <= drafter.num_depths:
+            raise ValueError(f"num_spec_tokens must be in [1, {drafter.num_depths}], got {num_spec_tokens!r}")
+        dev = verifier.device
+        if cuda_graph and dev.type != "cuda":
+            raise ValueError("cuda_graph=True needs the verifier on a CUDA device")
+        self.verifier, self.drafter, self.k = verifier, drafter, k
+        self.capacity = -(-int(capacity) // BLOCK_SIZE) * BLOCK_SIZE
+        self.cache: StaticKV = verifier.new_cache(self.capacity)
+        drafter.reset(self.capacity)
+        mh = drafter.mask_hidden.to(dev)
+        self._mask_hidden = mh
+        # the round's inputs: the last verified tokens, their positions and aux states, the bonus
+        self.tgt_ids = torch.zeros(k + 1, dtype=torch.int32, device=dev)
+        self.tgt_pos = torch.arange(k + 1, dtype=torch.int64, device=dev)
+        width = len(verifier.aux_layer_ids) * verifier.hidden_size
+        self.aux = torch.zeros(k + 1, width, dtype=verifier.dtype, device=dev)
+        self.bonus = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.n_rej = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.seq_len = torch.full((1,), k + 1, dtype=torch.int64, device=dev)
+        self.qsl = torch.tensor([0, k + 1], dtype=torch.int32, device=dev)
+        self.block_table = torch.arange(self.capacity // BLOCK_SIZE, dtype=torch.int32, device=dev)[None]
+        self.batch = DraftBatch.empty(k + 1, 1, k, mh.shape[-1], dtype=mh.dtype, device=dev)
+        for t in self.batch.as_tuple():
+            t.zero_()
+        self._arange = torch.arange(k + 1, dtype=torch.int64, device=dev)
+        self.out = torch.zeros(1 + 2 * (k + 1), dtype=torch.int64, device=dev)
+        self._draft_cache = drafter.kv_cache_ptr
+        self.graph = _capture(self.round, dev) if cuda_graph else None
+
+    def check(self):
+        """The drafter's KV cache must be the one this engine was built on (a larger reset()
+        reallocates it, which a captured graph would not see)."""
+        if self.drafter.kv_cache_ptr != self._draft_cache:
+            raise ValueError(
+                "the drafter's KV cache was reallocated after this engine was built: build every engine "
+                "after drafter.reset(the largest capacity)"
+            )
+
+    def round(self):
+        """One round on the engine's buffers (module docstring)."""
+        k, v, dr = self.k, self.verifier, self.drafter
+        hidden = dr.combine_hidden(self.aux).to(self._mask_hidden.dtype)
+        batch = prepare_parallel_draft_inputs(
+            self.tgt_ids,
+            self.tgt_pos,
+            self.bonus,
+            self.qsl,
+            self.n_rej,
+            hidden,
+            self._mask_hidden,
+            self.block_table,
+            num_spec_tokens=k,
+            mask_token_id=dr.mask_token_id,
+            block_size=BLOCK_SIZE,
+            max_model_len=self.capacity,
+            out=self.batch,
+        )
+        drafts = dr.propose_static(batch, k)
+        verify_ids = torch.cat([self.bonus.long(), drafts])
+        pos = self.seq_len + self._arange
+        logits, aux = v.forward_static(verify_ids, pos, self.cache)
+        greedy = logits.argmax(-1)
+        a = torch.cumprod((drafts == greedy[:k]).long(), 0).sum().reshape(1)
+        self.out.copy_(torch.cat([a, verify_ids, greedy]))
+        self.tgt_ids.copy_(verify_ids)
+        self.tgt_pos.copy_(pos)
+        self.aux.copy_(aux)
+        self.bonus.copy_(greedy.gather(0, a))
+        self.n_rej.copy_(k - a)
+        self.seq_len.add_(1 + a)
+
+    def begin(self, verify_ids, seq_len: int, aux, bonus, n_rej: int):
+        """Load the state after an eagerly run round: the tokens it verified (at positions
+        seq_len..seq_len+K), their aux states, the new bonus token and the rejected count."""
+        self.tgt_ids.copy_(verify_ids.reshape(-1))
+        self.tgt_pos.copy_(seq_len + self._arange)
+        self.aux.copy_(aux)
+        self.bonus.copy_(bonus.reshape(1))
+        self.n_rej.fill_(int(n_rej))
+        self.seq_len.fill_(int(seq_len) + self.k + 1 - int(n_rej))
+
+    def step(self) -> list[int]:
+        """Run one round; [accepted, verified ids (K+1), greedy ids (K+1)] on the host."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.round()
+        return self.out.tolist()
+
+
+class GreedyEngine:
+    """Plain greedy decoding steps (one token per verifier forward) on static buffers."""
+
+    def __init__(self, verifier: StaticVerifier, capacity: int, *, cuda_graph: bool):
+        if not isinstance(verifier, StaticVerifier):
+            raise TypeError("GreedyEngine needs a StaticVerifier")
+        dev = verifier.device
+        if cuda_graph and dev.type != "cuda":
+            raise ValueError("cuda_graph=True needs the verifier on a CUDA device")
+        self.verifier = verifier
+        self.capacity = int(capacity)
+        self.cache = verifier.new_cache(self.capacity)
+        self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.graph = _capture(self.round, dev) if cuda_graph else None
+
+    def round(self):
+        logits, _ = self.verifier.forward_static(self.tok, self.pos, self.cache, with_aux=False)
+        self.tok.copy_(logits.argmax(-1))
+        self.pos.add_(1)
+
+    def begin(self, tok: int, pos: int):
+        self.tok.fill_(int(tok))
+        self.pos.fill_(int(pos))
+
+    def step(self) -> int:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.round()
+        return int(self.tok)

@@ -1,0 +1,196 @@
+"""A transformers causal LM of the Llama family run on one sequence with a preallocated KV cache:
+the verifier forward that speculative decoding needs in fixed shapes, so that CUDA graphs can
+capture it (peagle_ext.serving.graphs).
+
+It runs the model's own modules (embeddings, q/k/v/o projections, q/k norms of Qwen3, MLPs,
+norms, lm_head) in the order transformers' Llama/Qwen decoder layers run them, with its own
+attention over a [kv heads, capacity, head dim] cache per layer. A position's K/V is written when
+a token at that position is run; tokens are never removed: a later forward at the same positions
+overwrites them, and every query attends only the cache positions <= its own, so entries past
+the sequence (rejected drafts) are never read. Cropping is therefore free.
+
+Two forms of the same computation: forward() (the Verifier interface: any number of tokens,
+attention over the filled positions only) and forward_static() (a fixed number of tokens at
+positions given as a device tensor, attention over the whole capacity under the position mask,
+no host sync: what a CUDA graph captures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..data import check_aux_layer_ids, decoder_parts
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def static_verifier_support(model) -> str | None:
+    """None when StaticVerifier runs `model`, else why not."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {mt!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", mt == "mistral"):
+        return "sliding-window attention"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
+        return f"rope type {rope.get('rope_type')!r} (its frequencies depend on the sequence length)"
+    try:
+        _, layers, _ = decoder_parts(model)
+    except TypeError as e:
+        return str(e)
+    a = getattr(layers[0], "self_attn", None)
+    if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "decoder layers without self_attn.{q,k,v,o}_proj"
+    return None
+
+
+class StaticKV:
+    """Per-layer K and V [kv heads, capacity, head dim] and the filled length (for forward())."""
+
+    def __init__(self, num_layers, kv_heads, capacity, head_dim, *, device, dtype):
+        shape = (kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class StaticVerifier:
+    """The Verifier interface (serving/verifier.py) over a StaticKV cache (module docstring)."""
+
+    def __init__(self, model, aux_layer_ids=None, *, capacity: int | None = None):
+        why = static_verifier_support(model)
+        if why is not None:
+            raise ValueError(f"StaticVerifier does not run this model: {why}")
+        self.model = model
+        self._base, self._layers, self._norm = decoder_parts(model)
+        self.num_layers = len(self._layers)
+        self.aux_layer_ids = None if aux_layer_ids is None else check_aux_layer_ids(aux_layer_ids, self.num_layers)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = getattr(model.config, "text_config", None) or model.config
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        a = self._layers[0].self_attn
+        self.num_heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
+        self.scale = float(getattr(a, "scaling", self.head_dim**-0.5))
+        rot = getattr(self._base, "rotary_emb", None)
+        if rot is not None and hasattr(rot, "inv_freq"):
+            self._inv_freq = rot.inv_freq.detach().float().to(self.device)
+            self._rope_scale = float(getattr(rot, "attention_scaling", 1.0))
+        else:
+            from ..model.layers import rope_inv_freq
+
+            inv, self._rope_scale = rope_inv_freq(cfg, self.head_dim)
+            self._inv_freq = inv.to(self.device)
+        self.default_capacity = capacity
+        self._capturing = False
+        self._embed = model.get_input_embeddings()
+        self._head = model.get_output_embeddings()
+
+    # -- the Verifier interface -------------------------------------------------------------------
+    def new_cache(self, capacity: int | None = None) -> StaticKV:
+        cap = capacity or self.default_capacity or self.max_positions
+        if not cap:
+            raise ValueError("StaticVerifier.new_cache needs a capacity (the config has no max_position_embeddings)")
+        return StaticKV(self.num_layers, self.kv_heads, int(cap), self.head_dim, device=self.device, dtype=self.dtype)
+
+    @staticmethod
+    def crop(cache: StaticKV, length: int):
+        """Keep the first `length` positions: later ones are overwritten before anything reads them."""
+        cache.length = min(cache.length, int(length))
+
+    @contextlib.contextmanager
+    def capturing(self):
+        if self.aux_layer_ids is None:
+            raise ValueError("this StaticVerifier was built without aux_layer_ids")
+        self._capturing = True
+        try:
+            yield self
+        finally:
+            self._capturing = False
+
+    def forward(self, ids: torch.Tensor, cache: StaticKV, start: int, *, last_only: bool = False):
+        """(logits [T or 1, V], aux [T, n_aux*H] or None) of tokens `ids` [T] at positions
+        start..start+T-1; attention over positions < start + T."""
+        t = ids.shape[0]
+        if start + t > cache.capacity:
+            raise ValueError(f"the KV cache holds {cache.capacity} positions, the forward needs {start + t}")
+        pos = torch.arange(start, start + t, device=self.device)
+        logits, aux = self._run(ids.to(self.device), pos, cache, start + t, last_only, self._capturing)
+        cache.length = start + t
+        return logits, aux
+
+    # -- the fixed-shape form (CUDA graphs) -------------------------------------------------------
+    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache: StaticKV, *, with_aux: bool = True):
+        """forward() of tokens `ids` [T] at positions `pos` [T] (a device tensor), attending the
+        whole capacity under the position mask: no shape or control flow depends on values."""
+        return self._run(ids, pos, cache, None, False, with_aux)
+
+    def _rope(self, pos):
+        freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], -1)
+        return (emb.cos() * self._rope_scale).to(self.dtype)[None], (emb.sin() * self._rope_scale).to(self.dtype)[None]
+
+    def _run(self, ids, pos, cache: StaticKV, ctx: int | None, last_only: bool, with_aux: bool):
+        t = ids.shape[0]
+        x = self._embed(ids.long())
+        cos, sin = self._rope(pos)  # [1, T, D]
+        if ctx is None:
+            key_pos = torch.arange(cache.capacity, device=self.device)
+        else:
+            key_pos = torch.arange(ctx, device=self.device)
+        allowed = key_pos[None, :] <= pos[:, None]
+        aux_ids = self.aux_layer_ids if with_aux else None
+        captured = {}
+        L = self.num_layers
+        for li, layer in enumerate(self._layers):
+            if aux_ids is not None and li in aux_ids:
+                captured[li] = x
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(t, self.num_heads, self.head_dim).transpose(0, 1)
+            k = a.k_proj(h).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+            v = a.v_proj(h).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+            if getattr(a, "q_norm", None) is not None:
+                q = a.q_norm(q)
+            if getattr(a, "k_norm", None) is not None:
+                k = a.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = cache.k[li], cache.v[li]
+            kc.index_copy_(1, pos, k.to(kc.dtype))
+            vc.index_copy_(1, pos, v.to(vc.dtype))
+            if ctx is not None:
+                kc, vc = kc[:, :ctx], vc[:, :ctx]
+            o = F.scaled_dot_product_attention(
+                q[None],
+                kc[None],
+                vc[None],
+                attn_mask=allowed,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.kv_heads,
+            )[0]
+            x = x + a.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if aux_ids is not None and L in aux_ids:
+            captured[L] = x
+        h = self._norm(x[-1:] if last_only else x)
+        logits = self._head(h)
+        aux = torch.cat([captured[i] for i in aux_ids], dim=-1) if aux_ids is not None else None
+        return logits, aux
+
+
+def _rotate_half(x):
+    d = x.shape[-1] // 2
+    return torch.cat((-x[..., d:], x[..., :d]), dim=-1)

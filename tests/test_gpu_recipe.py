@@ -1,0 +1,138 @@
+"""scripts/smollm2_gpu.sh rehearsed on the CPU with a tiny verifier in a bundle laid out as
+tools/device_bundle.py writes it: every phase runs, a second run finds every phase done, the
+results come back as results.md + results.tgz; and device_bundle's conversation cut keeps the
+first max_tokens tokens and their loss mask."""
+
+import json
+import lzma
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    b = tmp_path_factory.mktemp("bundle")
+    make_tiny_verifier(b / "verifier")
+    chats = make_chat_jsonl(b / "chats.jsonl", n=24, turns=2, words=(4, 10))
+    with lzma.open(b / "sharegpt.jsonl.xz", "wt") as f:
+        f.write(chats.read_text())
+    for name in ("mtbench", "humaneval"):
+        (b / f"{name}.jsonl").write_text('{"prompt": "the water is hot"}\n{"prompt": "how many people know"}\n')
+    return b
+
+
+def _run(bundle, work, *phases):
+    env = {
+        **os.environ,
+        "DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "K": "2",
+        "SEQ": "96",
+        "SETTINGS": "1:orig 1:regen",
+        "EVAL_FULL": "1:regen",
+        "EVAL_K": "2",
+        "DRAFT_VOCAB": "none",
+        "BATCH": "1",
+        "MAX_STEPS": "4",
+        "WARMUP": "1",
+        "VAL_EVERY": "2",
+        "HOLDOUT": "3",
+        "VAL_FRACTION": "0.2",
+        "DATAGEN_TOKENS": "6",
+        "DATAGEN_BATCH": "8",
+        "EVAL_TOKENS": "6",
+        "OUT": str(work / "out"),
+    }
+    return subprocess.run(
+        ["bash", "scripts/smollm2_gpu.sh", "--bundle", str(bundle), "--work", str(work), *phases],
+        cwd=str(ROOT),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+
+
+def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
+    work = tmp_path / "work"
+    r = _run(bundle, work, "all")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sum(1 for _ in open(work / "data" / "heldout.jsonl")) == 3
+    regen = [json.loads(x) for x in open(work / "data" / "regen.jsonl")]
+    assert len(regen) == 21 and all(len(x["messages"]) in (0, 2) for x in regen)
+    for s in ("L1-orig", "L1-regen"):
+        assert (work / "train" / s / "final" / "config.json").is_file()
+    ev = work / "eval"
+    assert {p.name for p in ev.glob("*.json")} >= {
+        "L1-regen_mtbench.json",
+        "L1-regen_humaneval.json",
+        "L1-orig_mtbench.json",
+        "consistency_L1-regen.json",
+    }
+    full = json.loads((ev / "L1-regen_mtbench.json").read_text())
+    assert [s["num_spec_tokens"] for s in full["k_sweep"]] == [1, 2] and full["lossless"] and full["profile"]
+    assert (ev / "L1-regen_mtbench_k_sweep.png").is_file()
+    md = (work / "out" / "results.md").read_text()
+    assert "| L1-regen | mtbench | 2 |" in md and "L1-orig: step 4 (max steps), val loss" in md
+    with tarfile.open(work / "out" / "results.tgz") as t:
+        assert "eval/L1-regen_humaneval.json" in t.getnames()
+    # every phase resumes as done
+    r = _run(bundle, work, "data", "datagen", "train", "eval")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train 1:orig: done" in r.stdout and "eval L1-orig_mtbench: done" in r.stdout
+    assert "0 conversations written this run (21 were already" in r.stdout
+    # bad phase: exit 2 and one line
+    r = _run(bundle, work, "nope")
+    assert r.returncode == 2 and "unknown argument nope" in r.stderr
+
+
+def test_bundle_cut_keeps_the_first_tokens(tmp_path):
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from peagle_ext.data import load_conversations, tokenize_conversation
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from device_bundle import truncate_conversation
+
+    v = make_tiny_verifier(tmp_path / "v")
+    tok = AutoTokenizer.from_pretrained(v)
+    convs = load_conversations(str(make_chat_jsonl(tmp_path / "c.jsonl", n=30, turns=4, words=(5, 40), seed=3)))
+    cut = 0
+    for c in convs:
+        t = truncate_conversation(tok, c, 48, margin=8)
+        cut += t != c
+        assert t[-1]["role"] == "assistant"
+        a, ma = tokenize_conversation(tok, c, max_len=48)
+        b, mb = tokenize_conversation(tok, t, max_len=48)
+        assert a.tolist() == b.tolist() and ma.tolist() == mb.tolist()
+    assert cut > 10
+
+
+def test_bundle_join_checks_parts(tmp_path):
+    import hashlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from device_bundle import join
+
+    blob = bytes(range(256)) * 40
+    (tmp_path / "gguf.part00").write_bytes(blob[:6000])
+    sha = hashlib.sha256(blob).hexdigest()
+    man = {"gguf": {"size": len(blob), "sha256": sha, "parts": ["gguf.part00", "gguf.part01"]}}
+    (tmp_path / "MANIFEST.json").write_text(json.dumps(man))
+    join(tmp_path, if_complete=True)  # a part is still on its way: nothing happens
+    assert not (tmp_path / "verifier.gguf").exists()
+    with pytest.raises(SystemExit, match="missing gguf.part01"):
+        join(tmp_path)
+    (tmp_path / "gguf.part01").write_bytes(blob[6000:-1] + b"x")  # a damaged part
+    with pytest.raises(SystemExit, match="sha256"):
+        join(tmp_path)
+    assert not (tmp_path / "verifier.gguf").exists() and not (tmp_path / "verifier.tmp").exists()

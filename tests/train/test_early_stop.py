@@ -1,0 +1,69 @@
+"""Stopping before --max-steps: on a validation-loss plateau (--early-stop-patience) and on the
+time budget (--max-minutes); both save a checkpoint and final/ like a finished run."""
+
+import json
+
+import pytest
+
+from peagle_ext.train import TrainSettings, train
+from peagle_ext.train.early_stop import StopRule
+from peagle_ext.train.settings import TrainError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _settings(tiny, out, **kw):
+    v, data = tiny
+    base = dict(
+        verifier=str(v),
+        data=str(data),
+        output=str(out),
+        seq_len=64,
+        num_depths=2,
+        max_steps=20,
+        draft_vocab_size=None,
+        dtype="float32",
+        checkpoint_every=100,
+        val_every=1,
+        val_fraction=0.2,
+        warmup_steps=1,
+        progress=False,
+        num_conversations=None,
+        background_hidden=False,
+    )
+    base.update(kw)
+    return TrainSettings(**base)
+
+
+def test_stop_rule():
+    r = StopRule(2, 0.1, None, 0.0)
+    assert r.after_val(1.0) is None and r.after_val(0.8) is None  # improvements
+    assert r.after_val(0.75) is None  # < 10% better: one bad evaluation
+    assert r.after_val(0.5) is None  # better again: the count restarts
+    assert r.after_val(0.49) is None and "2 evaluations" in r.after_val(0.6)
+    assert StopRule(None, 0.1, None, 0.0).after_val(5.0) is None
+    assert not StopRule(None, 0.0, None, 0.0).over_time() and StopRule(None, 0.0, 1e-9, 0.0).over_time()
+
+
+def test_early_stop_on_plateau_saves_final(tiny, tmp_path):
+    # an improvement must halve the loss: after the first evaluation none does
+    r = train(_settings(tiny, tmp_path / "run", early_stop_patience=2, early_stop_min_delta=0.5))
+    assert r.steps == 3 and r.stop_reason and "--early-stop-patience 2" in r.stop_reason
+    assert (r.final_dir / "model.safetensors").is_file() and (tmp_path / "run" / "checkpoint-3").is_dir()
+    events = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "stop" for e in events) and events[-1]["event"] == "done"
+
+
+def test_time_budget_saves_final(tiny, tmp_path):
+    r = train(_settings(tiny, tmp_path / "run", max_minutes=1e-6, val_every=100))
+    assert r.steps == 1 and "--max-minutes" in r.stop_reason and r.final_dir.is_dir()
+
+
+def test_bad_stop_settings(tiny, tmp_path):
+    for kw, flag in (
+        ({"early_stop_patience": 0}, "--early-stop-patience"),
+        ({"early_stop_min_delta": 1.0}, "--early-stop-min-delta"),
+        ({"max_minutes": 0}, "--max-minutes"),
+    ):
+        with pytest.raises(TrainError, match=flag):
+            _settings(tiny, tmp_path / "x", **kw).validate()

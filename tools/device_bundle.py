@@ -1,0 +1,218 @@
+"""The inputs of the SmolLM2 GPU study (scripts/smollm2_gpu.sh) for a machine with no network and
+a limit on the files each run may carry: written here, joined there.
+
+    python tools/device_bundle.py pack BUNDLE [--max-tokens 2048] [--part-mib 56]
+        BUNDLE/sharegpt.jsonl.xz      every usable ShareGPT conversation, {"messages": [...]} a
+                                      line, each cut after the message that crosses --max-tokens
+                                      tokens of SmolLM2's chat template (plus a margin), which is
+                                      all a run at that seq-len reads of it
+        BUNDLE/mtbench.jsonl          the 80 MT-Bench first turns and the 164 HumanEval problems,
+        BUNDLE/humaneval.jsonl        as the prompts `peagle eval --bench mtbench|humaneval` uses
+        BUNDLE/verifier/              SmolLM2's config, tokenizer and chat template files
+        BUNDLE/gguf.part00, ...       the SmolLM2 GGUF cut in parts of at most --part-mib MiB
+        BUNDLE/gguf/                  the pure-Python `gguf` package transformers reads GGUF with
+        BUNDLE/MANIFEST.json          sizes and sha256 of everything, and which files a run carries
+    python tools/device_bundle.py join BUNDLE [--if-complete]
+        joins the parts into BUNDLE/verifier.gguf (checking the sha256) and converts it into the
+        transformers directory BUNDLE/verifier/ (peagle_ext.data.convert_gguf_to_hf)
+
+The parts exist because one run carries at most 64 MiB: the runs that carry the parts must follow
+each other on one machine (files written there outside $OUT survive between runs only while the
+machine is held); the manifest's "runs" says which files go with which run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMALL_VERIFIER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def truncate_conversation(tokenizer, messages: list[dict], max_tokens: int, margin: int = 64) -> list[dict]:
+    """What a run at seq-len max_tokens reads of a conversation: the messages up to character
+    `cut`, where token max_tokens + margin of the rendered conversation starts, the one crossing
+    it cut there. BPE merges are local, so the first max_tokens tokens and their loss mask are
+    the untruncated conversation's. When that leaves a user turn last, the next answer follows it
+    cut to a few characters (all beyond the cut): loaders drop a conversation's trailing user
+    turns, and this one counts. Unchanged when the contents are not verbatim in the rendering."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    offs = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offs) <= max_tokens + margin:
+        return messages
+    cut = offs[max_tokens + margin][0]
+    out, pos = [], 0
+    for m in messages:
+        start = text.find(m["content"], pos)
+        if start < 0:
+            return messages
+        if start >= cut:
+            break
+        end = start + len(m["content"])
+        out.append(m if end <= cut else {"role": m["role"], "content": m["content"][: cut - start]})
+        pos = end
+        if end > cut:
+            break
+    if out and out[-1]["role"] != "assistant":
+        nxt = next((m for m in messages[len(out) :] if m["role"] == "assistant"), None)
+        if nxt is None:
+            return messages
+        out.append({"role": "assistant", "content": nxt["content"][:16]})
+    return out
+
+
+def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep_data: bool = False):
+    import importlib.util
+
+    from peagle_ext.data import load_conversations, load_eval_prompts, resolve_verifier_path, smollm2_gguf_path
+
+    bundle.mkdir(parents=True, exist_ok=True)
+    vdir = resolve_verifier_path("smollm2")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vdir, local_files_only=True)
+    (bundle / "verifier").mkdir(exist_ok=True)
+    for name in SMALL_VERIFIER_FILES:
+        shutil.copy2(vdir / name, bundle / "verifier" / name)
+    if (vdir / "chat_template.jinja").is_file():
+        shutil.copy2(vdir / "chat_template.jinja", bundle / "verifier" / "chat_template.jinja")
+
+    convs = load_conversations("sharegpt", limit=limit)
+    raw_chars = sum(len(m["content"]) for c in convs for m in c)
+    kept_chars = 0
+    data = bundle / "sharegpt.jsonl.xz"
+    old = bundle / "MANIFEST.json"
+    old = json.loads(old.read_text()) if old.is_file() else {}
+    if keep_data and data.is_file() and old.get("max_tokens") == max_tokens and old.get("conversations") == len(convs):
+        kept_chars = old["content_chars"]["kept"]  # the data of an earlier pack with these settings
+    else:
+        with lzma.open(data, "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as f:
+            for c in convs:
+                t = truncate_conversation(tok, c, max_tokens)
+                kept_chars += sum(len(m["content"]) for m in t)
+                f.write(json.dumps({"messages": t}, ensure_ascii=False) + "\n")
+    for bench in ("mtbench", "humaneval"):
+        with open(bundle / f"{bench}.jsonl", "w", encoding="utf-8") as f:
+            for msgs in load_eval_prompts(bench):
+                f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+
+    gguf = smollm2_gguf_path()
+    for old_part in bundle.glob("gguf.part*"):
+        old_part.unlink()
+    part = int(part_mib * 2**20)
+    parts = []
+    with open(gguf, "rb") as src:
+        while True:
+            chunk = src.read(part)
+            if not chunk:
+                break
+            p = bundle / f"gguf.part{len(parts):02d}"
+            p.write_bytes(chunk)
+            parts.append(p.name)
+    spec = importlib.util.find_spec("gguf")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    shutil.rmtree(bundle / "gguf", ignore_errors=True)
+    shutil.copytree(pkg, bundle / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
+
+    files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
+    sizes = {str(p.relative_to(bundle)): p.stat().st_size for p in files}
+    common = [k for k in sizes if not k.startswith("gguf.part") and k != "sharegpt.jsonl.xz"]
+    # what a run carries, by top-level entry (a device call takes at most 8 carried paths)
+    tops = sorted({k.split("/")[0] for k in common} | {"MANIFEST.json"})
+    mib = 2**20
+    manifest = {
+        "max_tokens": max_tokens,
+        "conversations": len(convs),
+        "content_chars": {"original": raw_chars, "kept": kept_chars},
+        "gguf": {"name": gguf.name, "size": gguf.stat().st_size, "sha256": _sha256(gguf), "parts": parts},
+        "files": {k: {"bytes": v, "sha256": _sha256(bundle / k)} for k, v in sizes.items()},
+        # what each run carries (besides the repository): the parts go with runs on one machine
+        "runs": [
+            {"carry": [*tops, parts[0]], "mib": (sum(sizes[k] for k in common) + sizes[parts[0]]) / mib},
+            *[{"carry": [p], "mib": sizes[p] / mib} for p in parts[1:-1]],
+            {
+                "carry": [parts[-1], "sharegpt.jsonl.xz"],
+                "mib": (sizes[parts[-1]] + sizes["sharegpt.jsonl.xz"]) / mib,
+            },
+        ],
+    }
+    (bundle / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    for k, v in sizes.items():
+        print(f"{v / mib:8.2f} MiB  {k}")
+    print(
+        f"{len(convs)} conversations, content {raw_chars / 1e6:.1f}M -> {kept_chars / 1e6:.1f}M characters "
+        f"(cut after {max_tokens} tokens + margin); runs: " + ", ".join(f"{r['mib']:.1f} MiB" for r in manifest["runs"])
+    )
+
+
+def join(bundle: Path, if_complete: bool = False):
+    if (bundle / "verifier" / "model.safetensors").is_file():
+        print(f"verifier: {bundle / 'verifier'} (joined before)")
+        return
+    man = json.loads((bundle / "MANIFEST.json").read_text())
+    g = man["gguf"]
+    out = bundle / "verifier.gguf"
+    if not (out.is_file() and out.stat().st_size == g["size"] and _sha256(out) == g["sha256"]):
+        missing = [p for p in g["parts"] if not (bundle / p).is_file()]
+        if missing and if_complete:
+            print(f"device_bundle join: {', '.join(missing)} not here yet; nothing joined")
+            return
+        if missing:
+            raise SystemExit(f"device_bundle join: missing {', '.join(missing)} in {bundle} (carry every part first)")
+        tmp = out.with_suffix(".tmp")
+        with open(tmp, "wb") as dst:
+            for p in g["parts"]:
+                with open(bundle / p, "rb") as src:
+                    shutil.copyfileobj(src, dst)
+        if _sha256(tmp) != g["sha256"]:
+            tmp.unlink()
+            raise SystemExit("device_bundle join: the joined GGUF does not match the manifest's sha256")
+        tmp.replace(out)
+    if not (bundle / "verifier" / "model.safetensors").is_file():
+        sys.path.insert(0, str(bundle))  # the bundled gguf package
+        from peagle_ext.data import convert_gguf_to_hf
+
+        small = {n: (bundle / "verifier" / n).read_bytes() for n in SMALL_VERIFIER_FILES}
+        convert_gguf_to_hf(out, bundle / "verifier")
+        for n, b in small.items():  # the tokenizer and config as converted where the bundle was made
+            (bundle / "verifier" / n).write_bytes(b)
+    print(f"verifier: {bundle / 'verifier'}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("bundle")
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--part-mib", type=float, default=52.0)
+    p.add_argument("--limit", type=int, default=None, help="first N conversations only (a quick check)")
+    p.add_argument("--keep-data", action="store_true", help="keep BUNDLE/sharegpt.jsonl.xz of an earlier pack")
+    j = sub.add_parser("join")
+    j.add_argument("bundle")
+    j.add_argument("--if-complete", action="store_true", help="exit 0 without joining while parts are missing")
+    a = ap.parse_args(argv)
+    if a.cmd == "pack":
+        pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit, a.keep_data)
+    else:
+        join(Path(a.bundle), a.if_complete)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
