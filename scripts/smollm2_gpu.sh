@@ -59,6 +59,7 @@ WARMUP=${WARMUP:-100}
 VAL_EVERY=${VAL_EVERY:-250}
 PATIENCE=${PATIENCE:-3}            # validation evaluations without a 0.2% better loss -> stop
 TRAIN_MINUTES=${TRAIN_MINUTES:-3}  # per setting and call; a later call resumes
+TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
 VAL_FRACTION=${VAL_FRACTION:-0.02}  # of the training conversations: the validation split
 HOLDOUT=${HOLDOUT:-200}            # last conversations kept out of training (consistency phase)
 DATAGEN_TOKENS=${DATAGEN_TOKENS:-256}
@@ -154,22 +155,34 @@ sys.exit(0 if done and "--max-minutes" not in (done[-1].get("stop_reason") or ""
 EOF
 }
 
+train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
+  local s=$1 layers=${1%%:*} data=${1##*:} dir=$WORK/train/L${1%%:*}-${1##*:}
+  local file=$DATA/train.jsonl
+  [ "$data" = regen ] && file=$DATA/regen.jsonl
+  if train_done "$dir"; then note "train $s: done ($dir/final)"; return 0; fi
+  local resume=() rc=0
+  ls -d "$dir"/checkpoint-* > /dev/null 2>&1 && resume=(--resume)
+  note "train $s: $([ ${#resume[@]} -gt 0 ] && echo resuming || echo starting) on $file"
+  mkdir -p "$WORK/logs"
+  timed $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
+    --num-conversations none --seq-len "$SEQ" --num-depths "$K" --num-layers "$layers" \
+    --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
+    --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
+    --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --no-progress "${resume[@]}" \
+    > "$WORK/logs/train_L${layers}-${data}.log" 2>&1 || rc=$?
+  tail -12 "$WORK/logs/train_L${layers}-${data}.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"
+  return $rc
+}
+
 phase_train() {
+  # TRAIN_PARALLEL=1: the settings train side by side on one GPU (a small drafter's step is
+  # launch-bound, so several processes share the GPU at little cost to each)
+  local pids=() rc=0
   for s in $SETTINGS; do
-    local layers=${s%%:*} data=${s##*:} dir=$WORK/train/L${s%%:*}-${s##*:}
-    local file=$DATA/train.jsonl
-    [ "$data" = regen ] && file=$DATA/regen.jsonl
-    if train_done "$dir"; then note "train $s: done ($dir/final)"; continue; fi
-    local resume=()
-    ls -d "$dir"/checkpoint-* > /dev/null 2>&1 && resume=(--resume)
-    note "train $s: $([ ${#resume[@]} -gt 0 ] && echo resuming || echo starting) on $file"
-    timed $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
-      --num-conversations none --seq-len "$SEQ" --num-depths "$K" --num-layers "$layers" \
-      --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
-      --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
-      --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --no-progress "${resume[@]}" \
-      2>&1 | tail -12 | tee -a "$SUMMARY"
+    if [ "$TRAIN_PARALLEL" = 1 ]; then train_one "$s" & pids+=($!); else train_one "$s" || rc=1; fi
   done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  return $rc
 }
 
 eval_one() {  # setting bench K-args...
@@ -237,7 +250,7 @@ for f in sorted(work.glob("train/*/log.jsonl")):
 (out / "results.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
-  (cd "$WORK" && tar czf "$OUT/results.tgz" eval train/*/log.jsonl train/*/*.png 2>/dev/null || true)
+  (cd "$WORK" && tar czf "$OUT/results.tgz" eval logs train/*/log.jsonl train/*/*.png 2>/dev/null || true)
 }
 
 note "== smollm2_gpu.sh ${phases[*]} (work $WORK, bundle ${BUNDLE:-none}) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
