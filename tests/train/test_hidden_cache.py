@@ -6,9 +6,6 @@ same cache as 1, a cache whose writer rank was killed resumes, no rank waits for
 ranks train from a complete cache."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,8 @@ import torch.distributed as dist
 from peagle_ext import data as D
 from peagle_ext.cli import main
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+from tests.helpers import torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
 requires_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -167,16 +164,9 @@ def test_device_map_placement_gives_the_same_states(setup):
 # ---------------------------------------------------------------------------------------------
 # torchrun (gloo / CPU)
 # ---------------------------------------------------------------------------------------------
-def _torchrun(nproc, args, env_extra=None, timeout=240):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-        **(env_extra or {}),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return subprocess.run(
-        cmd + ["-m", "peagle_ext.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT)
+def _torchrun_cli(nproc, args, env_extra=None, retry_teardown_abort=True):
+    return torchrun(
+        nproc, ["-m", "peagle_ext.cli", *args], env_extra=env_extra, retry_teardown_abort=retry_teardown_abort
     )
 
 
@@ -185,12 +175,13 @@ def test_two_ranks_write_the_one_rank_cache_and_resume_after_a_kill(setup, one_r
     out = tmp_path / "cache"
     args = hidden_states_args(setup, out, "--dtype", "float32")
     # rank 1 is killed after its first shard: the run fails, the shards written so far stay
-    r = _torchrun(2, args, {"PEAGLE_TEST_KILL_AFTER": "1:1"})
+    # no retry: the killed rank is the point
+    r = _torchrun_cli(2, args, {"PEAGLE_TEST_KILL_AFTER": "1:1"}, retry_teardown_abort=False)
     assert r.returncode != 0
     have = json.loads((out / "train" / "index.json").read_text())["shards"]
     n = len(json.loads((one_rank_cache / "train" / "index.json").read_text())["shards"])
     assert 1 <= len(have) < n
-    r = _torchrun(2, args)
+    r = _torchrun_cli(2, args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert cache_files(out) == cache_files(one_rank_cache)  # bit for bit, index included
 
@@ -214,7 +205,7 @@ def test_two_ranks_train_from_a_complete_cache(setup, one_rank_cache, tmp_path):
     flags += ["--num-depths", "2", "--draft-vocab-size", "none", "--dtype", "float32", "--max-steps", "4"]
     flags += ["--val-every", "2", "--checkpoint-every", "2", "--log-every", "1", "--warmup-steps", "1"]
     flags += ["--no-progress", "--hidden-cache-dir", str(one_rank_cache)]
-    r = _torchrun(2, flags)
+    r = _torchrun_cli(2, flags)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "only its final norm, lm_head and embeddings loaded" in (tmp_path / "two" / "log.jsonl").read_text()
     assert_same_weights(ref.final_dir, tmp_path / "two" / "final")
