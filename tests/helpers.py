@@ -67,6 +67,24 @@ def torchrun(nproc: int, args: list[str], *, env_extra=None, timeout=240, retry_
     return r
 
 
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def assert_same_weights(a_dir, b_dir):
+    """The model.safetensors of two checkpoint directories hold the same tensors (floats to 1e-6)."""
+    a, b = _weights(a_dir), _weights(b_dir)
+    assert set(a) == set(b)
+    for k in a:
+        if a[k].is_floating_point():
+            scale = float(a[k].abs().max())
+            torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6 * scale, msg=lambda m, k=k: f"{k}: {m}")
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
 def mask_from_metadata(lay, meta, cross):
     """Dense [T, N+T] count of how often each (query, key) pair is visited: range keys in the
     first N columns, layout tokens after them (symmetric depth-0 range rows map to tokens 0..N-1)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import ROOT, torchrun
+from tests.helpers import ROOT, assert_same_weights, torchrun
 
 requires_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -75,23 +75,6 @@ def reference(tiny, tmp_path_factory):
     r = train(settings(tiny, out, max_steps=6, grad_accum=2))
     assert r.final_dir is not None
     return out
-
-
-def _weights(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(path) / "model.safetensors"))
-
-
-def assert_same_weights(a_dir, b_dir):
-    a, b = _weights(a_dir), _weights(b_dir)
-    assert set(a) == set(b)
-    for k in a:
-        if a[k].is_floating_point():
-            scale = float(a[k].abs().max())
-            torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6 * scale, msg=lambda m, k=k: f"{k}: {m}")
-        else:
-            assert torch.equal(a[k], b[k]), k
 
 
 def _records(out, split):

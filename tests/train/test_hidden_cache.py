@@ -15,7 +15,7 @@ import torch.distributed as dist
 from peagle_ext import data as D
 from peagle_ext.cli import main
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
-from tests.helpers import torchrun
+from tests.helpers import assert_same_weights, torchrun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 requires_gloo = pytest.mark.skipif(
@@ -186,18 +186,32 @@ def test_two_ranks_write_the_one_rank_cache_and_resume_after_a_kill(setup, one_r
     assert cache_files(out) == cache_files(one_rank_cache)  # bit for bit, index included
 
 
-def test_a_missing_rank_is_a_timeout_not_a_hang(setup, tmp_path, monkeypatch):
-    """Rank 0 of a world of 2 whose rank 1 never comes: a clear error after the timeout."""
+def test_a_missing_rank_is_a_timeout_not_a_hang(setup, tmp_path, monkeypatch, capsys):
+    """Rank 0 of a world of 2 whose rank 1 never comes: a clear error after the timeout, naming
+    the rank whose shards are missing and saying that a rerun resumes."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     rc = main(hidden_states_args(setup, tmp_path / "c", "--dtype", "float32", "--timeout-s", "2"))
     assert rc == 2
+    err = capsys.readouterr().err
+    assert "did not appear within 2 s" in err and "rank(s) [1]" in err and "Run again to resume" in err
+
+
+@requires_gloo
+def test_a_two_rank_cache_killed_midway_resumes_on_one_rank(setup, one_rank_cache, tmp_path):
+    """The cache's shards do not depend on the rank count: one process finishes what a killed
+    2-rank run left, and the result is the 1-rank cache bit for bit."""
+    out = tmp_path / "cache"
+    args = hidden_states_args(setup, out, "--dtype", "float32")
+    r = _torchrun_cli(2, args, {"PEAGLE_TEST_KILL_AFTER": "0:1"}, retry_teardown_abort=False)
+    assert r.returncode != 0
+    assert main(args) == 0
+    assert cache_files(out) == cache_files(one_rank_cache)
 
 
 @requires_gloo
 def test_two_ranks_train_from_a_complete_cache(setup, one_rank_cache, tmp_path):
     from peagle_ext.train import train
-    from tests.train.test_distributed import assert_same_weights
 
     ref = train(settings(setup, tmp_path / "ref", hidden_cache_dir=str(one_rank_cache), grad_accum=2))
     v, data = setup
