@@ -2,7 +2,7 @@
 torch create_block_mask + compiled flex_attention with speculators' P-EAGLE mask_mod, and vs SDPA
 causal over all T tokens (flash backend, a dense kernel doing more work).
 
-Layouts: one document of N tokens, every position loss-masked (the issue's reference numbers:
+Layouts: one document of N tokens, every position loss-masked (the reference sizes:
 N=8K max_anchors=1024 -> T~10.6K, N=4K uncapped -> T~13.8K), r=0.7, K=8. 32 q heads, 8 kv
 heads, D=128 (BENCH_D=64 for the other head dim), bf16. Times include the metadata build (ours) /
 create_block_mask (flex). "ours" runs the kernels the heuristics pick (csrc/attention/

@@ -31,21 +31,58 @@ def devices():
     return ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 
-def run_cli(args, timeout=120):
-    """`python -m peagle_ext.cli ARGS` in a subprocess from the repo root (one OpenMP thread)."""
-    env = {
+def subprocess_env(**extra):
+    """The environment of a test's subprocess: this one, the repo root importable (the tests run
+    against the checkout), one OpenMP thread, plus `extra`."""
+    return {
         **os.environ,
         "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         "OMP_NUM_THREADS": "1",
+        **extra,
     }
+
+
+def run_cli(args, timeout=120, env_extra=None):
+    """`python -m peagle_ext.cli ARGS` in a subprocess from the repo root (one OpenMP thread)."""
     return subprocess.run(
         [sys.executable, "-m", "peagle_ext.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=subprocess_env(**(env_extra or {})),
         cwd=str(ROOT),
     )
+
+
+def torchrun(nproc: int, args: list[str], *, env_extra=None, timeout=240, retry_teardown_abort=True):
+    """torchrun --standalone (it picks a free rendezvous port) with nproc CPU processes running
+    `args` (a script and its arguments, or `-m module ...`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    env = subprocess_env(**(env_extra or {}))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    if retry_teardown_abort and r.returncode != 0 and "terminate called without an active exception" in r.stderr:
+        # a rare gloo abort at process-group teardown, after the work is done; run once more
+        # rather than fail on it. Real failures fail twice.
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    return r
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def assert_same_weights(a_dir, b_dir):
+    """The model.safetensors of two checkpoint directories hold the same tensors (floats to 1e-6)."""
+    a, b = _weights(a_dir), _weights(b_dir)
+    assert set(a) == set(b)
+    for k in a:
+        if a[k].is_floating_point():
+            scale = float(a[k].abs().max())
+            torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6 * scale, msg=lambda m, k=k: f"{k}: {m}")
+        else:
+            assert torch.equal(a[k], b[k]), k
 
 
 def mask_from_metadata(lay, meta, cross):

@@ -3,6 +3,7 @@ tools/device_bundle.py writes it: every phase runs, a second run finds every pha
 results come back as results.md + results.tgz; and device_bundle's conversation cut keeps the
 first max_tokens tokens and their loss mask."""
 
+import importlib.util
 import json
 import lzma
 import os
@@ -13,6 +14,14 @@ import pytest
 
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
 from tests.helpers import ROOT
+
+
+def _device_bundle():
+    """tools/device_bundle.py as a module, loaded from its file (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("device_bundle", ROOT / "tools" / "device_bundle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +102,12 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
 
 
 def test_bundle_cut_keeps_the_first_tokens(tmp_path):
-    import sys
 
     from transformers import AutoTokenizer
 
     from peagle_ext.data import load_conversations, tokenize_conversation
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from device_bundle import truncate_conversation
+    truncate_conversation = _device_bundle().truncate_conversation
 
     v = make_tiny_verifier(tmp_path / "v")
     tok = AutoTokenizer.from_pretrained(v)
@@ -118,10 +125,8 @@ def test_bundle_cut_keeps_the_first_tokens(tmp_path):
 
 def test_bundle_join_checks_parts(tmp_path):
     import hashlib
-    import sys
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from device_bundle import join
+    join = _device_bundle().join
 
     blob = bytes(range(256)) * 40
     (tmp_path / "gguf.part00").write_bytes(blob[:6000])

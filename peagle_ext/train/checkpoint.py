@@ -111,7 +111,7 @@ def remove_checkpoint(p: Path):
 
 
 def test_pause(point: str, step: int):
-    """Test hook, used only by python_tests/test_crash_safety.py to SIGKILL the trainer at a known
+    """Test hook, used only by tests/train/test_crash_safety.py to SIGKILL the trainer at a known
     point: PEAGLE_TEST_PAUSE="<point>:<step>:<flag file>" makes the trainer create the flag file
     and sleep (10 min) when it reaches <point> at <step>. Points: "weights" (checkpoint tmp dir
     holds the weights only), "written" (tmp dir complete, before its rename), "step" (after step

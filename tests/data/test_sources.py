@@ -104,11 +104,10 @@ def test_hub_dataset_through_the_local_cache(tmp_path, monkeypatch):
 def test_jsonl_needs_no_datasets(tmp_path):
     """The GPU image has no `datasets`: JSON / JSONL loading must not import it, and a source
     that needs it says which package to install."""
-    import os
     import subprocess
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    from tests.helpers import subprocess_env
+
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps(conv(0)) + "\n")
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
@@ -122,6 +121,5 @@ def test_jsonl_needs_no_datasets(tmp_path):
         "except D.DataError as e:\n"
         "    assert 'peagle_ext[data]' in str(e), e\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
     assert r.returncode == 0, r.stderr

@@ -91,3 +91,29 @@ def test_gguf_cache_is_keyed_by_content_not_mtime(tmp_path, monkeypatch):
     assert not G.converted_dir_is_current(out, other)
     D.resolve_verifier_path(str(other), cache_dir=str(out))
     assert calls == [other]
+
+
+def test_missing_hub_id_is_downloaded_into_the_cache_unless_unreachable(tiny_dir, hf_home, monkeypatch):
+    """Not offline and not cached: one download into the HF cache at the asked revision, then the
+    snapshot is used; an unreachable hub is a DataError naming the id, not a hub traceback."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, local_files_only=False, cache_dir=None, revision=None, **kw):
+        calls.append((repo_id, local_files_only, cache_dir, revision))
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        if repo_id == "tiny-org/unreachable":
+            raise OSError("Name or service not known")
+        return str(make_fake_hub_cache(hf_home, repo_id, tiny_dir))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    snap = D.resolve_verifier_path("tiny-org/tiny-llama", revision="v1")
+    assert (snap / "config.json").is_file()
+    cache = str(hf_home / "hub")
+    assert calls == [("tiny-org/tiny-llama", True, cache, "v1"), ("tiny-org/tiny-llama", False, cache, "v1")]
+    with pytest.raises(D.DataError, match=r"'tiny-org/unreachable'.*could not be downloaded.*Name or service"):
+        D.resolve_verifier_path("tiny-org/unreachable")

@@ -9,6 +9,8 @@ compared without gradients.
 """
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -124,3 +126,54 @@ def test_layout_patch_is_scoped():
         a, d = core.generate_cod_sample_indices(seq_length=lay.seq_len, loss_mask=ex.loss_mask.float()[None])
         assert torch.equal(a, lay.anchor.long()) and torch.equal(d, lay.depth.long())
     assert core.generate_cod_sample_indices is orig
+
+
+_LOAD_EXPORT = """
+import sys
+import torch
+from safetensors.torch import load_file
+import peagle_ext.integrations.speculators as E
+E.install_stubs()
+from speculators import SpeculatorModel
+out, vdir = sys.argv[1:]
+spec = SpeculatorModel.from_pretrained(out)
+assert type(spec).__name__ == "PEagleDraftModel", type(spec)
+exported, loaded = load_file(out + "/model.safetensors"), spec.state_dict()
+for name in ("fc.weight", "mask_hidden", "layers.0.self_attn.q_proj.weight", "lm_head.weight"):
+    assert torch.equal(loaded[name].to(exported[name].dtype), exported[name]), name
+vw = load_file(vdir + "/model.safetensors")  # the verifier head comes from the cached verifier
+head, got = vw.get("lm_head.weight", vw["model.embed_tokens.weight"]), loaded["verifier_lm_head.weight"]
+assert torch.equal(got, head.to(got.dtype))  # speculators holds it in the export's bf16
+print("loaded")
+"""
+
+
+def test_speculator_model_loads_our_export_offline(tmp_path):
+    """speculators' SpeculatorModel.from_pretrained reads `peagle export`'s output, resolving the
+    verifier it names (a hub id) through a fake Hugging Face cache in offline mode, with our
+    weights. A subprocess, because the hub client reads offline mode once, at its import."""
+    from transformers import AutoConfig
+
+    from peagle_ext.cli import main
+    from peagle_ext.testing import make_fake_hub_cache, make_peagle, make_tiny_verifier
+    from tests.helpers import subprocess_env
+
+    # 8 layers: speculators wants distinct aux layers, and the default [2, L // 2, L - 3] are from L = 6 on
+    vdir = make_tiny_verifier(tmp_path / "verifier", layers=8)
+    make_fake_hub_cache(tmp_path / "hf", "tiny-org/tiny-llama", vdir)
+    vc = AutoConfig.from_pretrained(vdir)
+    ours = make_peagle(vc, num_layers=1, num_depths=3, mask_token_id=vc.vocab_size - 1)
+    ours.config.speculators_config["verifier"]["name_or_path"] = "tiny-org/tiny-llama"
+    ours.save_pretrained(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+
+    env = subprocess_env(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD_EXPORT, str(tmp_path / "out"), str(vdir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-3000:]

@@ -5,9 +5,6 @@ schema, the CLI end to end and bad-input messages."""
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,8 +22,8 @@ from peagle_ext.serving import (
     speculative_generate,
 )
 from peagle_ext.testing import make_tiny_verifier
+from tests.helpers import run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300
 
 
@@ -348,19 +345,7 @@ def prompt_file(tmp_path_factory):
 
 
 def _eval_cli(args, timeout=240):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "peagle_ext.cli", "eval", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=str(ROOT),
-    )
+    return run_cli(["eval", *args], timeout=timeout)
 
 
 def test_evaluate_report_schema_and_plot(vm32, tiny_dir, saved_drafter, prompt_file, tmp_path):

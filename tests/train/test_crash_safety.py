@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+from tests.helpers import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8
 CHECKPOINT_EVERY = 3
 
@@ -69,15 +69,6 @@ def _cli_args(opts: dict, out: Path, resume=False) -> list[str]:
     return args + (["--resume"] if resume else [])
 
 
-def _env(**extra):
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, tmp_path_factory):
     """The reference: the same run, never killed (in-process: same settings, same bits)."""
@@ -109,7 +100,7 @@ def _kill_at(tiny, out: Path, point: str, step: int, timeout=90.0):
     p = subprocess.Popen(
         [sys.executable, "-m", "peagle_ext.cli", *_cli_args(_options(tiny), out)],
         cwd=str(ROOT),
-        env=_env(PEAGLE_TEST_PAUSE=f"{point}:{step}:{flag}"),
+        env=subprocess_env(PEAGLE_TEST_PAUSE=f"{point}:{step}:{flag}"),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -152,7 +143,7 @@ def _resume_and_compare(tiny, out: Path, uninterrupted, *, expect_from: int):
     r = subprocess.run(
         [sys.executable, "-m", "peagle_ext.cli", *_cli_args(_options(tiny), out, resume=True)],
         cwd=str(ROOT),
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=180,

@@ -4,17 +4,14 @@ accumulation and sequence partition under DDP / FSDP2, resume of 2-rank checkpoi
 balanced unit assignment, and the bench's --tiny dry run."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, assert_same_weights, torchrun
 
 requires_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -23,25 +20,6 @@ requires_gloo = pytest.mark.skipif(
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _env():
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def _torchrun(nproc: int, args: list[str], timeout=180):
-    """torchrun --standalone (it picks a free rendezvous port) with nproc CPU processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
-    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
-        # a known, rare gloo abort at process-group teardown (seen in CI once in ~25 runs), after
-        # the work is done; run once more rather than fail on it. Real failures fail twice.
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
-    return r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,23 +77,6 @@ def reference(tiny, tmp_path_factory):
     return out
 
 
-def _weights(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(path) / "model.safetensors"))
-
-
-def assert_same_weights(a_dir, b_dir):
-    a, b = _weights(a_dir), _weights(b_dir)
-    assert set(a) == set(b)
-    for k in a:
-        if a[k].is_floating_point():
-            scale = float(a[k].abs().max())
-            torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6 * scale, msg=lambda m, k=k: f"{k}: {m}")
-        else:
-            assert torch.equal(a[k], b[k]), k
-
-
 def _records(out, split):
     recs = [json.loads(x) for x in (Path(out) / "log.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in recs if r.get("split") == split}
@@ -141,7 +102,7 @@ def test_ddp_two_ranks_equal_one_process_and_resume_on_one(tiny, reference, tmp_
 
     out = tmp_path / "ddp"
     # the on-disk hidden-state cache: rank 0 fills it, rank 1 waits and reads (same bits as in memory)
-    r = _torchrun(
+    r = torchrun(
         2, cli_flags(tiny, out, max_steps=4, grad_accum=1, dist="ddp", hidden_cache_dir=str(tmp_path / "hcache"))
     )
     assert r.returncode == 0, r.stderr[-5000:]
@@ -176,7 +137,7 @@ def test_fsdp_two_ranks_equal_one_process_and_dcp_resume_on_one(tiny, reference,
             n for n in names if n in ("checkpoint-4", "checkpoint-6", "final", "loss.png", "accuracy.png")
         ],
     )
-    r = _torchrun(2, cli_flags(tiny, out, max_steps=4, grad_accum=1, dist="fsdp", resume=True))
+    r = torchrun(2, cli_flags(tiny, out, max_steps=4, grad_accum=1, dist="fsdp", resume=True))
     assert r.returncode == 0, r.stderr[-5000:]
     assert "2 ranks (FSDP, gloo)" in r.stderr
     assert_same_weights(reference / "checkpoint-4", out / "checkpoint-4")
@@ -209,7 +170,7 @@ def test_grad_accum_and_seq_partition_compose(tmp_path):
         {"mode": "fsdp", "grad_accum": 1, "segments": 3, "attention": "cross", "num_layers": 2},
     ]
     out = tmp_path / "grads.json"
-    r = _torchrun(2, [str(Path(__file__).resolve().parent / "dist_grad_worker.py"), str(out), json.dumps(configs)])
+    r = torchrun(2, [str(Path(__file__).resolve().parent / "dist_grad_worker.py"), str(out), json.dumps(configs)])
     assert r.returncode == 0, r.stderr[-5000:]
     results = json.loads(out.read_text())
     for cfg, res in zip(configs, results):
@@ -265,7 +226,7 @@ def test_bench_distributed_tiny_dry_run(tmp_path):
     """bench/bench_distributed.py --tiny on CPU with gloo: the path the lead runs on 2 GPUs."""
     env_out = tmp_path / "bench_out"
     cmd_args = [str(ROOT / "bench" / "bench_distributed.py"), "--tiny", "--steps", "1", "--out", str(env_out)]
-    r = _torchrun(2, cmd_args)
+    r = torchrun(2, cmd_args)
     assert r.returncode == 0, r.stderr[-5000:]
     res = json.loads((env_out / "bench_distributed.json").read_text())
     assert res["world_size"] == 2

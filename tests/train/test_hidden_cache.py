@@ -6,9 +6,6 @@ same cache as 1, a cache whose writer rank was killed resumes, no rank waits for
 ranks train from a complete cache."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,8 @@ import torch.distributed as dist
 from peagle_ext import data as D
 from peagle_ext.cli import main
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+from tests.helpers import assert_same_weights, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
 requires_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -167,16 +164,9 @@ def test_device_map_placement_gives_the_same_states(setup):
 # ---------------------------------------------------------------------------------------------
 # torchrun (gloo / CPU)
 # ---------------------------------------------------------------------------------------------
-def _torchrun(nproc, args, env_extra=None, timeout=240):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-        **(env_extra or {}),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return subprocess.run(
-        cmd + ["-m", "peagle_ext.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT)
+def _torchrun_cli(nproc, args, env_extra=None, retry_teardown_abort=True):
+    return torchrun(
+        nproc, ["-m", "peagle_ext.cli", *args], env_extra=env_extra, retry_teardown_abort=retry_teardown_abort
     )
 
 
@@ -185,28 +175,43 @@ def test_two_ranks_write_the_one_rank_cache_and_resume_after_a_kill(setup, one_r
     out = tmp_path / "cache"
     args = hidden_states_args(setup, out, "--dtype", "float32")
     # rank 1 is killed after its first shard: the run fails, the shards written so far stay
-    r = _torchrun(2, args, {"PEAGLE_TEST_KILL_AFTER": "1:1"})
+    # no retry: the killed rank is the point
+    r = _torchrun_cli(2, args, {"PEAGLE_TEST_KILL_AFTER": "1:1"}, retry_teardown_abort=False)
     assert r.returncode != 0
     have = json.loads((out / "train" / "index.json").read_text())["shards"]
     n = len(json.loads((one_rank_cache / "train" / "index.json").read_text())["shards"])
     assert 1 <= len(have) < n
-    r = _torchrun(2, args)
+    r = _torchrun_cli(2, args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert cache_files(out) == cache_files(one_rank_cache)  # bit for bit, index included
 
 
-def test_a_missing_rank_is_a_timeout_not_a_hang(setup, tmp_path, monkeypatch):
-    """Rank 0 of a world of 2 whose rank 1 never comes: a clear error after the timeout."""
+def test_a_missing_rank_is_a_timeout_not_a_hang(setup, tmp_path, monkeypatch, capsys):
+    """Rank 0 of a world of 2 whose rank 1 never comes: a clear error after the timeout, naming
+    the rank whose shards are missing and saying that a rerun resumes."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     rc = main(hidden_states_args(setup, tmp_path / "c", "--dtype", "float32", "--timeout-s", "2"))
     assert rc == 2
+    err = capsys.readouterr().err
+    assert "did not appear within 2 s" in err and "rank(s) [1]" in err and "Run again to resume" in err
+
+
+@requires_gloo
+def test_a_two_rank_cache_killed_midway_resumes_on_one_rank(setup, one_rank_cache, tmp_path):
+    """The cache's shards do not depend on the rank count: one process finishes what a killed
+    2-rank run left, and the result is the 1-rank cache bit for bit."""
+    out = tmp_path / "cache"
+    args = hidden_states_args(setup, out, "--dtype", "float32")
+    r = _torchrun_cli(2, args, {"PEAGLE_TEST_KILL_AFTER": "0:1"}, retry_teardown_abort=False)
+    assert r.returncode != 0
+    assert main(args) == 0
+    assert cache_files(out) == cache_files(one_rank_cache)
 
 
 @requires_gloo
 def test_two_ranks_train_from_a_complete_cache(setup, one_rank_cache, tmp_path):
     from peagle_ext.train import train
-    from tests.train.test_distributed import assert_same_weights
 
     ref = train(settings(setup, tmp_path / "ref", hidden_cache_dir=str(one_rank_cache), grad_accum=2))
     v, data = setup
@@ -214,7 +219,7 @@ def test_two_ranks_train_from_a_complete_cache(setup, one_rank_cache, tmp_path):
     flags += ["--num-depths", "2", "--draft-vocab-size", "none", "--dtype", "float32", "--max-steps", "4"]
     flags += ["--val-every", "2", "--checkpoint-every", "2", "--log-every", "1", "--warmup-steps", "1"]
     flags += ["--no-progress", "--hidden-cache-dir", str(one_rank_cache)]
-    r = _torchrun(2, flags)
+    r = _torchrun_cli(2, flags)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "only its final norm, lm_head and embeddings loaded" in (tmp_path / "two" / "log.jsonl").read_text()
     assert_same_weights(ref.final_dir, tmp_path / "two" / "final")
