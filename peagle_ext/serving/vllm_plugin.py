@@ -126,6 +126,18 @@ def install(proposer_cls, *, extend_all_queries_by_N) -> bool:
             _EXPECTED_PARAMS,
         )
         return False
+    # The fused step still calls vLLM's extend_all_queries_by_N for the attention metadata; a
+    # changed signature must refuse the patch here, not fail on the first decoding step.
+    try:
+        inspect.signature(extend_all_queries_by_N).bind(None, N=0, arange=None, new_slot_mapping=None)
+    except (TypeError, ValueError) as e:
+        logger.warning(
+            "peagle_ext: extend_all_queries_by_N cannot be called as (cad, N=, arange=, new_slot_mapping=) "
+            "(%s); %s.set_inputs_first_pass not patched",
+            e,
+            proposer_cls.__name__,
+        )
+        return False
     original = current
     had_own = "set_inputs_first_pass" in proposer_cls.__dict__
 
