@@ -171,3 +171,28 @@ def test_switches_and_gradient_checkpointing():
     # the routed layers still run speculators' own attention under its own forward
     _, loss, _ = fast(**batch, loss_config={"kl_div": (kl64, 1.0)}, num_depths=4)
     assert torch.isfinite(loss)
+
+
+def test_cli_launcher_enables_the_backend_before_speculators_builds_its_model(monkeypatch):
+    """speculators_train runs speculators' CLI entry with the class-wide switch on (its CLI and
+    config modules are replaced here: they need speculators' full dependency set)."""
+    import sys
+    import types
+
+    import peagle_ext.integrations.speculators as E
+    import peagle_ext.integrations.speculators_backend as B
+    from peagle_ext.integrations import speculators_train
+
+    cls = E.import_speculators()[0]
+    seen = []
+    cli = types.ModuleType("speculators.train.cli")
+    cli.main = lambda cfg: seen.append((cfg, cls.forward is B.backend_forward))
+    config = types.ModuleType("speculators.train.config")
+    config.TrainConfig = types.SimpleNamespace(resolve=lambda: "cfg")
+    monkeypatch.setitem(sys.modules, "speculators.train.cli", cli)
+    monkeypatch.setitem(sys.modules, "speculators.train.config", config)
+    try:
+        speculators_train.main()
+    finally:
+        E.disable_backend()
+    assert seen == [("cfg", True)] and cls.forward is not B.backend_forward
