@@ -15,6 +15,9 @@ Implementations (a case's "impl"; one small builder each, STEP_BUILDERS):
           removed and its two FlexAttention pieces compiled with dynamic shapes, as PyTorch asks
           eager callers to (flex_attention and create_block_mask; static shapes if that fails);
           its loss is its fused Triton KL; AdamW as its trainer builds it (torch's default)
+  specx   speculators' model, sampler, loss config and AdamW with peagle_ext's backend enabled
+          (peagle_ext.integrations.speculators.enable_backend: its forward on our COD attention and
+          fused linear-KL loss)
   plain   our model with plain-PyTorch attention (dense [T, T] mask) and full logits (--cases)
 
 Per case it reports: step time (median of --steps), peak memory and memory at rest (after a
@@ -33,7 +36,7 @@ Outputs in --out: bench_train_step.json, bench_train_step_logs.tgz; the tables a
 GPU (one call; speculators and its pure-Python dependencies from wheels in .whl/, installed
 with --no-deps; the CUDA build of peagle_ext):
     pip install --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python bench/bench_train_step.py --budget-s 330
+    PYTHONPATH=/tmp/site:$PWD python bench/bench_train_step.py --budget-s 480   # every default case
 CPU smoke test of the harness (toy shapes; speculators with its sdpa attention and eager loss):
     PYTHONPATH=/path/to/speculators:$PWD python bench/bench_train_step.py --device cpu --tiny
 """
@@ -72,6 +75,10 @@ def default_cases():
         case("spec-1L-8K", "spec", K8, est_s=110, profile=True),
         case("spec-1L-8K-v32K", "spec", K8, vocab=K32, est_s=40, profile=True),
         case("spec-4L-8K", "spec", K8, layers=4, est_s=40, profile=True),
+        case("spec-1L-32K", "spec", 4 * K8, est_s=60),  # may OOM (its [N, V] targets, T x V logits)
+        # speculators' model with peagle_ext's backend: its forward on our attention and loss
+        case("specx-1L-8K", "specx", K8, est_s=25, profile=True),
+        case("specx-1L-32K", "specx", 4 * K8, est_s=35),
     ]
 
 
@@ -84,6 +91,7 @@ def tiny_cases():
         case("peagle-1L-128K-a1024", "peagle", 2048, max_anchors=64, est_s=5),
         case("spec-1L-8K", "spec", 512, est_s=10, profile=True),
         case("spec-1L-8K-v32K", "spec", 512, vocab=256, est_s=5),
+        case("specx-1L-8K", "specx", 512, est_s=5, profile=True),
     ]
 
 
@@ -194,9 +202,7 @@ def step_spec(c, env, ex):
     ours = make_ours(c, env)
     spec, core = S.make_speculators_twin(ours, attn_impl="sdpa" if dev.type == "cpu" else "simple_flex_attention")
     del ours
-    fwd = S.uncompiled(type(spec).forward)
-    type(spec).forward = fwd
-    seen_t, first = [], []
+    type(spec).forward = S.uncompiled(type(spec).forward)
     if dev.type == "cuda" and "flex" not in env:
         import speculators.models.attention as spec_attn
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -210,6 +216,28 @@ def step_spec(c, env, ex):
         env["flex"](True)
     if dev.type == "cuda":
         spec._create_mask_fn = env["mask_fn"]
+    return spec_step(c, env, ex, spec, core)
+
+
+def step_specx(c, env, ex):
+    """speculators' model and COD sampler with peagle_ext's backend enabled (its forward on our COD
+    attention and fused loss: peagle_ext.integrations.speculators_backend); its trainer's AdamW."""
+    import peagle_ext.integrations.speculators as S
+
+    ours = make_ours(c, env)
+    spec, core = S.make_speculators_twin(ours, attn_impl="sdpa")  # the backend replaces the attention
+    del ours
+    S.enable_backend(spec)
+    return spec_step(c, env, ex, spec, core)
+
+
+def spec_step(c, env, ex, spec, core):
+    """(model, optimizer, step(i) -> (loss, T)) of speculators' model called as its trainer calls
+    it, with its loss config (fused on a GPU); T from its sampler, which the step wraps."""
+    import peagle_ext.integrations.speculators as S
+
+    torch, dev = env["torch"], env["dev"]
+    seen_t, first = [], []
     orig_sampler = env.setdefault("sampler", core.generate_cod_sample_indices)
 
     def sampler(*args, **kw):  # records T; replays its first sample when compiled statically
@@ -245,7 +273,7 @@ def step_spec(c, env, ex):
     return spec, opt, step
 
 
-STEP_BUILDERS = {"peagle": step_peagle, "spec": step_spec, "plain": step_plain}
+STEP_BUILDERS = {"peagle": step_peagle, "spec": step_spec, "specx": step_specx, "plain": step_plain}
 
 
 def run_case(c, env, path, deadline):
@@ -470,7 +498,8 @@ def print_tables(meta, res):
             print(f"| {r['name']} | {cl} | {p['kernel_ms']:.1f} | {p['wall_ms']:.1f} |")
     by = {r["name"]: r for r in res}
     for r in res:
-        s = by.get(r["name"].replace("peagle-", "spec-", 1)) if r["impl"] == "peagle" else None
+        pre = r["impl"] + "-"  # ours and the backend, each against speculators alone on the same case
+        s = by.get("spec-" + r["name"][len(pre) :]) if r["impl"] in ("peagle", "specx") else None
         if not (s and r.get("median_s") and s.get("median_s")):
             continue
         line = f"{r['name']} vs {s['name']}: step time {r['median_s'] / s['median_s']:.3f}x"

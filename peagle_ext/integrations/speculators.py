@@ -1,6 +1,7 @@
 """speculators (vllm-project/speculators 0.9.x) beside peagle_ext: its P-EAGLE model imported
-without its data-pipeline dependencies, a twin of one of our drafters with the same weights, and
-its forward run on our COD layout.
+without its data-pipeline dependencies, a twin of one of our drafters with the same weights,
+its forward run on our COD layout, and `enable_backend(model)`: its model trained on peagle_ext's
+ops (speculators_backend.py).
 
 speculators 0.9.0 imports `openai`, `datasets` and `hs_connectors` at module level (through
 speculators.train.data, which models/eagle3/data.py imports for a type alias), but the model
@@ -226,3 +227,26 @@ def speculators_loss_config(implementation: str):
     from speculators.losses import resolve_loss_config
 
     return resolve_loss_config("kl_div", implementation)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training backend (speculators_backend.py; imported on use, since it imports this module)
+def enable_backend(model=None, *, sampler: str = "speculators", chunk_size="auto"):
+    """Train speculators' PEagleDraftModel on peagle_ext's ops: see speculators_backend."""
+    from .speculators_backend import enable_backend as enable
+
+    return enable(model, sampler=sampler, chunk_size=chunk_size)
+
+
+def disable_backend(model=None):
+    """Undo enable_backend(model)."""
+    from .speculators_backend import disable_backend as disable
+
+    disable(model)
+
+
+def backend(model=None, **options):
+    """Context manager: the backend on `model` (None: the class) for the duration of the block."""
+    from .speculators_backend import backend as ctx
+
+    return ctx(model, **options)
