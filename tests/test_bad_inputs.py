@@ -758,7 +758,7 @@ def test_resume_from_a_damaged_complete_checkpoint(tiny, tmp_path):
     out = tmp_path / "run"
     train(_settings(tiny, out, max_steps=2))
     newest = out / "checkpoint-2"
-    for victim, damage in [("trainer_state.pt", b"not a pickle"), ("model.safetensors", b"")]:
+    for victim, damage in [("trainer_state.json", b"{not json"), ("model.safetensors", b"")]:
         backup = (newest / victim).read_bytes()
         (newest / victim).write_bytes(damage)
         with pytest.raises(TrainError, match="checkpoint-2 is marked complete but cannot be read"):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from .checkpoint import (
     list_checkpoints,
     read_checkpoint_state,
     read_trainer_state,
+    remove_path,
     set_rng_state,
     test_pause,
 )
@@ -45,6 +46,7 @@ from .hidden import HiddenStates
 from .metrics import Meter
 from .optim import lr_lambda, make_adamw
 from .plots import make_plots
+from .run_guard import OutputLock, check_inputs_unchanged, input_fingerprints
 from .run_log import NullLog, RunLog, progress_bar
 from .settings import RESUME_FIXED, TrainError, TrainSettings
 from .tracking import Trackers, peak_memory_gib
@@ -81,7 +83,23 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     out = Path(s.output)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainError(f"--output {out}: cannot create it: {e.strerror or e}") from None
+    if ctx.is_main and not os.access(out, os.W_OK | os.X_OK):
+        raise TrainError(f"--output {out} is not writable")
+    lock = OutputLock(out).acquire() if ctx.is_main else None
+    try:
+        return _train_locked(s, ctx, stop_after, out, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_locked(s: TrainSettings, ctx, stop_after, out: Path, t_start: float) -> TrainResult:
+    inputs = input_fingerprints(s) if ctx.is_main else {}
+    changed_note = None
     resume_from = None
     if s.resume:
         ck = list_checkpoints(out)
@@ -95,8 +113,10 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
         if ctx.is_main:
             stale = list(out.glob(f"{CHECKPOINT_PREFIX}*.tmp")) + list(out.glob(f"{CHECKPOINT_PREFIX}*.old"))
             for p in stale:
-                shutil.rmtree(p, ignore_errors=True)
+                remove_path(p)
         ck_state = read_checkpoint_state(resume_from)
+        if ctx.is_main:
+            changed_note = check_inputs_unchanged(ck_state.get("inputs"), inputs, resume_from, s.accept_changed_inputs)
         old = ck_state["settings"]
         diff = [k for k in RESUME_FIXED if old.get(k) != getattr(s, k)]
         if diff:
@@ -114,7 +134,7 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
             )
         if ctx.is_main:
             for p in out.glob(f"{CHECKPOINT_PREFIX}*.tmp"):
-                shutil.rmtree(p, ignore_errors=True)
+                remove_path(p)
             RunLog.truncate_after(out / "log.jsonl", ck_state["step"])
     else:
         existing = list_checkpoints(out)
@@ -128,6 +148,8 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     ctx.barrier()  # every rank has decided before rank 0 writes anything
     if ctx.is_main:
         log = RunLog(out / "log.jsonl", echo=True)
+        if changed_note:
+            log.event("inputs_changed", changed_note)
         trackers = Trackers(s.report_to, out, dataclasses.asdict(s))
     else:
         log = NullLog()
@@ -137,7 +159,7 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     if s.threads and not s.device.startswith("cuda"):
         torch.set_num_threads(s.threads)
     try:
-        return _train(s, out, log, resume_from, stop_after, t_start, ctx, trackers)
+        return _train(s, out, log, resume_from, stop_after, t_start, ctx, trackers, inputs)
     finally:
         torch.set_num_threads(threads)
         trackers.close()
@@ -145,7 +167,7 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
 
 
 def _train(
-    s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx, trackers
+    s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx, trackers, inputs
 ) -> TrainResult:
     device = ctx.device
     amp = s.autocast_dtype()
@@ -199,9 +221,14 @@ def _train(
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0
     if resume_from is not None:
-        ctx.load_optimizer_state(model, opt, ck, resume_from)
-        sched.load_state_dict(ck["scheduler"])
-        set_rng_state(ck["rng"])
+        try:
+            ctx.load_optimizer_state(model, opt, ck, resume_from)
+            sched.load_state_dict(ck["scheduler"])
+            set_rng_state(ck["rng"])
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+            raise TrainError(
+                f"--resume: the trainer state of {resume_from} does not fit this run ({type(e).__name__}: {e})"
+            ) from None
         step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
         history_skipped = ck.get("skipped_steps", 0)
         log.event("resume", f"resumed from {resume_from} at step {step}", step=step)
