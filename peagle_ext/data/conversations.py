@@ -60,11 +60,23 @@ class Conversation(list):
     tools: list | None = None
 
 
+def _utf8(text: str, where: str, i: int) -> str:
+    """JSON may spell a lone surrogate (\\ud800) that no tokenizer can encode: name the line
+    here instead of failing deep inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            f"{where}message {i} holds a lone surrogate at character {e.start}: not valid Unicode"
+        ) from None
+    return text
+
+
 def _text(content, where: str, i: int):
     """A message's text: a string, None (no text, e.g. an assistant turn that only calls tools),
     or OpenAI-style content parts of which only text parts are allowed (joined in order)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return _utf8(content or "", where, i)
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
@@ -75,7 +87,7 @@ def _text(content, where: str, i: int):
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise DataError(f"{where}message {i} content part {k} is not text ({kind!r}): text-only drafters")
-        return "".join(texts)
+        return _utf8("".join(texts), where, i)
     raise DataError(
         f"{where}message {i} content must be a string or a list of text parts, got {type(content).__name__}"
     )
