@@ -310,15 +310,22 @@ def load_eval_prompts(source: str, *, limit: int | None = None) -> list[list[dic
                 }
             ]
         elif "messages" in rec:
-            msgs = [dict(role=m.get("role"), content=m.get("content")) for m in rec["messages"]]
+            raw = rec["messages"]
+            if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+                raise DataError(f"{where}'messages' must be a list of objects")
+            msgs = [dict(role=m.get("role"), content=m.get("content")) for m in raw]
+            for i, m in enumerate(msgs):
+                if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                    raise DataError(f"{where}message {i} needs a string role and a string content")
+                _utf8(m["content"], where, i)
             while msgs and msgs[-1]["role"] == "assistant":
                 msgs.pop()
             if not msgs or msgs[-1]["role"] != "user":
                 raise DataError(f"{where}'messages' must end with a user turn")
-        elif isinstance(rec.get("turns"), list) and rec["turns"]:
-            msgs = [{"role": "user", "content": str(rec["turns"][0])}]
+        elif isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+            msgs = [{"role": "user", "content": _utf8(rec["turns"][0], where, 0)}]
         elif isinstance(rec.get("prompt"), str):
-            msgs = [{"role": "user", "content": rec["prompt"]}]
+            msgs = [{"role": "user", "content": _utf8(rec["prompt"], where, 0)}]
         else:
             raise DataError(f"{where}expected 'messages', 'turns' or 'prompt'")
         out.append(msgs)
