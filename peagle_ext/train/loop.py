@@ -394,6 +394,7 @@ def _train(
                         "cursor": cursor,
                         "settings": dataclasses.asdict(s),
                         "skipped_steps": skipped,
+                        "inputs": inputs,
                     },
                     s.keep_checkpoints,
                 )
@@ -427,6 +428,7 @@ def _train(
                 "train": train_summary,
                 "val": val_summary,
                 "skipped_steps": skipped,
+                "inputs": inputs,
                 "stop_reason": stop_reason,
             }
         )

@@ -277,7 +277,9 @@ def check_setting_type(name: str, value, where: str = ""):
             if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
                 return value
     want = " or ".join(
-        {"None": "none", "list[str]": "a list of strings", "list[int]": "a list of ints"}.get(k, f"a {k}")
+        {"None": "none", "list[str]": "a list of strings", "list[int]": "a list of ints"}.get(
+            k, f"an {k}" if k == "int" else f"a {k}"
+        )
         for k in kinds
     )
     shown = repr(value)
