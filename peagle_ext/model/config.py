@@ -140,8 +140,9 @@ class PEagleConfig(PretrainedConfig):
         check_config_dict(d)
         try:
             return cls(**d)
-        except (TypeError, KeyError, ValueError, ZeroDivisionError, IndexError, AttributeError) as e:
-            # transformers' own config checks (strict dataclass fields, rope validation)
+        except Exception as e:  # noqa: BLE001
+            # transformers' own config checks (strict dataclass fields, rope validation) raise
+            # types of their own, not all of them ValueError
             raise ValueError(f"config: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}") from None
 
     def save_pretrained(self, save_directory, **kwargs):
