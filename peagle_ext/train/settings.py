@@ -175,8 +175,10 @@ class TrainSettings:
             raise TrainError("--device cuda was asked for but torch sees no CUDA GPU (use --device cpu)")
         try:
             self.options().validate(self.num_depths)
-        except ValueError as e:
-            raise TrainError(str(e)) from None
+        except ValueError as e:  # PEagleOptions names its fields; a user knows the flags
+            head, _, rest = str(e).partition(" ")
+            flag = {"loss_kind": "--loss"}.get(head, _flag(head))
+            raise TrainError(f"{flag} {rest}") from None
         return self
 
     def options(self) -> PEagleOptions:
