@@ -700,9 +700,9 @@ def test_train_settings_out_of_range_are_named():
         (dict(max_steps=0), "--max-steps"),
         (dict(val_fraction=1.0), "--val-fraction"),
         (dict(batch_size=0), "--batch-size"),
-        (dict(window=0), "window"),
-        (dict(down_sample_ratio=0.0), "down_sample_ratio"),
-        (dict(attention="full"), "attention"),
+        (dict(window=0), "--window"),
+        (dict(down_sample_ratio=0.0), "--down-sample-ratio"),
+        (dict(attention="full"), "--attention"),
         (dict(schedule="step"), "--schedule"),
         (dict(loss="mse"), "--loss"),
         (dict(keep_checkpoints=0), "--keep-checkpoints"),
@@ -758,7 +758,7 @@ def test_resume_from_a_damaged_complete_checkpoint(tiny, tmp_path):
     out = tmp_path / "run"
     train(_settings(tiny, out, max_steps=2))
     newest = out / "checkpoint-2"
-    for victim, damage in [("trainer_state.pt", b"not a pickle"), ("model.safetensors", b"")]:
+    for victim, damage in [("trainer_state.json", b"{not json"), ("model.safetensors", b"")]:
         backup = (newest / victim).read_bytes()
         (newest / victim).write_bytes(damage)
         with pytest.raises(TrainError, match="checkpoint-2 is marked complete but cannot be read"):

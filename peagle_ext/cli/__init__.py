@@ -48,3 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         print(f"peagle {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # disk full, read-only file system, quota: name the file, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"peagle {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except RecursionError:  # a deeply nested input file that a reader did not catch itself
+        print(f"peagle {args.command}: error: an input file is nested too deeply", file=sys.stderr)
+        return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -73,14 +74,36 @@ def _check_pos_int(name, v):
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
+def check_report_path(path: str) -> None:
+    """--json must name a file this process can create or replace, in a directory that exists or
+    can be created: found out now rather than after the evaluation."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--json {path} is a directory; give a file name")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--json {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"--json {path} is not writable")
+
+
 def run(args) -> int:
     _check_pos_int("--num-prompts", args.num_prompts)
     _check_pos_int("--max-new-tokens", args.max_new_tokens)
     _check_pos_int("--num-spec-tokens", args.num_spec_tokens)
     ks = parse_k_sweep(args.k_sweep) if args.k_sweep else None
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device available")
+    if args.json:  # before the whole evaluation runs, not after it
+        check_report_path(args.json)
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     draft_dir = resolve_draft_dir(args.draft)  # fail fast, before loading the verifier
     model, tok = load_verifier(args.verifier, device=device, dtype=dtype, require_chat_template=False)

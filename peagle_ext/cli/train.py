@@ -12,6 +12,20 @@ def _opt_int(v: str):
     return None if v.lower() in ("none", "null", "") else int(v)
 
 
+def _int_list(v: str) -> list[int]:
+    return [int(x) for x in v.split(",")]
+
+
+def _opt_float(v: str):
+    return None if v.lower() in ("none", "") else float(v)
+
+
+# argparse names a type function in its error ("invalid int value: 'x'")
+_opt_int.__name__ = "int (or none)"
+_int_list.__name__ = "comma-separated int list"
+_opt_float.__name__ = "float (or none)"
+
+
 def _json_object(v: str) -> dict:
     import json
 
@@ -76,9 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"most frequent tokens kept (none = full vocab). Default {d.draft_vocab_size}",
     )
     g.add_argument("--mask-token-id", type=_opt_int, help="default: tokenizer's mask token, else a new id")
-    g.add_argument(
-        "--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 2,15,27 (default 2,L//2,L-3)"
-    )
+    g.add_argument("--aux-layer-ids", type=_int_list, help="e.g. 2,15,27 (default 2,L//2,L-3)")
     g.add_argument("--norm-before-residual", type=_bool)
     g.add_argument(
         "--train-embeddings",
@@ -121,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-minutes",
-        type=lambda v: None if v.lower() in ("none", "") else float(v),
+        type=_opt_float,
         help="wall-clock budget: stop there, saving final/ (none = off)",
     )
     g = p.add_argument_group("run")
@@ -184,6 +196,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="YAML/JSON file of option: value (flags given here win)")
     g.add_argument(
         "--resume", action="store_const", const=True, help="continue from the newest complete checkpoint in --output"
+    )
+    g.add_argument(
+        "--accept-changed-inputs",
+        action="store_const",
+        const=True,
+        help="--resume even though a data file or the verifier changed since the checkpoint (logged)",
     )
 
 

@@ -67,6 +67,33 @@ def _atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
         raise
 
 
+def _index_problem(index: dict) -> str | None:
+    """What is wrong with the shape of a parsed index, or None. A shard's file must be exactly the
+    name this cache gives shard i: an entry like "../../x" would read files outside the cache."""
+    if not isinstance(index.get("meta"), dict):
+        return "meta must be an object"
+    if "layout" in index and not isinstance(index["layout"], (dict, type(None))):
+        return "layout must be an object"
+    shards = index.get("shards")
+    if not isinstance(shards, dict):
+        return "shards must be an object"
+    for k, rec in shards.items():
+        if not (k.isascii() and k.isdigit()) or len(k) > 9:
+            return f"shard key {k[:40]!r} is not a shard number"
+        if not isinstance(rec, dict):
+            return f"shard {k} must be an object"
+        if rec.get("file") != f"shard-{int(k):06d}.safetensors":
+            return f"shard {k} names file {str(rec.get('file'))[:80]!r}, expected shard-{int(k):06d}.safetensors"
+        sha = rec.get("sha256")
+        if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            return f"shard {k} has no sha256"
+        for f in ("bytes", "rows"):
+            v = rec.get(f)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= (1 if f == "rows" else 0)):
+                return f"shard {k}: {f} must be an int, got {v!r}"
+    return None
+
+
 def packed_fingerprint(packed_rows) -> str:
     """sha256 over the packed rows' tokens, documents and masks: identifies the data a cache holds."""
     h = hashlib.sha256()
@@ -106,11 +133,16 @@ class HiddenStateCache:
         if not index_path.is_file():
             return None
         try:
-            index = json.loads(index_path.read_text())
-        except json.JSONDecodeError as e:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"cache index {index_path} is corrupted: {e}") from None
+        except (RecursionError, ValueError) as e:
+            raise DataError(f"cache index {index_path} is corrupted: {type(e).__name__}") from None
         if not isinstance(index, dict) or index.get("version") != 1:
             raise DataError(f"cache index {index_path} has an unknown format")
+        problem = _index_problem(index)
+        if problem:
+            raise DataError(f"cache index {index_path} is corrupted: {problem}")
         return index
 
     @contextlib.contextmanager
@@ -203,6 +235,9 @@ class HiddenStateCache:
             t = load(data)
         except Exception as e:  # safetensors raises its own error types
             raise DataError(f"cache shard {path} cannot be parsed: {e}") from None
+        missing = [f for f in _FIELDS if f not in t]
+        if missing:
+            raise DataError(f"cache shard {path} lacks {', '.join(missing)}")
         for f in _QUANTIZED:
             if f + "_scale" in t:
                 t[f] = dequantize_fp8(t[f], t.pop(f + "_scale"))

@@ -60,11 +60,23 @@ class Conversation(list):
     tools: list | None = None
 
 
+def _utf8(text: str, where: str, i: int) -> str:
+    """JSON may spell a lone surrogate (\\ud800) that no tokenizer can encode: name the line
+    here instead of failing deep inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            f"{where}message {i} holds a lone surrogate at character {e.start}: not valid Unicode"
+        ) from None
+    return text
+
+
 def _text(content, where: str, i: int):
     """A message's text: a string, None (no text, e.g. an assistant turn that only calls tools),
     or OpenAI-style content parts of which only text parts are allowed (joined in order)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return _utf8(content or "", where, i)
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
@@ -75,7 +87,7 @@ def _text(content, where: str, i: int):
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise DataError(f"{where}message {i} content part {k} is not text ({kind!r}): text-only drafters")
-        return "".join(texts)
+        return _utf8("".join(texts), where, i)
     raise DataError(
         f"{where}message {i} content must be a string or a list of text parts, got {type(content).__name__}"
     )
@@ -298,15 +310,22 @@ def load_eval_prompts(source: str, *, limit: int | None = None) -> list[list[dic
                 }
             ]
         elif "messages" in rec:
-            msgs = [dict(role=m.get("role"), content=m.get("content")) for m in rec["messages"]]
+            raw = rec["messages"]
+            if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+                raise DataError(f"{where}'messages' must be a list of objects")
+            msgs = [dict(role=m.get("role"), content=m.get("content")) for m in raw]
+            for i, m in enumerate(msgs):
+                if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                    raise DataError(f"{where}message {i} needs a string role and a string content")
+                _utf8(m["content"], where, i)
             while msgs and msgs[-1]["role"] == "assistant":
                 msgs.pop()
             if not msgs or msgs[-1]["role"] != "user":
                 raise DataError(f"{where}'messages' must end with a user turn")
-        elif isinstance(rec.get("turns"), list) and rec["turns"]:
-            msgs = [{"role": "user", "content": str(rec["turns"][0])}]
+        elif isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+            msgs = [{"role": "user", "content": _utf8(rec["turns"][0], where, 0)}]
         elif isinstance(rec.get("prompt"), str):
-            msgs = [{"role": "user", "content": rec["prompt"]}]
+            msgs = [{"role": "user", "content": _utf8(rec["prompt"], where, 0)}]
         else:
             raise DataError(f"{where}expected 'messages', 'turns' or 'prompt'")
         out.append(msgs)

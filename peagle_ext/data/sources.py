@@ -44,6 +44,10 @@ def jsonl_objects(path: pathlib.Path, not_object: str):
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}invalid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{where}JSON nested too deeply") from None
+                except ValueError as e:  # e.g. an integer of more than 4300 digits
+                    raise DataError(f"{where}unreadable JSON value ({e})") from None
                 if not isinstance(rec, dict):
                     raise DataError(f"{where}{not_object}")
                 yield where, rec
@@ -69,6 +73,10 @@ def _json_objects(path: pathlib.Path):
     except json.JSONDecodeError:
         yield from jsonl_objects(path, "each record must be a JSON object")
         return
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise DataError(f"{path}: unreadable JSON value ({e})") from None
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
         obj = obj["data"]
     if not isinstance(obj, list):

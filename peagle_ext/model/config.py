@@ -137,7 +137,13 @@ class PEagleConfig(PretrainedConfig):
         missing = [k for k in ("transformer_layer_config", "speculators_config") if not isinstance(d.get(k), dict)]
         if missing:
             raise ValueError(f"not a complete P-EAGLE speculators config: missing {', '.join(missing)}")
-        return cls(**d)
+        check_config_dict(d)
+        try:
+            return cls(**d)
+        except Exception as e:  # noqa: BLE001
+            # transformers' own config checks (strict dataclass fields, rope validation) raise
+            # types of their own, not all of them ValueError
+            raise ValueError(f"config: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}") from None
 
     def save_pretrained(self, save_directory, **kwargs):
         Path(save_directory).mkdir(parents=True, exist_ok=True)
@@ -150,12 +156,113 @@ class PEagleConfig(PretrainedConfig):
         if not f.is_file():
             raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
         try:
-            d = json.loads(f.read_text())
+            d = json.loads(f.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{f} is not valid JSON ({e}): a corrupt or partial checkpoint?") from None
+        except RecursionError:
+            raise ValueError(f"{f} is nested too deeply to be a speculators config") from None
         if not isinstance(d, dict):
             raise ValueError(f"{f} must hold a JSON object (a speculators config), got {type(d).__name__}")
-        return cls.from_dict(d, **kwargs)
+        try:
+            return cls.from_dict(d, **kwargs)
+        except ValueError as e:
+            raise ValueError(f"{f}: {e}") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_config_dict(d: dict) -> None:
+    """The types and ranges of every field the drafter reads from a config.json. Without this,
+    "false" loads as True, true as mask id 1, 2.9 as K = 2, [] as three aux layers, NaN eps
+    and zero heads reach the model (a ZeroDivisionError or NaN outputs)."""
+
+    def need(cond, what):
+        if not cond:
+            raise ValueError(what)
+
+    for k in ("norm_before_residual", "norm_before_fc", "embed_requires_grad"):
+        if k in d:
+            need(isinstance(d[k], bool), f"{k} must be true or false, got {d[k]!r}")
+    for k in ("draft_vocab_size", "target_hidden_size"):
+        if d.get(k) is not None:
+            need(_is_int(d[k]) and d[k] >= 1, f"{k} must be an int >= 1, got {d[k]!r}")
+    m = d.get("mask_token_id")
+    need(m is None or (_is_int(m) and m >= 0), f"mask_token_id must be an int >= 0 or null, got {m!r}")
+    aux = d.get("eagle_aux_hidden_state_layer_ids")
+    need(
+        aux is None or (isinstance(aux, list) and aux and all(_is_int(x) and x >= 0 for x in aux)),
+        f"eagle_aux_hidden_state_layer_ids must be null or a non-empty list of layer ids >= 0, got {aux!r}",
+    )
+    sc = d["speculators_config"]
+    pm = sc.get("proposal_methods")
+    need(
+        isinstance(pm, list) and pm and isinstance(pm[0], dict),
+        "speculators_config needs proposal_methods: a non-empty list of objects",
+    )
+    k = pm[0].get("speculative_tokens")
+    need(
+        _is_int(k) and 1 <= k <= 64,
+        f"speculators_config.proposal_methods[0].speculative_tokens (K) must be in [1, 64] (an int), got {k!r}",
+    )
+    v = sc.get("verifier")
+    need(v is None or isinstance(v, dict), "speculators_config.verifier must be an object")
+    tl = d["transformer_layer_config"]
+    mt = tl.get("model_type", "llama")
+    need(mt in LAYER_TYPES, f"transformer_layer_config.model_type must be one of {LAYER_TYPES}, got {mt!r}")
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
+        if tl.get(key) is not None:
+            need(
+                _is_int(tl[key]) and tl[key] >= 1,
+                f"transformer_layer_config.{key} must be an int >= 1, got {tl[key]!r}",
+            )
+    heads = tl.get("num_attention_heads") or 32  # transformers' default when absent
+    kv = tl.get("num_key_value_heads") or heads
+    need(
+        heads % kv == 0,
+        f"transformer_layer_config.num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})",
+    )
+    from transformers.activations import ACT2FN
+
+    act = tl.get("hidden_act", "silu")
+    need(isinstance(act, str) and act in ACT2FN, f"transformer_layer_config.hidden_act {act!r} is not an activation")
+    eps = tl.get("rms_norm_eps", 1e-6)
+    need(
+        isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1,
+        f"transformer_layer_config.rms_norm_eps must be a number in (0, 1), got {eps!r}",
+    )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for rk in ("rope_parameters", "rope_scaling"):
+        rp = tl.get(rk)
+        if rp is None:
+            continue
+        need(isinstance(rp, dict), f"transformer_layer_config.{rk} must be an object, got {rp!r}")
+        rt = rp.get("rope_type", rp.get("type", "default"))
+        need(
+            rt == "default" or (isinstance(rt, str) and rt in ROPE_INIT_FUNCTIONS),
+            f"transformer_layer_config.{rk}.rope_type {rt!r} is not one transformers knows",
+        )
+        th = rp.get("rope_theta")
+        need(
+            th is None or (isinstance(th, (int, float)) and not isinstance(th, bool) and 0 < th < float("inf")),
+            f"transformer_layer_config.{rk}.rope_theta must be a finite number > 0, got {th!r}",
+        )
+    th = tl.get("rope_theta")
+    need(
+        th is None or (isinstance(th, (int, float)) and not isinstance(th, bool) and 0 < th < float("inf")),
+        f"transformer_layer_config.rope_theta must be a finite number > 0, got {th!r}",
+    )
 
 
 _PRETRAINED_FIELDS = (

@@ -305,7 +305,12 @@ class PEagleDraftModel(TrainingForward, nn.Module):
         if not (d / WEIGHTS_NAME).is_file():
             raise FileNotFoundError(f"{d} is not a P-EAGLE checkpoint: no {WEIGHTS_NAME}")
         config = PEagleConfig.from_pretrained(d)
-        model = cls(config, options)
+        try:
+            model = cls(config, options)
+        except (TypeError, KeyError, ValueError, ZeroDivisionError, IndexError, RuntimeError) as e:
+            raise ValueError(
+                f"{d / CONFIG_NAME}: cannot build the drafter it describes ({type(e).__name__}: {e})"
+            ) from None
         try:
             sd = load_file(str(d / WEIGHTS_NAME), device=str(map_location))
         except OSError:

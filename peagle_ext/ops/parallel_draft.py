@@ -24,6 +24,7 @@ PADDING_SLOT_ID = -1
 
 HIDDEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -152,7 +153,8 @@ def prepare_parallel_draft_inputs(
     )
     check_int("num_spec_tokens", num_spec_tokens, lo=1)
     check_int("mask_token_id", mask_token_id, lo=0, hi=_INT32_MAX)
-    check_int("block_size", block_size, lo=1)
+    # slot = block id (int32) * block_size + offset: past 2^31 it wraps negative
+    check_int("block_size", block_size, lo=1, hi=_INT32_MAX)
     check_int("max_model_len", max_model_len, lo=1)
     if block_table.shape[1] * block_size < max_model_len:
         raise ValueError(
@@ -164,7 +166,7 @@ def prepare_parallel_draft_inputs(
     if b * num_spec_tokens > _INT32_MAX or t_in + (num_spec_tokens - 1) * b > _INT32_MAX:
         raise ValueError("T_out = T_in + (K-1)*B and B*K must fit in int32")
     if validate and device.type != "cpu":
-        _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_in)
+        _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_in, num_spec_tokens)
     args = (
         target_token_ids,
         target_positions,
@@ -269,9 +271,20 @@ def _check_out(out, t_in, b, k, target_hidden, device):
         check_tensor(f"out.{name}", t, dtypes=(dtype,), shape=shape, device=device)
         if not t.is_contiguous():
             raise ValueError(f"out.{name} must be contiguous")
+    # outputs sharing memory overwrite each other: wrong results without an error
+    spans = []
+    for name in want:
+        t = getattr(out, name)
+        if t.numel():
+            a = t.data_ptr()
+            spans.append((a, a + t.numel() * t.element_size(), name))
+    spans.sort()
+    for (_a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"out.{an} and out.{bn} overlap: every output needs its own memory")
 
 
-def _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_in):
+def _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_in, num_spec_tokens):
     """Device-side checks of the values the layout depends on, with ONE host sync."""
     qsl = query_start_loc.long()
     lens = qsl[1:] - qsl[:-1]
@@ -280,7 +293,9 @@ def _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_i
         nrej = num_rejected_tokens.long()
         bad.append(((nrej < 0) | (nrej > lens - 1)).any())
     if lens.numel():
-        bad.append((target_positions[qsl[:-1].clamp(0, max(t_in - 1, 0))] < 0).any())
+        starts = target_positions[qsl[:-1].clamp(0, max(t_in - 1, 0))]
+        bad.append((starts < 0).any())
+        bad.append((starts > _INT64_MAX - lens - num_spec_tokens).any())
     if not bool(torch.stack(bad).any()):
         return
     q = qsl.cpu()
@@ -300,7 +315,10 @@ def _validate_values(query_start_loc, num_rejected_tokens, target_positions, t_i
             raise ValueError(
                 f"num_rejected_tokens[{r}] = {int(n[r])} must be in [0, query_len - 1] = [0, {int(ln[r]) - 1}]"
             )
-    raise ValueError("target_positions at the start of every request must be >= 0")
+    raise ValueError(
+        "target_positions at the start of every request must be >= 0 and small enough that the draft "
+        "positions (start + query_len + K - 2) fit in int64"
+    )
 
 
 @torch.library.register_fake("peagle::prepare_parallel_draft_inputs")

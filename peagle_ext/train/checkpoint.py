@@ -5,6 +5,7 @@ moment leaves only complete checkpoints; listing, pruning and reading them back.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -19,7 +20,13 @@ from .settings import TrainError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 COMPLETE_MARKER = "COMPLETE"
-TRAINER_STATE = "trainer_state.pt"
+# The trainer state (optimizer, scheduler, RNG states, data position, settings) is JSON plus a
+# safetensors file of its tensors: reading it runs no code, unlike a pickle. TRAINER_STATE is
+# written last, so its presence means both files are there.
+TRAINER_STATE = "trainer_state.json"
+TRAINER_TENSORS = "trainer_state.safetensors"
+# checkpoints written before that: read with torch.load(weights_only=True) and an allow-list
+LEGACY_TRAINER_STATE = "trainer_state.pt"
 
 
 def rng_state() -> dict:
@@ -44,15 +51,28 @@ def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
         return found
     for p in out.iterdir():
         name = p.name
-        if not p.is_dir() or not name.startswith(CHECKPOINT_PREFIX):
+        # a symlink is never one of ours: followed, it would shadow newer checkpoints and pruning
+        # would delete whatever it points to, outside the output directory
+        if p.is_symlink() or not p.is_dir() or not name.startswith(CHECKPOINT_PREFIX):
             continue
         tail = name[len(CHECKPOINT_PREFIX) :]
-        if not tail.isdigit():
+        if not (tail.isascii() and tail.isdigit()):
             continue
-        if not (p / COMPLETE_MARKER).is_file() or not (p / TRAINER_STATE).is_file():
+        if not (p / COMPLETE_MARKER).is_file():
+            continue
+        if not ((p / TRAINER_STATE).is_file() or (p / LEGACY_TRAINER_STATE).is_file()):
             continue
         found.append((int(tail), p))
     return sorted(found)
+
+
+def remove_path(p: Path):
+    """Delete what `p` names: a symlink or file is unlinked (never its target), a directory
+    removed with its contents."""
+    if p.is_symlink() or p.is_file():
+        p.unlink(missing_ok=True)
+    elif p.exists():
+        shutil.rmtree(p)
 
 
 def save_checkpoint(out: Path, step: int, model: PEagleDraftModel, opt, sched, state: dict, keep: int) -> Path:
@@ -60,15 +80,25 @@ def save_checkpoint(out: Path, step: int, model: PEagleDraftModel, opt, sched, s
         if not bool(torch.isfinite(p).all()):
             raise TrainError(f"refusing to write checkpoint {step}: parameter {name} is not finite")
     tmp = out / f"{CHECKPOINT_PREFIX}{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    test_pause("weights", step)
-    torch.save(
-        {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), **state},
-        tmp / TRAINER_STATE,
-    )
-    return publish_checkpoint(out, step, tmp, keep)
+    try:
+        remove_path(tmp)
+        model.save_pretrained(tmp)
+        test_pause("weights", step)
+        save_trainer_state(
+            tmp, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), **state}
+        )
+        return publish_checkpoint(out, step, tmp, keep)
+    except OSError as e:
+        raise write_error(f"checkpoint {step}", tmp, e) from None
+
+
+def write_error(what: str, where: Path, e: OSError) -> TrainError:
+    """A failed write (disk full, read-only directory, quota) as one line naming the path; the
+    partial directory is removed so that it neither fills the disk nor looks like a result."""
+    shutil.rmtree(where, ignore_errors=True)
+    reason = e.strerror or str(e)
+    path = e.filename or where
+    return TrainError(f"cannot write {what} to {where}: {reason} ({path}); the earlier checkpoints are kept")
 
 
 def publish_checkpoint(out: Path, step: int, tmp: Path, keep: int) -> Path:
@@ -86,13 +116,15 @@ def publish_checkpoint(out: Path, step: int, tmp: Path, keep: int) -> Path:
 def replace_dir(tmp: Path, dst: Path):
     """Move the complete directory `tmp` to `dst` (replacing an older `dst`) so that a kill at any
     instant leaves `dst` absent, the old complete one, or the new complete one; never a mix."""
-    if dst.exists():
+    if dst.exists() or dst.is_symlink():
         old = dst.with_name(dst.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
+        remove_path(old)
         os.replace(dst, old)
         os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dst)
     fsync_dir(dst.parent)
@@ -102,6 +134,8 @@ def remove_checkpoint(p: Path):
     """Prune a checkpoint: its COMPLETE marker goes first, so a kill in the middle of the
     rmtree leaves an incomplete directory (ignored, later pruned) rather than a marked one
     with missing files."""
+    if p.is_symlink():  # never one of ours (list_checkpoints skips them): leave its target alone
+        return
     try:
         (p / COMPLETE_MARKER).unlink(missing_ok=True)
         fsync_dir(p)
@@ -136,7 +170,7 @@ def read_checkpoint_state(ck: Path) -> dict:
             pass
         json.loads((ck / "config.json").read_text())
         return read_trainer_state(ck)
-    except Exception as e:  # noqa: BLE001  (pickle, safetensors and OS errors alike)
+    except Exception as e:  # noqa: BLE001  (JSON, safetensors and OS errors alike)
         raise TrainError(
             f"--resume: checkpoint {ck} is marked complete but cannot be read ({type(e).__name__}: "
             f"{e}); move it out of the output directory to resume from the checkpoint before it"
@@ -159,5 +193,161 @@ def fsync_dir(d: Path):
 
 
 def read_trainer_state(ck: Path) -> dict:
-    """The trainer state (optimizer, scheduler, RNG states, data position) of checkpoint `ck`."""
-    return torch.load(ck / TRAINER_STATE, map_location="cpu", weights_only=False)
+    """The trainer state (optimizer, scheduler, RNG states, data position) of checkpoint `ck`.
+    Runs no code from the files: JSON + safetensors, or for an older checkpoint a
+    torch.load(weights_only=True) that allows only the numpy types of the RNG state."""
+    if (ck / TRAINER_STATE).is_file():
+        st = load_state_files(ck / TRAINER_STATE, ck / TRAINER_TENSORS)
+    else:
+        st = _read_legacy(ck / LEGACY_TRAINER_STATE)
+    check_trainer_state(st, ck)
+    return st
+
+
+def _read_legacy(f: Path) -> dict:
+    import numpy.core.multiarray as multiarray  # noqa: PLC0415
+
+    allowed = [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        st = torch.load(f, map_location="cpu", weights_only=True)
+    if isinstance(st, dict) and isinstance(st.get("rng"), dict):
+        npst = st["rng"].get("numpy")
+        if isinstance(npst, tuple) and len(npst) == 5 and isinstance(npst[1], np.ndarray):
+            st["rng"]["numpy"] = npst
+    return st
+
+
+# -- trainer state as JSON + safetensors ------------------------------------------------------
+_MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__items__", "__float__")
+
+
+def save_trainer_state(d: Path, state: dict):
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    doc = _encode(state, tensors)
+    save_file(tensors, str(d / TRAINER_TENSORS))
+    (d / TRAINER_STATE).write_text(json.dumps(doc, allow_nan=False))
+
+
+def load_state_files(doc_file: Path, tensor_file: Path) -> dict:
+    """Read a trainer state back; any malformed content is a ValueError naming the file."""
+    from safetensors.torch import load_file
+
+    try:
+        doc = json.loads(doc_file.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{doc_file} is nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{doc_file} is not valid JSON ({e})") from None
+    try:
+        tensors = load_file(str(tensor_file))
+    except FileNotFoundError:
+        raise ValueError(f"{tensor_file} is missing") from None
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+        raise ValueError(f"{tensor_file} is not a readable safetensors file ({e})") from None
+    try:
+        st = _decode(doc, tensors)
+    except RecursionError:
+        raise ValueError(f"{doc_file} is nested too deeply") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{doc_file}: {e}") from None
+    if not isinstance(st, dict):
+        raise ValueError(f"{doc_file} must hold a JSON object, got {type(st).__name__}")
+    return st
+
+
+def _encode(x, tensors: dict):
+    if isinstance(x, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = x.detach().to("cpu").clone().contiguous()
+        return {"__tensor__": key}
+    if isinstance(x, np.ndarray):
+        key = f"t{len(tensors)}"
+        tensors[key] = torch.from_numpy(x.astype(np.int64) if x.dtype.kind in "iu" else x.copy())
+        return {"__ndarray__": key, "dtype": x.dtype.str}
+    if isinstance(x, np.generic):
+        x = x.item()
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else {"__float__": repr(x)}
+    if isinstance(x, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in x]}
+    if isinstance(x, list):
+        return [_encode(v, tensors) for v in x]
+    if isinstance(x, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in x):
+            return {k: _encode(v, tensors) for k, v in x.items()}
+        return {"__items__": [[_encode(k, tensors), _encode(v, tensors)] for k, v in x.items()]}
+    raise TypeError(f"trainer state: cannot store a {type(x).__name__}")
+
+
+def _decode(x, tensors: dict):
+    if isinstance(x, list):
+        return [_decode(v, tensors) for v in x]
+    if not isinstance(x, dict):
+        return x
+    marks = [k for k in _MARKERS if k in x]
+    if not marks:
+        if any(isinstance(k, str) and k.startswith("__") for k in x):
+            raise ValueError(f"unknown entry {next(k for k in x if k.startswith('__'))!r}")
+        return {k: _decode(v, tensors) for k, v in x.items()}
+    m = marks[0]
+    v = x[m]
+    if m == "__tensor__":
+        if not isinstance(v, str) or v not in tensors:
+            raise ValueError(f"tensor {v!r} is not in the tensor file")
+        return tensors[v]
+    if m == "__ndarray__":
+        if not isinstance(v, str) or v not in tensors:
+            raise ValueError(f"tensor {v!r} is not in the tensor file")
+        dt = x.get("dtype")
+        if dt not in ("<u4", "<i8", "<u8", "<i4", "<f8", "<f4"):
+            raise ValueError(f"unsupported array dtype {dt!r}")
+        return tensors[v].numpy().astype(np.dtype(dt))
+    if m == "__tuple__":
+        if not isinstance(v, list):
+            raise ValueError("__tuple__ must hold a list")
+        return tuple(_decode(e, tensors) for e in v)
+    if m == "__items__":
+        if not isinstance(v, list) or not all(isinstance(e, list) and len(e) == 2 for e in v):
+            raise ValueError("__items__ must hold [key, value] pairs")
+        out = {}
+        for k, e in v:
+            k = _decode(k, tensors)
+            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                raise ValueError(f"unusable key {k!r}")
+            out[k] = _decode(e, tensors)
+        return out
+    if v not in ("inf", "-inf", "nan"):
+        raise ValueError(f"__float__ must be inf, -inf or nan, got {v!r}")
+    return float(v)
+
+
+def check_trainer_state(st, ck: Path):
+    """The shape of what resume reads first: the position, the settings and the RNG states."""
+
+    def need(cond, what):
+        if not cond:
+            raise ValueError(f"trainer state of {ck}: {what}")
+
+    need(isinstance(st, dict), "not a mapping")
+    for k in ("step", "epoch", "cursor"):
+        v = st.get(k)
+        need(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62, f"{k} must be an int >= 0, got {v!r}")
+    need(isinstance(st.get("settings"), dict), "settings must be a mapping")
+    ga, ws = st["settings"].get("grad_accum", 1), st.get("world_size", 1)
+    need(
+        isinstance(ga, int) and isinstance(ws, int) and ga >= 1 and ws >= 1, "grad_accum / world_size must be ints >= 1"
+    )
+    need(isinstance(st.get("scheduler"), dict), "scheduler must be a mapping")
+    need(st.get("optimizer") is None or isinstance(st.get("optimizer"), dict), "optimizer must be a mapping")
+    rng = st.get("rng")
+    need(isinstance(rng, dict), "rng must be a mapping")
+    py = rng.get("python")
+    need(isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], tuple), "rng.python is not a random state")
+    npst = rng.get("numpy")
+    need(isinstance(npst, tuple) and len(npst) == 5 and isinstance(npst[1], np.ndarray), "rng.numpy is not a state")
+    t = rng.get("torch")
+    need(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1, "rng.torch is not a state")

@@ -486,7 +486,8 @@ class DistContext:
         self.barrier()
         if self.is_main:
             writer.save_pretrained(tmp)
-            torch.save(
+            C.save_trainer_state(
+                tmp,
                 {
                     "optimizer": opt_state,
                     "optimizer_dcp": OPTIMIZER_DCP_DIR if self._fsdp else None,
@@ -496,7 +497,6 @@ class DistContext:
                     "dist": self.mode,
                     **state,
                 },
-                tmp / C.TRAINER_STATE,
             )
             C.publish_checkpoint(out, step, tmp, keep)
         self.barrier()
@@ -542,9 +542,11 @@ class DistContext:
         writer = self._full_model_for_save(model) if self.world > 1 else model
         if self.is_main:
             tmp = directory.with_name(directory.name + ".tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            writer.save_pretrained(tmp)
-            C.replace_dir(tmp, directory)  # a kill leaves the old or the new final/, never neither
+            try:
+                C.remove_path(tmp)
+                writer.save_pretrained(tmp)
+                C.replace_dir(tmp, directory)  # a kill leaves the old or the new final/, never neither
+            except OSError as e:
+                raise C.write_error("final/", tmp, e) from None
         self.barrier()
         return self.is_main

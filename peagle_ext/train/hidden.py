@@ -70,10 +70,14 @@ class HiddenStates:
         for hs in (self, then) if then else (self,):
             hs._cond, hs._error, hs._producer = cond, [None], True
 
+        stop = threading.Event()
+
         def run():
             try:
                 with torch.inference_mode(False), torch.no_grad():
                     for hs, i in jobs:
+                        if stop.is_set():
+                            return
                         if i in hs._mem:
                             continue
                         ex = hs.compute(i)
@@ -95,8 +99,19 @@ class HiddenStates:
             hs._done = False
         t = threading.Thread(target=run, name="peagle-hidden-states", daemon=True)
         t.start()
-        self._thread = t
+        self._thread, self._stop = t, stop
         return t
+
+    def stop_background(self):
+        """Stop the background thread and wait for it (after its current row). Every exit of the
+        trainer calls this: a daemon thread still inside a torch op when the interpreter exits
+        aborts the process (`terminate called without an active exception`, SIGABRT)."""
+        t = getattr(self, "_thread", None)
+        if t is None:
+            return
+        self._stop.set()
+        t.join()
+        self._thread = None
 
     def _wait_for(self, i: int):
         with self._cond:

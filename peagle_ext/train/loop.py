@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from .checkpoint import (
     list_checkpoints,
     read_checkpoint_state,
     read_trainer_state,
+    remove_path,
     set_rng_state,
     test_pause,
 )
@@ -45,6 +46,7 @@ from .hidden import HiddenStates
 from .metrics import Meter
 from .optim import lr_lambda, make_adamw
 from .plots import make_plots
+from .run_guard import OutputLock, check_inputs_unchanged, input_fingerprints
 from .run_log import NullLog, RunLog, progress_bar
 from .settings import RESUME_FIXED, TrainError, TrainSettings
 from .tracking import Trackers, peak_memory_gib
@@ -81,7 +83,23 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     out = Path(s.output)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainError(f"--output {out}: cannot create it: {e.strerror or e}") from None
+    if ctx.is_main and not os.access(out, os.W_OK | os.X_OK):
+        raise TrainError(f"--output {out} is not writable")
+    lock = OutputLock(out).acquire() if ctx.is_main else None
+    try:
+        return _train_locked(s, ctx, stop_after, out, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_locked(s: TrainSettings, ctx, stop_after, out: Path, t_start: float) -> TrainResult:
+    inputs = input_fingerprints(s) if ctx.is_main else {}
+    changed_note = None
     resume_from = None
     if s.resume:
         ck = list_checkpoints(out)
@@ -95,8 +113,10 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
         if ctx.is_main:
             stale = list(out.glob(f"{CHECKPOINT_PREFIX}*.tmp")) + list(out.glob(f"{CHECKPOINT_PREFIX}*.old"))
             for p in stale:
-                shutil.rmtree(p, ignore_errors=True)
+                remove_path(p)
         ck_state = read_checkpoint_state(resume_from)
+        if ctx.is_main:
+            changed_note = check_inputs_unchanged(ck_state.get("inputs"), inputs, resume_from, s.accept_changed_inputs)
         old = ck_state["settings"]
         diff = [k for k in RESUME_FIXED if old.get(k) != getattr(s, k)]
         if diff:
@@ -114,7 +134,7 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
             )
         if ctx.is_main:
             for p in out.glob(f"{CHECKPOINT_PREFIX}*.tmp"):
-                shutil.rmtree(p, ignore_errors=True)
+                remove_path(p)
             RunLog.truncate_after(out / "log.jsonl", ck_state["step"])
     else:
         existing = list_checkpoints(out)
@@ -128,6 +148,8 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     ctx.barrier()  # every rank has decided before rank 0 writes anything
     if ctx.is_main:
         log = RunLog(out / "log.jsonl", echo=True)
+        if changed_note:
+            log.event("inputs_changed", changed_note)
         trackers = Trackers(s.report_to, out, dataclasses.asdict(s))
     else:
         log = NullLog()
@@ -137,7 +159,7 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     if s.threads and not s.device.startswith("cuda"):
         torch.set_num_threads(s.threads)
     try:
-        return _train(s, out, log, resume_from, stop_after, t_start, ctx, trackers)
+        return _train(s, out, log, resume_from, stop_after, t_start, ctx, trackers, inputs)
     finally:
         torch.set_num_threads(threads)
         trackers.close()
@@ -145,7 +167,7 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
 
 
 def _train(
-    s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx, trackers
+    s: TrainSettings, out: Path, log: RunLog, resume_from: Path | None, stop_after, t_start, ctx, trackers, inputs
 ) -> TrainResult:
     device = ctx.device
     amp = s.autocast_dtype()
@@ -199,9 +221,14 @@ def _train(
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0
     if resume_from is not None:
-        ctx.load_optimizer_state(model, opt, ck, resume_from)
-        sched.load_state_dict(ck["scheduler"])
-        set_rng_state(ck["rng"])
+        try:
+            ctx.load_optimizer_state(model, opt, ck, resume_from)
+            sched.load_state_dict(ck["scheduler"])
+            set_rng_state(ck["rng"])
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+            raise TrainError(
+                f"--resume: the trainer state of {resume_from} does not fit this run ({type(e).__name__}: {e})"
+            ) from None
         step, epoch, cursor = ck["step"], ck["epoch"], ck["cursor"]
         history_skipped = ck.get("skipped_steps", 0)
         log.event("resume", f"resumed from {resume_from} at step {step}", step=step)
@@ -217,191 +244,197 @@ def _train(
     n_rows = len(ds.train_rows)
     order = epoch_order(s.seed, epoch, n_rows)
     train_h, val_h = build_hidden_states(s, inp, device, amp, ctx, log, order=order, step=step, cursor=cursor)
-    del inp  # the verifier goes when the hidden states no longer need it
+    # every way out (an error, a refused checkpoint, Ctrl-C) stops the background thread first
+    try:
+        del inp  # the verifier goes when the hidden states no longer need it
 
-    # a step: world x grad_accum micro-batches ("units"); unit g is COD-seeded by g, so the
-    # numbers do not depend on which rank computes it (train/distributed.py)
-    n_units = s.grad_accum * ctx.world
-    rows_per_step = s.batch_size * n_units
-    row_tokens = [int((r.document_ids >= 0).sum()) for r in ds.train_rows]
-    meter = Meter(s.num_depths)
-    window_meter = Meter(s.num_depths)
-    skipped = history_skipped
-    val_summary = None
-    stopped = False
-    rule = StopRule(s.early_stop_patience, s.early_stop_min_delta, s.max_minutes, t_start)
-    stop_reason = None
-    bar = progress_bar(
-        range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps, disable=not s.progress
-    )
-    t_tok, n_tok_window = time.time(), 0
-    autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else _null
-    steps_here = 0
-    model.train()
-    for _ in bar:
-        # rows of this step
-        picked = []
-        for _r in range(rows_per_step):
-            if cursor >= n_rows:
-                epoch, cursor = epoch + 1, 0
-                order = epoch_order(s.seed, epoch, n_rows)
-            picked.append(order[cursor])
-            cursor += 1
-        micro = [picked[i * s.batch_size : (i + 1) * s.batch_size] for i in range(n_units)]
-        mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
-        examples = [concat_examples([train_h.get(i) for i in micro[g]]).to(device) for g in mine]
-        layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
-        weights = [
-            float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())
-            for ex, lay in zip(examples, layouts)
-        ]
-        wtot = ctx.sum_scalar(sum(weights))  # the GLOBAL loss-token count: every rank divides by it
-        step_meter = Meter(s.num_depths)
-        opt.zero_grad(set_to_none=True)
-        unit_metrics = {}
-        for j, (g, ex, lay) in enumerate(zip(mine, examples, layouts)):
-            m = ctx.forward_backward(
-                model,
-                ex,
-                lay,
-                segments=s.seq_partition,
-                loss_scale=1.0 / wtot if wtot > 0 else 0.0,
-                autocast_dtype=amp,
-                last=j == len(mine) - 1,
-            )
-            unit_metrics[g] = {**m, "num_tokens": int((ex.document_ids >= 0).sum())}
-        per_unit = ctx.ordered_metrics(n_units, unit_metrics, s.num_depths)  # all units, in unit order
-        for m in per_unit:
-            step_meter.add(m)
-        gnorm = ctx.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
-        loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
-        ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
-        if ok and step_meter.weight > 0:
-            opt.step()
-        elif ok:  # no loss-masked token in this step: nothing to learn, leave AdamW's moments alone
+        # a step: world x grad_accum micro-batches ("units"); unit g is COD-seeded by g, so the
+        # numbers do not depend on which rank computes it (train/distributed.py)
+        n_units = s.grad_accum * ctx.world
+        rows_per_step = s.batch_size * n_units
+        row_tokens = [int((r.document_ids >= 0).sum()) for r in ds.train_rows]
+        meter = Meter(s.num_depths)
+        window_meter = Meter(s.num_depths)
+        skipped = history_skipped
+        val_summary = None
+        stopped = False
+        rule = StopRule(s.early_stop_patience, s.early_stop_min_delta, s.max_minutes, t_start)
+        stop_reason = None
+        bar = progress_bar(
+            range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps, disable=not s.progress
+        )
+        t_tok, n_tok_window = time.time(), 0
+        autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else _null
+        steps_here = 0
+        model.train()
+        for _ in bar:
+            # rows of this step
+            picked = []
+            for _r in range(rows_per_step):
+                if cursor >= n_rows:
+                    epoch, cursor = epoch + 1, 0
+                    order = epoch_order(s.seed, epoch, n_rows)
+                picked.append(order[cursor])
+                cursor += 1
+            micro = [picked[i * s.batch_size : (i + 1) * s.batch_size] for i in range(n_units)]
+            mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
+            examples = [concat_examples([train_h.get(i) for i in micro[g]]).to(device) for g in mine]
+            layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
+            weights = [
+                float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())
+                for ex, lay in zip(examples, layouts)
+            ]
+            wtot = ctx.sum_scalar(sum(weights))  # the GLOBAL loss-token count: every rank divides by it
+            step_meter = Meter(s.num_depths)
             opt.zero_grad(set_to_none=True)
-        else:
-            skipped += 1
-            opt.zero_grad(set_to_none=True)
-            log.event(
-                "nan",
-                f"step {step + 1}: non-finite loss ({loss_val}) or gradient norm ({float(gnorm)}); "
-                "step skipped, weights unchanged",
-                step=step + 1,
-            )
-        lr_now = sched.get_last_lr()[0]
-        sched.step()
-        step += 1
-        steps_here += 1
-        ntoks = sum(m["num_tokens"] for m in per_unit)
-        n_tok_window += ntoks
-        if ok:
-            meter.add(
-                {
-                    "loss_sum": step_meter.loss_sum,
-                    "weight": step_meter.weight,
-                    "correct": step_meter.correct,
-                    "total": step_meter.total,
-                }
-            )
-            window_meter.add(
-                {
-                    "loss_sum": step_meter.loss_sum,
-                    "weight": step_meter.weight,
-                    "correct": step_meter.correct,
-                    "total": step_meter.total,
-                }
-            )
-        if step % s.log_every == 0 or step == s.max_steps:
-            now = time.time()
-            tps = n_tok_window / max(now - t_tok, 1e-9)
-            summ = window_meter.summary()
-            rec = {
-                "step": step,
-                "split": "train",
-                "epoch": epoch,
-                "lr": lr_now,
-                "grad_norm": float(gnorm),
-                "tokens": n_tok_window,
-                "tokens_per_s": tps,
-                "elapsed_s": now - t_start,
-                "skipped": not ok,
-                **summ,
-                **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {}),
-            }
-            log.write(rec)
-            trackers.log({**rec, "memory_gib": peak_memory_gib(device)})
-            bar.set_postfix(
-                loss=f"{summ['loss']:.3f}",
-                acc0=f"{summ['acc'][0]:.3f}",
-                acc=f"{summ['full_acc']:.3f}",
-                tok_s=f"{tps:.0f}",
-            )
-            window_meter.reset()
-            t_tok, n_tok_window = now, 0
-        if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
-            val_summary = evaluate(model, val_h, s, autocast, device, ctx)
-            log.write({"step": step, "split": "val", **val_summary})
-            trackers.log({"step": step, "split": "val", **val_summary})
-            log.event(
-                "validation",
-                f"step {step}: validation loss {val_summary['loss']:.4f}, accuracy "
-                + " ".join(f"d{i}={a:.3f}" for i, a in enumerate(val_summary["acc"]))
-                + f", estimated acceptance length {val_summary['accept_len']:.2f}",
-            )
-            stop_reason = rule.after_val(val_summary["loss"])
-        if s.max_minutes is not None and stop_reason is None and ctx.sum_scalar(float(rule.over_time())) > 0:
-            stop_reason = f"the time budget of {s.max_minutes:g} min is spent (--max-minutes)"
-        if step % s.checkpoint_every == 0 or step == s.max_steps or stop_reason:
-            ctx.save_checkpoint(
-                out,
-                step,
-                model,
-                opt,
-                sched,
-                {
+            unit_metrics = {}
+            for j, (g, ex, lay) in enumerate(zip(mine, examples, layouts)):
+                m = ctx.forward_backward(
+                    model,
+                    ex,
+                    lay,
+                    segments=s.seq_partition,
+                    loss_scale=1.0 / wtot if wtot > 0 else 0.0,
+                    autocast_dtype=amp,
+                    last=j == len(mine) - 1,
+                )
+                unit_metrics[g] = {**m, "num_tokens": int((ex.document_ids >= 0).sum())}
+            per_unit = ctx.ordered_metrics(n_units, unit_metrics, s.num_depths)  # all units, in unit order
+            for m in per_unit:
+                step_meter.add(m)
+            gnorm = ctx.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
+            loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
+            ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
+            if ok and step_meter.weight > 0:
+                opt.step()
+            elif ok:  # no loss-masked token in this step: nothing to learn, leave AdamW's moments alone
+                opt.zero_grad(set_to_none=True)
+            else:
+                skipped += 1
+                opt.zero_grad(set_to_none=True)
+                log.event(
+                    "nan",
+                    f"step {step + 1}: non-finite loss ({loss_val}) or gradient norm ({float(gnorm)}); "
+                    "step skipped, weights unchanged",
+                    step=step + 1,
+                )
+            lr_now = sched.get_last_lr()[0]
+            sched.step()
+            step += 1
+            steps_here += 1
+            ntoks = sum(m["num_tokens"] for m in per_unit)
+            n_tok_window += ntoks
+            if ok:
+                meter.add(
+                    {
+                        "loss_sum": step_meter.loss_sum,
+                        "weight": step_meter.weight,
+                        "correct": step_meter.correct,
+                        "total": step_meter.total,
+                    }
+                )
+                window_meter.add(
+                    {
+                        "loss_sum": step_meter.loss_sum,
+                        "weight": step_meter.weight,
+                        "correct": step_meter.correct,
+                        "total": step_meter.total,
+                    }
+                )
+            if step % s.log_every == 0 or step == s.max_steps:
+                now = time.time()
+                tps = n_tok_window / max(now - t_tok, 1e-9)
+                summ = window_meter.summary()
+                rec = {
                     "step": step,
+                    "split": "train",
                     "epoch": epoch,
-                    "cursor": cursor,
-                    "settings": dataclasses.asdict(s),
-                    "skipped_steps": skipped,
-                },
-                s.keep_checkpoints,
-            )
-        test_pause("step", step)
-        if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
-            stopped = True
-            break
-        if stop_reason:
-            log.event("stop", f"stopping at step {step}: {stop_reason}", step=step)
-            break
-    bar.close()
-    train_summary = meter.summary()
-    result = TrainResult(
-        out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start, stop_reason
-    )
-    if stopped:
+                    "lr": lr_now,
+                    "grad_norm": float(gnorm),
+                    "tokens": n_tok_window,
+                    "tokens_per_s": tps,
+                    "elapsed_s": now - t_start,
+                    "skipped": not ok,
+                    **summ,
+                    **({"world_size": ctx.world, "tokens_per_s_per_rank": tps / ctx.world} if ctx.world > 1 else {}),
+                }
+                log.write(rec)
+                trackers.log({**rec, "memory_gib": peak_memory_gib(device)})
+                bar.set_postfix(
+                    loss=f"{summ['loss']:.3f}",
+                    acc0=f"{summ['acc'][0]:.3f}",
+                    acc=f"{summ['full_acc']:.3f}",
+                    tok_s=f"{tps:.0f}",
+                )
+                window_meter.reset()
+                t_tok, n_tok_window = now, 0
+            if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
+                val_summary = evaluate(model, val_h, s, autocast, device, ctx)
+                log.write({"step": step, "split": "val", **val_summary})
+                trackers.log({"step": step, "split": "val", **val_summary})
+                log.event(
+                    "validation",
+                    f"step {step}: validation loss {val_summary['loss']:.4f}, accuracy "
+                    + " ".join(f"d{i}={a:.3f}" for i, a in enumerate(val_summary["acc"]))
+                    + f", estimated acceptance length {val_summary['accept_len']:.2f}",
+                )
+                stop_reason = rule.after_val(val_summary["loss"])
+            if s.max_minutes is not None and stop_reason is None and ctx.sum_scalar(float(rule.over_time())) > 0:
+                stop_reason = f"the time budget of {s.max_minutes:g} min is spent (--max-minutes)"
+            if step % s.checkpoint_every == 0 or step == s.max_steps or stop_reason:
+                ctx.save_checkpoint(
+                    out,
+                    step,
+                    model,
+                    opt,
+                    sched,
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "cursor": cursor,
+                        "settings": dataclasses.asdict(s),
+                        "skipped_steps": skipped,
+                        "inputs": inputs,
+                    },
+                    s.keep_checkpoints,
+                )
+            test_pause("step", step)
+            if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
+                stopped = True
+                break
+            if stop_reason:
+                log.event("stop", f"stopping at step {step}: {stop_reason}", step=step)
+                break
+        bar.close()
+        train_summary = meter.summary()
+        result = TrainResult(
+            out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start, stop_reason
+        )
+        if stopped:
+            return result
+        final = out / "final"
+        written_here = ctx.save_final(model, final)  # tmp + rename, by rank 0
+        result.final_dir = final
+        if not written_here:
+            return result
+        result.plots = make_plots(out / "log.jsonl", out, s.num_depths)
+        result.wall_s = time.time() - t_start
+        log.write(
+            {
+                "event": "done",
+                "step": step,
+                "final": str(final),
+                "wall_s": result.wall_s,
+                "train": train_summary,
+                "val": val_summary,
+                "skipped_steps": skipped,
+                "inputs": inputs,
+                "stop_reason": stop_reason,
+            }
+        )
         return result
-    final = out / "final"
-    written_here = ctx.save_final(model, final)  # tmp + rename, by rank 0
-    result.final_dir = final
-    if not written_here:
-        return result
-    result.plots = make_plots(out / "log.jsonl", out, s.num_depths)
-    result.wall_s = time.time() - t_start
-    log.write(
-        {
-            "event": "done",
-            "step": step,
-            "final": str(final),
-            "wall_s": result.wall_s,
-            "train": train_summary,
-            "val": val_summary,
-            "skipped_steps": skipped,
-            "stop_reason": stop_reason,
-        }
-    )
-    return result
+    finally:
+        train_h.stop_background()
 
 
 class _null:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,8 @@ class TrainSettings:
     # torchrun: give up when no shard of the shared --hidden-cache-dir appeared for this long
     hidden_timeout_s: float = 1800.0
     resume: bool = False
+    # --resume after a data file or the verifier changed in place: continue (logged) instead of refusing
+    accept_changed_inputs: bool = False
     progress: bool = True
     report_to: str | list[str] = "none"  # none | tensorboard | wandb, several allowed
     # under torchrun (WORLD_SIZE > 1): ddp | fsdp (peagle_ext.distributed); ignored by one process
@@ -98,6 +101,36 @@ class TrainSettings:
         def need(cond, msg):
             if not cond:
                 raise TrainError(msg)
+
+        for f in dataclasses.fields(self):  # the types first: the range checks below compare them
+            setattr(self, f.name, check_setting_type(f.name, getattr(self, f.name)))
+        need(self.output.strip() != "", "--output must name a directory, got ''")
+        need(self.verifier.strip() != "", "--verifier must not be empty")
+        need(math.isfinite(self.lr), f"--lr must be finite, got {self.lr}")
+        need(
+            self.grad_clip == 0 or (self.grad_clip > 0 and math.isfinite(self.grad_clip)),
+            f"--grad-clip must be a finite number > 0, or 0 (off), got {self.grad_clip}",
+        )
+        need(
+            0 <= self.hidden_cache_gb and math.isfinite(self.hidden_cache_gb),
+            f"--hidden-cache-gb must be a finite number >= 0, got {self.hidden_cache_gb}",
+        )
+        need(
+            0 <= self.weight_decay and math.isfinite(self.weight_decay),
+            f"--weight-decay must be a finite number >= 0, got {self.weight_decay}",
+        )
+        need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+        need(
+            self.hidden_timeout_s > 0 and not math.isnan(self.hidden_timeout_s),
+            f"--hidden-timeout-s must be > 0, got {self.hidden_timeout_s}",
+        )
+        need(0 <= self.seed < 2**63, f"--seed must be in [0, 2**63), got {self.seed}")
+        need(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id must be >= 0")
+        need(
+            self.aux_layer_ids is None or (len(self.aux_layer_ids) >= 1 and min(self.aux_layer_ids) >= 0),
+            f"--aux-layer-ids must list at least one layer id >= 0, got {self.aux_layer_ids}",
+        )
+        need(self.epochs is None or math.isfinite(self.epochs), f"--epochs must be finite, got {self.epochs}")
 
         need(self.seq_len >= 8, f"--seq-len must be >= 8, got {self.seq_len}")
         need(self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")
@@ -142,8 +175,10 @@ class TrainSettings:
             raise TrainError("--device cuda was asked for but torch sees no CUDA GPU (use --device cpu)")
         try:
             self.options().validate(self.num_depths)
-        except ValueError as e:
-            raise TrainError(str(e)) from None
+        except ValueError as e:  # PEagleOptions names its fields; a user knows the flags
+            head, _, rest = str(e).partition(" ")
+            flag = {"loss_kind": "--loss"}.get(head, _flag(head))
+            raise TrainError(f"{flag} {rest}") from None
         return self
 
     def options(self) -> PEagleOptions:
@@ -210,11 +245,64 @@ RESUME_FIXED = (
 )
 
 
+# the type of every setting, read from the annotations: "int", "float | None", ...
+_TYPES = {f.name: f.type for f in dataclasses.fields(TrainSettings)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_setting_type(name: str, value, where: str = ""):
+    """`value` as setting `name` needs it, or a TrainError naming the flag (and `where`: the
+    config file it came from). No coercion that changes meaning: a bool is not an int, a string
+    is not a number ("3e-3" in YAML is a string), 3.9 is not an int; an int is a float."""
+    kinds = [k.strip() for k in _TYPES[name].split("|")]
+    if value is None and "None" in kinds:
+        return None
+    for k in kinds:
+        if k == "bool" and isinstance(value, bool):
+            return value
+        if k == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if k == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value):  # NaN passes every `<` / `>` range check
+                raise TrainError(f"{where}{_flag(name)} must be a number, got NaN")
+            return float(value)
+        if k == "str" and isinstance(value, str):
+            return value
+        if k == "dict" and isinstance(value, dict):
+            return value
+        if k == "list[str]" and isinstance(value, list) and value and all(isinstance(x, str) for x in value):
+            return value
+        if k == "list[int]" and isinstance(value, list):
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+                return value
+    want = " or ".join(
+        {"None": "none", "list[str]": "a list of strings", "list[int]": "a list of ints"}.get(
+            k, f"an {k}" if k == "int" else f"a {k}"
+        )
+        for k in kinds
+    )
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    hint = ""
+    if isinstance(value, str) and "float" in kinds:
+        hint = " (a quoted number is a string; YAML also reads 3e-3 without a dot as one: write 3.0e-3)"
+    raise TrainError(f"{where}{_flag(name)} must be {want}, got {shown} ({type(value).__name__}){hint}")
+
+
 def load_config_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise TrainError(f"--config file {path} does not exist")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TrainError(f"--config file {path} is not UTF-8 text (a binary file?)") from None
+    except OSError as e:
+        raise TrainError(f"--config file {path} cannot be read: {e.strerror or e}") from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -222,6 +310,8 @@ def load_config_file(path: str) -> dict:
             d = yaml.safe_load(text) or {}
         else:
             d = json.loads(text)
+    except RecursionError:
+        raise TrainError(f"--config file {path} is nested too deeply") from None
     except Exception as e:
         raise TrainError(
             f"--config file {path} is not valid {'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}"
@@ -234,7 +324,7 @@ def load_config_file(path: str) -> dict:
         key = str(k).replace("-", "_")
         if key not in names:
             raise TrainError(f"--config file {path}: unknown option {k!r} (known: {', '.join(sorted(names))})")
-        out[key] = v
+        out[key] = check_setting_type(key, v, f"--config file {path}: ")
     return out
 
 

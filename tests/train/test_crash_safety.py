@@ -127,12 +127,13 @@ def _kill_at(tiny, out: Path, point: str, step: int, timeout=90.0):
 
 def _assert_every_listed_checkpoint_loads(out: Path) -> list[int]:
     from peagle_ext.model import PEagleDraftModel
-    from peagle_ext.train import TRAINER_STATE, list_checkpoints
+    from peagle_ext.train import list_checkpoints
+    from peagle_ext.train.checkpoint import read_trainer_state
 
     steps = []
     for step, d in list_checkpoints(out):
         PEagleDraftModel.from_pretrained(d)  # config + every tensor, validated
-        state = torch.load(d / TRAINER_STATE, map_location="cpu", weights_only=False)
+        state = read_trainer_state(d)
         assert state["step"] == step and {"optimizer", "scheduler", "rng"} <= set(state)
         steps.append(step)
     return steps
@@ -170,7 +171,7 @@ def test_sigkill_while_checkpoint_holds_only_the_weights(tiny, tmp_path, uninter
     out = tmp_path / "run"
     _kill_at(tiny, out, "weights", 6)
     tmp = out / "checkpoint-6.tmp"
-    assert (tmp / "model.safetensors").is_file() and not (tmp / "trainer_state.pt").exists()
+    assert (tmp / "model.safetensors").is_file() and not (tmp / "trainer_state.json").exists()
     assert _assert_every_listed_checkpoint_loads(out) == [3]
     _resume_and_compare(tiny, out, uninterrupted, expect_from=3)
 
@@ -181,6 +182,6 @@ def test_sigkill_before_the_checkpoint_rename(tiny, tmp_path, uninterrupted):
     out = tmp_path / "run"
     _kill_at(tiny, out, "written", 6)
     tmp = out / "checkpoint-6.tmp"
-    assert (tmp / "COMPLETE").is_file() and (tmp / "trainer_state.pt").is_file()
+    assert (tmp / "COMPLETE").is_file() and (tmp / "trainer_state.json").is_file()
     assert _assert_every_listed_checkpoint_loads(out) == [3]
     _resume_and_compare(tiny, out, uninterrupted, expect_from=3)

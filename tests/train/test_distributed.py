@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from peagle_ext.train.checkpoint import read_trainer_state
 from tests.helpers import ROOT, assert_same_weights, torchrun
 
 requires_gloo = pytest.mark.skipif(
@@ -111,7 +112,7 @@ def test_ddp_two_ranks_equal_one_process_and_resume_on_one(tiny, reference, tmp_
     assert_same_weights(reference / "checkpoint-4", out / "checkpoint-4")
     assert_same_weights(reference / "checkpoint-4", out / "final")
     assert_same_metrics(reference, out, range(1, 5))
-    ck = torch.load(out / "checkpoint-4" / "trainer_state.pt", weights_only=False)
+    ck = read_trainer_state(out / "checkpoint-4")
     assert ck["world_size"] == 2 and ck["optimizer"] is not None and not (out / "checkpoint-4" / "optimizer").exists()
 
     # 1 process continues the 2-rank run; it must keep the global batch (2 micro-batches per step)
@@ -142,7 +143,7 @@ def test_fsdp_two_ranks_equal_one_process_and_dcp_resume_on_one(tiny, reference,
     assert "2 ranks (FSDP, gloo)" in r.stderr
     assert_same_weights(reference / "checkpoint-4", out / "checkpoint-4")
     assert_same_metrics(reference, out, range(1, 5))
-    ck = torch.load(out / "checkpoint-4" / "trainer_state.pt", weights_only=False)
+    ck = read_trainer_state(out / "checkpoint-4")
     assert ck["optimizer"] is None and ck["optimizer_dcp"] == "optimizer" and ck["dist"] == "fsdp"
     assert (out / "checkpoint-4" / "optimizer" / ".metadata").is_file()
     cfg = json.loads((out / "checkpoint-4" / "config.json").read_text())

@@ -44,6 +44,12 @@ def run():
     args["query_start_loc"] = torch.randint(-20, t_in + 20, (17,), device="cuda", dtype=torch.int32)
     args["num_rejected_tokens"] = torch.randint(-9, 9, (16,), device="cuda", dtype=torch.int32)
     prepare_parallel_draft_inputs(*args.values(), **kw)
+    # positions at the int64 limit (the draft positions wrap: unchecked on CUDA without
+    # validate=True) and block ids at the int32 limit with the largest block_size accepted
+    args["target_positions"] = torch.randint(2**63 - 64, 2**63 - 1, (t_in,), device="cuda", dtype=torch.int64)
+    args["target_positions"][::3] = torch.randint(-(2**63), -(2**62), (len(range(0, t_in, 3)),), device="cuda")
+    args["block_table"] = torch.full_like(args["block_table"], 2**31 - 1)
+    prepare_parallel_draft_inputs(*args.values(), **{**kw, "block_size": 2**31 - 1})
     torch.cuda.synchronize()
     print("sanitize_vllm: ok")
 

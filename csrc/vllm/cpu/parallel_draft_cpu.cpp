@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <utility>
 #include <limits>
 
 #include "vllm/parallel_draft.h"
@@ -106,7 +108,10 @@ DraftShapes check_parallel_draft_inputs(const at::Tensor& target_token_ids, cons
   check_device(block_table, "block_table", device);
 
   TORCH_CHECK_VALUE(num_spec_tokens >= 1, kOp, "num_spec_tokens (K) must be >= 1, got ", num_spec_tokens);
-  TORCH_CHECK_VALUE(block_size >= 1, kOp, "block_size must be > 0, got ", block_size);
+  // slot = block id (int32) * block_size + offset must fit in int64: a block_size past 2^31 wraps
+  // the slot negative, and vLLM would write the KV cache there
+  TORCH_CHECK_VALUE(block_size >= 1 && block_size <= kInt32Max, kOp, "block_size must be in [1, 2^31 - 1], got ",
+                    block_size);
   TORCH_CHECK_VALUE(max_model_len >= 1, kOp, "max_model_len must be > 0, got ", max_model_len);
   TORCH_CHECK_VALUE(mask_token_id >= 0 && mask_token_id <= kInt32Max, kOp,
                     "mask_token_id must be a token id in [0, 2^31), got ", mask_token_id);
@@ -168,6 +173,22 @@ void check_parallel_draft_outputs(const DraftShapes& s, int64_t K, const at::Ten
   TORCH_CHECK_VALUE(!overlaps(positions, target_positions), kOp, "out.positions must not overlap target_positions");
   TORCH_CHECK_VALUE(!overlaps(new_query_start_loc, query_start_loc), kOp,
                     "out.query_start_loc must not overlap query_start_loc");
+  // outputs that share memory overwrite each other's values: wrong results without an error
+  const std::pair<const at::Tensor*, const char*> outs[] = {{&input_ids, "input_ids"},
+                                                            {&positions, "positions"},
+                                                            {&hidden, "hidden"},
+                                                            {&is_rejected, "is_rejected"},
+                                                            {&is_masked, "is_masked"},
+                                                            {&token_indices_to_sample, "token_indices_to_sample"},
+                                                            {&hidden_state_mapping, "hidden_state_mapping"},
+                                                            {&slot_mapping, "slot_mapping"},
+                                                            {&new_query_start_loc, "query_start_loc"}};
+  for (size_t i = 0; i < std::size(outs); ++i) {
+    for (size_t j = i + 1; j < std::size(outs); ++j) {
+      TORCH_CHECK_VALUE(!overlaps(*outs[i].first, *outs[j].first), kOp, "out.", outs[i].second, " and out.",
+                        outs[j].second, " overlap: every output needs its own memory");
+    }
+  }
 }
 
 DraftOutputs allocate_parallel_draft_outputs(const DraftShapes& s, int64_t K, const at::Tensor& target_hidden) {
@@ -239,6 +260,10 @@ void check_values_cpu(const ParallelDraftParams& p) {
     }
     TORCH_CHECK_VALUE(p.target_positions[qsl[r]] >= 0, kOp, "target_positions[", qsl[r], "] (start of request ", r,
                       ") must be >= 0, got ", p.target_positions[qsl[r]]);
+    // a request's output positions run to start + len + K - 2; past the int64 maximum they wrap
+    TORCH_CHECK_VALUE(p.target_positions[qsl[r]] <= std::numeric_limits<int64_t>::max() - len - p.num_spec_tokens, kOp,
+                      "target_positions[", qsl[r], "] (start of request ", r, ") = ", p.target_positions[qsl[r]],
+                      " is so large that the draft positions overflow int64");
   }
 }
 
