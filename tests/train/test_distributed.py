@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from peagle_ext.train.checkpoint import read_trainer_state
