@@ -97,6 +97,15 @@ def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
             lock.release()
 
 
+def _check_resume_hidden_size(resume_from: Path, hidden: int) -> None:
+    ckcfg = json.loads((resume_from / "config.json").read_text())
+    if int(ckcfg.get("target_hidden_size") or 0) != hidden:
+        raise TrainError(
+            f"verifier/draft hidden size mismatch: checkpoint {resume_from} was trained for hidden "
+            f"{ckcfg.get('target_hidden_size')}, this verifier has {hidden}"
+        )
+
+
 def _train_locked(s: TrainSettings, ctx, stop_after, out: Path, t_start: float) -> TrainResult:
     inputs = input_fingerprints(s) if ctx.is_main else {}
     changed_note = None
@@ -115,8 +124,6 @@ def _train_locked(s: TrainSettings, ctx, stop_after, out: Path, t_start: float) 
             for p in stale:
                 remove_path(p)
         ck_state = read_checkpoint_state(resume_from)
-        if ctx.is_main:
-            changed_note = check_inputs_unchanged(ck_state.get("inputs"), inputs, resume_from, s.accept_changed_inputs)
         old = ck_state["settings"]
         diff = [k for k in RESUME_FIXED if old.get(k) != getattr(s, k)]
         if diff:
@@ -132,6 +139,18 @@ def _train_locked(s: TrainSettings, ctx, stop_after, out: Path, t_start: float) 
                 f"--resume: the checkpoint takes {old_micro} micro-batches per step (--grad-accum "
                 f"{old.get('grad_accum')} x {old_world} rank(s)), this run {s.grad_accum} x {ctx.world}{hint}"
             )
+        # after the settings and the verifier's width: a resume onto another verifier or data
+        # is told that first, before the generic "inputs changed"
+        vcfg = Path(s.verifier) / "config.json"
+        if vcfg.is_file():
+            try:
+                width = json.loads(vcfg.read_text()).get("hidden_size")
+            except (OSError, ValueError, AttributeError):
+                width = None  # unreadable here: the verifier's loader names the file later
+            if isinstance(width, int):
+                _check_resume_hidden_size(resume_from, width)
+        if ctx.is_main:
+            changed_note = check_inputs_unchanged(ck_state.get("inputs"), inputs, resume_from, s.accept_changed_inputs)
         if ctx.is_main:
             for p in out.glob(f"{CHECKPOINT_PREFIX}*.tmp"):
                 remove_path(p)
@@ -203,13 +222,7 @@ def _train(
         log.event("init", f"weights from {s.init_from} (warm start; a fresh optimizer and schedule)")
     if resume_from is not None:  # the weights before any DDP/FSDP wrapping
         ck = read_trainer_state(resume_from)
-        ckcfg = json.loads((resume_from / "config.json").read_text())
-        hidden = int(inp.verifier_config.hidden_size)
-        if int(ckcfg.get("target_hidden_size") or 0) != hidden:
-            raise TrainError(
-                f"verifier/draft hidden size mismatch: checkpoint {resume_from} was trained for hidden "
-                f"{ckcfg.get('target_hidden_size')}, this verifier has {hidden}"
-            )
+        _check_resume_hidden_size(resume_from, int(inp.verifier_config.hidden_size))
         from safetensors.torch import load_file
 
         model.load_checkpoint_state_dict(load_file(str(resume_from / "model.safetensors")))
