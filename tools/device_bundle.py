@@ -10,7 +10,8 @@ a limit on the files each run may carry: written here, joined there.
         BUNDLE/humaneval.jsonl        as the prompts `peagle eval --bench mtbench|humaneval` uses
         BUNDLE/verifier/              SmolLM2's config, tokenizer and chat template files
         BUNDLE/gguf.part00, ...       the SmolLM2 GGUF cut in parts of at most --part-mib MiB
-        BUNDLE/gguf/                  the pure-Python `gguf` package transformers reads GGUF with
+        BUNDLE/gguf/                  the pure-Python `gguf` package transformers reads GGUF with,
+        BUNDLE/gguf-*.dist-info/      and its metadata (transformers checks its version)
         BUNDLE/MANIFEST.json          sizes and sha256 of everything, and which files a run carries
     python tools/device_bundle.py join BUNDLE [--if-complete]
         joins the parts into BUNDLE/verifier.gguf (checking the sha256) and converts it into the
@@ -128,6 +129,17 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
     pkg = Path(list(spec.submodule_search_locations)[0])
     shutil.rmtree(bundle / "gguf", ignore_errors=True)
     shutil.copytree(pkg, bundle / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
+    # transformers reads the package's version from its metadata: the dist-info travels beside it
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("gguf")
+    for old_info in bundle.glob("gguf-*.dist-info"):
+        shutil.rmtree(old_info)
+    info = bundle / f"gguf-{dist.version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        dist.read_text("METADATA") or f"Metadata-Version: 2.1\nName: gguf\nVersion: {dist.version}\n"
+    )
 
     files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     sizes = {str(p.relative_to(bundle)): p.stat().st_size for p in files}

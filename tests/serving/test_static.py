@@ -134,11 +134,17 @@ class OracleDrafter(PEagleDrafter):
     general and the fixed-shape path: partial acceptance exercises every bookkeeping branch."""
 
     def setup(self, full, j):
-        self.full, self.j = torch.tensor(full + [0] * 64), j
+        """In place: a CUDA graph captured before keeps reading the same buffers."""
+        if not hasattr(self, "full"):
+            self.full = torch.zeros(1024, dtype=torch.long, device=self.device)
+            self.j = torch.zeros((), dtype=torch.long, device=self.device)
+        self.full.zero_()
+        self.full[: len(full)] = torch.tensor(full, dtype=torch.long)
+        self.j.fill_(j)
 
     def _oracle(self, batch, k, drafts):
         rows = batch.token_indices_to_sample[:k].long()
-        want = self.full.to(drafts.device)[batch.positions[rows] + 2]
+        want = self.full[batch.positions[rows] + 2]
         keep = torch.arange(k, device=drafts.device) < self.j
         return torch.where(keep, want, (want + 1) % VOCAB)
 
@@ -207,6 +213,7 @@ def test_cuda_graph_engines_equal_eager(vdir):
     st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
     for k in (1, 4, 8):
         dr = OracleDrafter(dm, device="cuda", dtype=torch.bfloat16)
+        dr.setup([], 0)  # the oracle's buffers exist before the graph engine captures a round
         eager = RoundEngine(st, dr, k, 128, cuda_graph=False)
         graph = RoundEngine(st, dr, k, 128, cuda_graph=True)
         for p in _prompts(60 + k):
