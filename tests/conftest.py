@@ -27,9 +27,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random Llama verifier directory and a small chat JSONL: (verifier_dir, data_path)."""
-    from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+    from tests.helpers import tiny_run_inputs
 
-    d = tmp_path_factory.mktemp("tiny")
-    v = make_tiny_verifier(d / "verifier")
-    data = make_chat_jsonl(d / "chat.jsonl", n=14, turns=1, words=(4, 12))
-    return v, data
+    return tiny_run_inputs(tmp_path_factory.mktemp("tiny"), n=14, words=(4, 12))

@@ -67,6 +67,42 @@ def torchrun(nproc: int, args: list[str], *, env_extra=None, timeout=240, retry_
     return r
 
 
+def tiny_run_inputs(d: Path, *, n=14, words=(4, 12)):
+    """A tiny random Llama verifier and a chat JSONL of n one-turn conversations under d:
+    (verifier_dir, data_path)."""
+    from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
+
+    return make_tiny_verifier(d / "verifier"), make_chat_jsonl(d / "chat.jsonl", n=n, turns=1, words=words)
+
+
+def train_settings(tiny, out, **kw):
+    """TrainSettings of a 2-step float32 CPU run on a (verifier_dir, data_path) pair writing to
+    out: every conversation, the verifier's whole vocab, no validation split, a checkpoint every
+    step, no progress bar. kw overrides any field; test files wrap it with their own defaults."""
+    from peagle_ext.train import TrainSettings
+
+    v, data = tiny
+    base = dict(
+        verifier=str(v),
+        data=str(data),
+        output=str(out),
+        seq_len=64,
+        num_depths=2,
+        num_layers=1,
+        max_steps=2,
+        draft_vocab_size=None,
+        dtype="float32",
+        device="cpu",
+        checkpoint_every=1,
+        val_every=100,
+        val_fraction=0.0,
+        warmup_steps=1,
+        progress=False,
+        num_conversations=None,
+    )
+    return TrainSettings(**{**base, **kw})
+
+
 def _weights(path):
     from safetensors.torch import load_file
 

@@ -15,40 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import tiny_run_inputs, train_settings
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
-
-    d = tmp_path_factory.mktemp("tiny")
-    return make_tiny_verifier(d / "verifier"), make_chat_jsonl(d / "chat.jsonl", n=8, turns=1, words=(4, 10))
-
-
-def _settings(tiny, out, **kw):
-    from peagle_ext.train import TrainSettings
-
-    v, data = tiny
-    base = dict(
-        verifier=str(v),
-        data=str(data),
-        output=str(out),
-        seq_len=64,
-        num_depths=2,
-        num_layers=1,
-        max_steps=2,
-        draft_vocab_size=None,
-        dtype="float32",
-        checkpoint_every=1,
-        val_every=100,
-        val_fraction=0.0,
-        warmup_steps=1,
-        progress=False,
-        num_conversations=None,
-    )
-    base.update(kw)
-    return TrainSettings(**base)
+    return tiny_run_inputs(tmp_path_factory.mktemp("tiny"), n=8, words=(4, 10))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +31,7 @@ def trained(tiny, tmp_path_factory):
     from peagle_ext.train import train
 
     out = tmp_path_factory.mktemp("run") / "run"
-    train(_settings(tiny, out))
+    train(train_settings(tiny, out))
     return out
 
 
@@ -150,10 +124,10 @@ def test_second_trainer_on_the_same_output_is_refused(tiny, tmp_path):
     try:
         for resume in (False, True):
             with pytest.raises(TrainError, match="in use by another peagle train"):
-                train(_settings(tiny, out, resume=resume))
+                train(train_settings(tiny, out, resume=resume))
     finally:
         held.release()
-    assert train(_settings(tiny, out, max_steps=1)).steps == 1
+    assert train(train_settings(tiny, out, max_steps=1)).steps == 1
 
 
 def test_resume_refuses_changed_inputs_unless_accepted(tiny, tmp_path):
@@ -163,14 +137,14 @@ def test_resume_refuses_changed_inputs_unless_accepted(tiny, tmp_path):
     mine = tmp_path / "chat.jsonl"
     shutil.copy(data, mine)
     out = tmp_path / "run"
-    train(_settings(tiny, out, data=str(mine), max_steps=2))
+    train(train_settings(tiny, out, data=str(mine), max_steps=2))
     lines = mine.read_text().splitlines(keepends=True)
     mine.write_text("".join(lines[1:] + lines[:1]))  # same size, edited in place
     with pytest.raises(
         TrainError, match=r"inputs changed since checkpoint-2 was written: data file .*chat.jsonl \(changed\)"
     ):
-        train(_settings(tiny, out, data=str(mine), max_steps=3, resume=True))
-    r = train(_settings(tiny, out, data=str(mine), max_steps=3, resume=True, accept_changed_inputs=True))
+        train(train_settings(tiny, out, data=str(mine), max_steps=3, resume=True))
+    r = train(train_settings(tiny, out, data=str(mine), max_steps=3, resume=True, accept_changed_inputs=True))
     assert r.steps == 3
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     assert any(x.get("event") == "inputs_changed" for x in log)
@@ -185,7 +159,7 @@ def test_background_thread_is_stopped_on_every_exit(tiny, tmp_path, monkeypatch)
 
     monkeypatch.setattr(DistContext, "save_checkpoint", refuse)
     with pytest.raises(TrainError, match="test"):
-        train(_settings(tiny, tmp_path / "run", background_hidden=True))
+        train(train_settings(tiny, tmp_path / "run", background_hidden=True))
     assert not [t for t in threading.enumerate() if t.name == "peagle-hidden-states"]
 
 
@@ -199,7 +173,7 @@ def test_disk_full_during_a_checkpoint_names_it(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(C, "save_trainer_state", full)
     out = tmp_path / "run"
     with pytest.raises(TrainError, match=r"cannot write checkpoint 1 to .*checkpoint-1.tmp: No space left"):
-        train(_settings(tiny, out))
+        train(train_settings(tiny, out))
     assert not (out / "checkpoint-1.tmp").exists()
 
 

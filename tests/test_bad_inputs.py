@@ -22,7 +22,7 @@ from peagle_ext.model import PEagleDraftModel
 from peagle_ext.reference import dense_cod_mask
 from peagle_ext.testing import garbage_layout
 from peagle_ext.vllm import prepare_parallel_draft_inputs
-from tests.helpers import requires_cuda, run_cli
+from tests.helpers import requires_cuda, run_cli, tiny_run_inputs, train_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -624,36 +624,7 @@ def test_export_bad_sources_and_destinations(saved_model, tmp_path):
 # ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
-
-    d = tmp_path_factory.mktemp("tiny")
-    return make_tiny_verifier(d / "verifier"), make_chat_jsonl(d / "chat.jsonl", n=10, turns=1, words=(4, 10))
-
-
-def _settings(tiny, out, **kw):
-    from peagle_ext.train import TrainSettings
-
-    v, data = tiny
-    base = dict(
-        verifier=str(v),
-        data=str(data),
-        output=str(out),
-        seq_len=64,
-        num_depths=2,
-        num_layers=1,
-        max_steps=2,
-        draft_vocab_size=None,
-        dtype="float32",
-        device="cpu",
-        checkpoint_every=1,
-        val_every=100,
-        val_fraction=0.0,
-        warmup_steps=1,
-        progress=False,
-        num_conversations=None,
-    )
-    base.update(kw)
-    return TrainSettings(**base)
+    return tiny_run_inputs(tmp_path_factory.mktemp("tiny"), n=10, words=(4, 10))
 
 
 def test_verifier_with_corrupt_files(tiny, tmp_path):
@@ -725,7 +696,7 @@ def test_token_ids_outside_the_verifier_vocab(tiny, tmp_path):
     log = RunLog(tmp_path / "log.jsonl", echo=False)
     try:
         with pytest.raises(TrainError, match="outside the verifier vocab"):
-            prepare_data(_settings(tiny, tmp_path / "o"), tok, 40, log)
+            prepare_data(train_settings(tiny, tmp_path / "o"), tok, 40, log)
     finally:
         log.close()
 
@@ -738,7 +709,7 @@ def test_mask_token_that_the_data_uses(tiny, tmp_path):
     v, _ = tiny
     used = AutoTokenizer.from_pretrained(str(v)).convert_tokens_to_ids("<|im_start|>")  # in every conversation
     with pytest.raises(TrainError, match=f"mask_token_id {used} .* occurs as a real token"):
-        train(_settings(tiny, tmp_path / "o", mask_token_id=used))
+        train(train_settings(tiny, tmp_path / "o", mask_token_id=used))
 
 
 def test_train_output_that_is_a_file(tiny, tmp_path):
@@ -747,7 +718,7 @@ def test_train_output_that_is_a_file(tiny, tmp_path):
     f = tmp_path / "out"
     f.write_text("x")
     with pytest.raises(TrainError, match="exists and is not a directory"):
-        train(_settings(tiny, f))
+        train(train_settings(tiny, f))
 
 
 def test_resume_from_a_damaged_complete_checkpoint(tiny, tmp_path):
@@ -756,17 +727,17 @@ def test_resume_from_a_damaged_complete_checkpoint(tiny, tmp_path):
     from peagle_ext.train import TrainError, train
 
     out = tmp_path / "run"
-    train(_settings(tiny, out, max_steps=2))
+    train(train_settings(tiny, out, max_steps=2))
     newest = out / "checkpoint-2"
     for victim, damage in [("trainer_state.json", b"{not json"), ("model.safetensors", b"")]:
         backup = (newest / victim).read_bytes()
         (newest / victim).write_bytes(damage)
         with pytest.raises(TrainError, match="checkpoint-2 is marked complete but cannot be read"):
-            train(_settings(tiny, out, max_steps=3, resume=True))
+            train(train_settings(tiny, out, max_steps=3, resume=True))
         (newest / victim).write_bytes(backup)
     # moving it away (as the message says) resumes from the one before
     shutil.move(str(newest), str(tmp_path / "moved"))
-    r = train(_settings(tiny, out, max_steps=3, resume=True))
+    r = train(train_settings(tiny, out, max_steps=3, resume=True))
     assert r.steps == 3 and r.final_dir is not None
 
 

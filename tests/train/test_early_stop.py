@@ -1,38 +1,27 @@
 """Stopping before --max-steps: on a validation-loss plateau (--early-stop-patience) and on the
 time budget (--max-minutes); both save a checkpoint and final/ like a finished run."""
 
+import functools
 import json
 
 import pytest
 
-from peagle_ext.train import TrainSettings, train
+from peagle_ext.train import train
 from peagle_ext.train.early_stop import StopRule
 from peagle_ext.train.settings import TrainError
+from tests.helpers import train_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _settings(tiny, out, **kw):
-    v, data = tiny
-    base = dict(
-        verifier=str(v),
-        data=str(data),
-        output=str(out),
-        seq_len=64,
-        num_depths=2,
-        max_steps=20,
-        draft_vocab_size=None,
-        dtype="float32",
-        checkpoint_every=100,
-        val_every=1,
-        val_fraction=0.2,
-        warmup_steps=1,
-        progress=False,
-        num_conversations=None,
-        background_hidden=False,
-    )
-    base.update(kw)
-    return TrainSettings(**base)
+_settings = functools.partial(
+    train_settings,
+    max_steps=20,
+    checkpoint_every=100,
+    val_every=1,
+    val_fraction=0.2,
+    background_hidden=False,
+)
 
 
 def test_stop_rule():

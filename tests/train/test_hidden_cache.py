@@ -5,6 +5,7 @@ itself, bf16 / fp8 storage, device_map placement, and under torchrun (gloo): 2 r
 same cache as 1, a cache whose writer rank was killed resumes, no rank waits forever, and 2
 ranks train from a complete cache."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from peagle_ext import data as D
 from peagle_ext.cli import main
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
-from tests.helpers import assert_same_weights, torchrun
+from tests.helpers import assert_same_weights, torchrun, train_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 requires_gloo = pytest.mark.skipif(
@@ -42,28 +43,9 @@ def hidden_states_args(setup, out, *extra):
     ]
 
 
-def settings(setup, out, **kw):
-    from peagle_ext.train import TrainSettings
-
-    v, data = setup
-    base = dict(
-        verifier=str(v),
-        data=str(data),
-        output=str(out),
-        seq_len=64,
-        num_conversations=None,
-        val_fraction=0.1,
-        num_depths=2,
-        draft_vocab_size=None,
-        dtype="float32",
-        max_steps=4,
-        val_every=2,
-        checkpoint_every=2,
-        log_every=1,
-        warmup_steps=1,
-        progress=False,
-    )
-    return TrainSettings(**{**base, **kw})
+settings = functools.partial(
+    train_settings, max_steps=4, val_every=2, checkpoint_every=2, val_fraction=0.1, log_every=1
+)
 
 
 def cache_files(cache: Path) -> dict:

@@ -1,35 +1,20 @@
 """--report-to (TensorBoard event files read back, W&B offline), --epochs, --eval-every with the
 validation printed, and --init-from warm starts."""
 
+import functools
 import math
 
 import pytest
 import torch
 
+from tests.helpers import train_settings
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def settings(tiny, out, **kw):
-    from peagle_ext.train import TrainSettings
-
-    v, data = tiny
-    base = dict(
-        verifier=str(v),
-        data=str(data),
-        output=str(out),
-        seq_len=64,
-        num_conversations=None,
-        num_depths=2,
-        draft_vocab_size=None,
-        dtype="float32",
-        max_steps=3,
-        val_every=2,
-        checkpoint_every=100,
-        log_every=1,
-        warmup_steps=1,
-        progress=False,
-    )
-    return TrainSettings(**{**base, **kw})
+settings = functools.partial(
+    train_settings, max_steps=3, val_every=2, checkpoint_every=100, val_fraction=0.05, log_every=1
+)
 
 
 def test_tensorboard_and_wandb_offline_with_epochs_and_printed_validation(tiny, tmp_path, monkeypatch, capfd):

@@ -1,6 +1,7 @@
 """The trainer and the `peagle` CLI on a tiny random verifier: end-to-end smoke, bitwise resume,
 atomic checkpoints, NaN-step skipping, export, config files and bad-input messages."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 import peagle_ext.train as T
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
-from tests.helpers import requires_cuda, run_cli
+from tests.helpers import requires_cuda, run_cli, train_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,32 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def settings(tiny, out, **kw):
-    from peagle_ext.train import TrainSettings
-
-    v, data = tiny
-    base = dict(
-        verifier=str(v),
-        data=str(data),
-        output=str(out),
-        seq_len=64,
-        num_depths=3,
-        num_layers=1,
-        max_steps=4,
-        draft_vocab_size=None,
-        dtype="float32",
-        device="cpu",
-        checkpoint_every=2,
-        val_every=2,
-        val_fraction=0.15,
-        warmup_steps=1,
-        lr=3e-3,
-        progress=False,
-        num_conversations=None,
-        log_every=1,
-    )
-    base.update(kw)
-    return TrainSettings(**base)
+settings = functools.partial(
+    train_settings,
+    num_depths=3,
+    max_steps=4,
+    checkpoint_every=2,
+    val_every=2,
+    val_fraction=0.15,
+    lr=3e-3,
+    log_every=1,
+)
 
 
 def _weights(path):
