@@ -16,17 +16,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("speculators") is None, reason="speculators is not installed (see the module docstring)"
-)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("speculators") is None,
+        reason="speculators is not installed (see the module docstring)",
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def _pair(layer_type, num_layers, k, attn_impl, seed, pad_token_id=None):

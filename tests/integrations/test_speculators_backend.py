@@ -17,20 +17,16 @@ import torch.nn.functional as F
 
 from tests.integrations.test_speculators import _pair
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("speculators") is None, reason="speculators is not installed (see the module docstring)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("speculators") is None,
+        reason="speculators is not installed (see the module docstring)",
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 LOSS_RTOL = 1e-10
 GRAD_RTOL = 1e-9
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def kl64(logits, targets):

@@ -11,14 +11,7 @@ import torch
 from peagle_ext.loss import AUTO_CHUNK_BYTES, chunk_plan, fused_linear_kl
 from tests.helpers import reference_fused_linear_kl, requires_cuda
 
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    # Tiny GEMMs on a shared 2-core box: thread hand-offs cost more than they save.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- inputs and the eager reference ------------------------------------------------------

@@ -13,13 +13,7 @@ from peagle_ext.loss import chunk_plan, fused_linear_kl
 from tests.helpers import reference_fused_linear_kl, requires_cuda
 from tests.ops.test_loss import assert_close_fp64, cpu_peak_bytes, make_inputs, random_d2t, rel_err, run
 
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def shared_targets(g, t, m, *, k=3, dtype=torch.float64, device="cpu", p_zero=0.2, h=12, vd=37, v=None, skew=False):
