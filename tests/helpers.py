@@ -103,6 +103,23 @@ def train_settings(tiny, out, **kw):
     return TrainSettings(**{**base, **kw})
 
 
+def hypothesis_settings(n: int, suppress_health_check):
+    """hypothesis settings for one property: n examples (times PEAGLE_HYPOTHESIS_SCALE), no
+    deadline, no example database, derandomized so CI sees the same examples every run unless
+    PEAGLE_HYPOTHESIS_RANDOM is set to draw fresh ones."""
+    from hypothesis import settings
+
+    scale = float(os.environ.get("PEAGLE_HYPOTHESIS_SCALE", "1"))
+    fresh = os.environ.get("PEAGLE_HYPOTHESIS_RANDOM", "0") not in ("", "0")
+    return settings(
+        max_examples=max(1, int(n * scale)),
+        deadline=None,
+        derandomize=not fresh,
+        database=None,
+        suppress_health_check=suppress_health_check,
+    )
+
+
 def _weights(path):
     from safetensors.torch import load_file
 

@@ -10,26 +10,18 @@ Brief in CI (derandomized, a few seconds). Longer, fresh runs:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
-_SCALE = float(os.environ.get("PEAGLE_HYPOTHESIS_SCALE", "1"))
-_RANDOM = os.environ.get("PEAGLE_HYPOTHESIS_RANDOM", "0") not in ("", "0")
+from tests.helpers import hypothesis_settings
 
 
 def fuzz(n: int):
-    return settings(
-        max_examples=max(1, int(n * _SCALE)),
-        deadline=None,
-        derandomize=not _RANDOM,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    return hypothesis_settings(n, list(HealthCheck))
 
 
 scalars = st.one_of(

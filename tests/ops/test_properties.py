@@ -15,11 +15,10 @@ bottom of this one), so that it keeps being checked without hypothesis.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from peagle_ext.attention import cod_attention, cod_attention_metadata
@@ -32,23 +31,14 @@ from tests.helpers import (
     DRAFT_BATCH_FIELDS,
     assert_same_batch,
     check_layout_rules,
+    hypothesis_settings,
     mask_from_metadata,
     reference_fused_linear_kl,
 )
 
-_SCALE = float(os.environ.get("PEAGLE_HYPOTHESIS_SCALE", "1"))
-_RANDOM = os.environ.get("PEAGLE_HYPOTHESIS_RANDOM", "0") not in ("", "0")
-
 
 def fuzz(n: int):
-    """settings for one property: n examples (scaled), no deadline, reproducible, no database."""
-    return settings(
-        max_examples=max(1, int(n * _SCALE)),
-        deadline=None,
-        derandomize=not _RANDOM,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    return hypothesis_settings(n, [HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @pytest.fixture(autouse=True, scope="module")
