@@ -30,3 +30,13 @@ def tiny(tmp_path_factory):
     from tests.helpers import tiny_run_inputs
 
     return tiny_run_inputs(tmp_path_factory.mktemp("tiny"), n=14, words=(4, 12))
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter_dir(tmp_path_factory):
+    """A saved one-layer, two-depth drafter of tests/helpers.make_model, to copy and corrupt."""
+    from tests.helpers import make_model
+
+    d = tmp_path_factory.mktemp("drafter") / "m"
+    make_model(torch.Generator().manual_seed(1), num_layers=1, k=2).save_pretrained(d)
+    return d

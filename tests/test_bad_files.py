@@ -217,15 +217,6 @@ def test_binary_config_file_is_named(tmp_path):
         settings_from({}, str(f))
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    from tests.helpers import make_model
-
-    d = tmp_path_factory.mktemp("drafter") / "m"
-    make_model(torch.Generator().manual_seed(1), num_layers=1, k=2).save_pretrained(d)
-    return d
-
-
 def _layer(key, value):
     return lambda c: c["transformer_layer_config"].__setitem__(key, value)
 
@@ -249,11 +240,11 @@ CHECKPOINT_CONFIG_CASES = [
 
 
 @pytest.mark.parametrize("case,mutate,match", CHECKPOINT_CONFIG_CASES, ids=[c[0] for c in CHECKPOINT_CONFIG_CASES])
-def test_checkpoint_config_values_are_checked(saved, tmp_path, case, mutate, match):
+def test_checkpoint_config_values_are_checked(tiny_drafter_dir, tmp_path, case, mutate, match):
     from peagle_ext.model import PEagleDraftModel
 
     d = tmp_path / "m"
-    shutil.copytree(saved, d)
+    shutil.copytree(tiny_drafter_dir, d)
     cfg = json.loads((d / "config.json").read_text())
     mutate(cfg)
     (d / "config.json").write_text(json.dumps(cfg))
@@ -262,11 +253,11 @@ def test_checkpoint_config_values_are_checked(saved, tmp_path, case, mutate, mat
     assert "config.json" in str(e.value)
 
 
-def test_deeply_nested_checkpoint_config(saved, tmp_path):
+def test_deeply_nested_checkpoint_config(tiny_drafter_dir, tmp_path):
     from peagle_ext.model import PEagleDraftModel
 
     d = tmp_path / "m"
-    shutil.copytree(saved, d)
+    shutil.copytree(tiny_drafter_dir, d)
     (d / "config.json").write_text("[" * 100000)
     with pytest.raises(ValueError, match="config.json"):
         PEagleDraftModel.from_pretrained(d)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
@@ -63,22 +62,13 @@ def _paths(doc, prefix=()):
     return out
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    from tests.helpers import make_model
-
-    d = tmp_path_factory.mktemp("fuzz") / "m"
-    make_model(torch.Generator().manual_seed(1), num_layers=1, k=2).save_pretrained(d)
-    return d
-
-
-def test_fuzz_checkpoint_config_json(saved, tmp_path_factory):
+def test_fuzz_checkpoint_config_json(tiny_drafter_dir, tmp_path_factory):
     from peagle_ext.model import PEagleDraftModel
 
-    base = json.loads((saved / "config.json").read_text())
+    base = json.loads((tiny_drafter_dir / "config.json").read_text())
     paths = _paths(base)
     work = tmp_path_factory.mktemp("cfg") / "m"
-    shutil.copytree(saved, work)
+    shutil.copytree(tiny_drafter_dir, work)
 
     @fuzz(60)
     @given(st.lists(st.tuples(st.sampled_from(paths), json_values), min_size=1, max_size=3))
