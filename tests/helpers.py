@@ -17,6 +17,7 @@ from transformers import LlamaConfig, Qwen3Config
 import peagle_ext
 from peagle_ext.cod import CodLayout
 from peagle_ext.model import PEagleDraftModel
+from peagle_ext.testing import random_draft_batch
 from peagle_ext.vllm import DraftBatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,3 +315,74 @@ def make_model(
         embed_weight=torch.randn(V, H, generator=g),
     )
     return m
+
+
+def first_pass_inputs(g, cad_cls, *, B, K, dtype=torch.bfloat16, device="cpu", near_max=False, none_rejected=False):
+    """A random step of vLLM's set_inputs_first_pass (hidden size 32): (its keyword arguments with
+    the attention metadata built as `cad_cls`, the op's (args, kw) from random_draft_batch).
+    none_rejected passes None for the rejected counts, as vLLM does when it rejects nothing."""
+    args, kw = random_draft_batch(g, B=B, K=K, H=32, dtype=dtype, near_max=near_max, device=device)
+    qsl = args["query_start_loc"]
+    num_reqs = qsl.shape[0] - 1
+    cad = cad_cls(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.cpu().clone(),
+        seq_lens=torch.randint(1, 100, (num_reqs,), generator=g, dtype=torch.int32).to(device),
+        num_reqs=num_reqs,
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=100,
+        block_table_tensor=args["block_table"],
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=device),
+    )
+    if none_rejected:
+        args["num_rejected_tokens"] = None
+    call = dict(
+        target_token_ids=args["target_token_ids"],
+        next_token_ids=args["next_token_ids"],
+        target_positions=args["target_positions"],
+        target_hidden_states=args["target_hidden"],
+        token_indices_to_sample=None,
+        cad=cad,
+        num_rejected_tokens_gpu=args["num_rejected_tokens"],
+    )
+    return call, (args, kw)
+
+
+def hidden_rows_written(p, cad, n):
+    """Rows of hidden_states that vLLM's step writes: each request's input rows (the scatter)
+    and its MASK rows. The others are rejected rows past the request's input length."""
+    qsl = cad.query_start_loc.tolist()
+    written = p.is_masked_token_mask[:n].cpu().clone()
+    for r in range(len(qsl) - 1):
+        start = qsl[r] + r * p.net_num_new_slots_per_request
+        written[start : start + qsl[r + 1] - qsl[r]] = True
+    return written
+
+
+def assert_same_first_pass(p_a, p_b, res_a, res_b, cad_in=None):
+    """Two set_inputs_first_pass steps (proposers and results) agree. With cad_in (the step's
+    input metadata), the hidden rows that vLLM's step leaves as they were in the persistent buffer
+    are compared separately: p_a's may be zero."""
+    n, tis, cad = res_a
+    n2, tis2, cad2 = res_b
+    assert n == n2
+    assert torch.equal(tis.cpu(), tis2.cpu())
+    for name in ("input_ids", "positions", "is_rejected_token_mask", "is_masked_token_mask"):
+        a, b = getattr(p_a, name), getattr(p_b, name)
+        assert (a is None and b is None) if a is None or b is None else torch.equal(a[:n].cpu(), b[:n].cpu()), name
+    ha, hb = p_a.hidden_states[:n].cpu(), p_b.hidden_states[:n].cpu()
+    if cad_in is None:
+        assert torch.equal(ha, hb)
+    else:
+        written = hidden_rows_written(p_b, cad_in, n)
+        assert torch.equal(ha[written], hb[written])
+        stale = ~written
+        # don't-care rows: rejected, never sampled, and no KV-cache slot, so nothing reads them
+        assert p_b.is_rejected_token_mask[:n].cpu()[stale].all()
+        assert (cad2.slot_mapping.cpu()[stale] == -1).all()
+        assert not torch.isin(tis2.cpu(), stale.nonzero().flatten().to(tis2.dtype)).any()
+        assert (ha[stale] == 0).all()
+    for f in dataclasses.fields(cad2):
+        a, b = getattr(cad, f.name), getattr(cad2, f.name)
+        assert torch.equal(a.cpu(), b.cpu()) if isinstance(a, torch.Tensor) else a == b, f.name

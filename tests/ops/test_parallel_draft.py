@@ -18,7 +18,13 @@ from peagle_ext.reference.parallel_draft import parallel_draft_loop, parallel_dr
 from peagle_ext.serving import vllm_plugin
 from peagle_ext.testing import random_draft_batch, uniform_int
 from peagle_ext.vllm import PADDING_SLOT_ID, DraftBatch, prepare_parallel_draft_inputs
-from tests.helpers import DRAFT_BATCH_FIELDS, assert_same_batch, requires_cuda
+from tests.helpers import (
+    DRAFT_BATCH_FIELDS,
+    assert_same_batch,
+    assert_same_first_pass,
+    first_pass_inputs,
+    requires_cuda,
+)
 
 ops = torch.ops.peagle
 
@@ -695,20 +701,7 @@ class FakeEagleProposer(FakeBaseProposer):
 
 
 def _proposer_and_inputs(g, *, K, device="cpu", parallel_drafting=True, none_rejected=False):
-    args, kw = random_draft_batch(g, B=10, K=K, H=32, dtype=torch.bfloat16, device=device)
-    qsl = args["query_start_loc"]
-    B = qsl.shape[0] - 1
-    cad = FakeCad(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl.cpu(),
-        seq_lens=torch.randint(1, 100, (B,), generator=g, dtype=torch.int32).to(device),
-        num_reqs=B,
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-        max_seq_len=100,
-        block_table_tensor=args["block_table"],
-        slot_mapping=torch.zeros(0, dtype=torch.int64),
-    )
+    call_kw, (args, kw) = first_pass_inputs(g, FakeCad, B=10, K=K, device=device, none_rejected=none_rejected)
     make = lambda: FakeEagleProposer(  # noqa: E731
         K=K,
         H=32,
@@ -721,28 +714,7 @@ def _proposer_and_inputs(g, *, K, device="cpu", parallel_drafting=True, none_rej
         mask_hidden=args["mask_hidden"],
         parallel_drafting=parallel_drafting,
     )
-    call_kw = dict(
-        target_token_ids=args["target_token_ids"],
-        next_token_ids=args["next_token_ids"],
-        target_positions=args["target_positions"],
-        target_hidden_states=args["target_hidden"],
-        token_indices_to_sample=None,
-        cad=cad,
-        num_rejected_tokens_gpu=None if none_rejected else args["num_rejected_tokens"],
-    )
     return make, call_kw
-
-
-def _assert_same_step(p_fused, p_orig, res_fused, res_orig):
-    n, tis, cad = res_fused
-    n2, tis2, cad2 = res_orig
-    assert n == n2
-    assert torch.equal(tis.cpu(), tis2.cpu())
-    for name in ("input_ids", "positions", "hidden_states", "is_rejected_token_mask", "is_masked_token_mask"):
-        assert torch.equal(getattr(p_fused, name)[:n].cpu(), getattr(p_orig, name)[:n].cpu()), name
-    for f in dataclasses.fields(FakeCad):
-        a, b = getattr(cad, f.name), getattr(cad2, f.name)
-        assert torch.equal(a.cpu(), b.cpu()) if isinstance(a, torch.Tensor) else a == b, f.name
 
 
 @pytest.fixture
@@ -761,7 +733,7 @@ def test_plugin_patch_matches_vllm_step(rng, patched_fake, K, none_rejected):
     res_orig = FakeBaseProposer.set_inputs_first_pass(p_orig, **call_kw)
     res_fused = p_fused.set_inputs_first_pass(**call_kw)
     assert p_fused.original_calls == 0, "the fused path must not call vLLM's step"
-    _assert_same_step(p_fused, p_orig, res_fused, res_orig)
+    assert_same_first_pass(p_fused, p_orig, res_fused, res_orig)
 
 
 @requires_cuda
@@ -772,7 +744,7 @@ def test_plugin_patch_matches_vllm_step_cuda(rng, patched_fake, K):
     res_orig = FakeBaseProposer.set_inputs_first_pass(p_orig, **call_kw)
     res_fused = p_fused.set_inputs_first_pass(**call_kw)
     assert p_fused.original_calls == 0
-    _assert_same_step(p_fused, p_orig, res_fused, res_orig)
+    assert_same_first_pass(p_fused, p_orig, res_fused, res_orig)
 
 
 def test_plugin_falls_back_outside_p_eagle(rng, patched_fake, caplog):

@@ -25,7 +25,6 @@ read by __init__ fails loudly rather than reading a MagicMock.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from types import SimpleNamespace
@@ -35,7 +34,7 @@ import torch
 
 from peagle_ext.reference.parallel_draft import parallel_draft_loop
 from peagle_ext.serving import vllm_plugin
-from peagle_ext.testing import random_draft_batch
+from tests.helpers import assert_same_first_pass, first_pass_inputs
 from tests.serving import vllm_sources
 from tests.serving.vllm_cpu import vllm_on_cpu
 from tests.serving.vllm_sources import VLLM_VERSION, SourcesUnavailable, ensure_vllm_sources
@@ -138,19 +137,8 @@ def make_proposer(vllm, *, K, H, dtype, max_model_len, block_size, mask_token_id
 
 def make_step(vllm, g, *, K, dtype=torch.bfloat16, none_rejected=False, near_max=False, parallel=True):
     """(make_proposer(), keyword arguments of set_inputs_first_pass, the op's inputs)."""
-    args, kw = random_draft_batch(g, B=9, K=K, H=32, dtype=dtype, near_max=near_max)
-    qsl = args["query_start_loc"]
-    B = qsl.shape[0] - 1
-    cad = vllm.Cad(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens=torch.randint(1, 100, (B,), generator=g, dtype=torch.int32),
-        num_reqs=B,
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-        max_seq_len=100,
-        block_table_tensor=args["block_table"],
-        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+    call, (args, kw) = first_pass_inputs(
+        g, vllm.Cad, B=9, K=K, dtype=dtype, near_max=near_max, none_rejected=none_rejected
     )
     make = lambda: make_proposer(
         vllm,
@@ -163,56 +151,7 @@ def make_step(vllm, g, *, K, dtype=torch.bfloat16, none_rejected=False, near_max
         mask_hidden=args["mask_hidden"],
         parallel=parallel,
     )
-    if none_rejected:
-        args["num_rejected_tokens"] = None
-    call = dict(
-        target_token_ids=args["target_token_ids"],
-        next_token_ids=args["next_token_ids"],
-        target_positions=args["target_positions"],
-        target_hidden_states=args["target_hidden"],
-        token_indices_to_sample=None,
-        cad=cad,
-        num_rejected_tokens_gpu=args["num_rejected_tokens"],
-    )
     return make, call, (args, kw)
-
-
-def hidden_rows_written(p, cad, n):
-    """Rows of hidden_states that vLLM's step writes: each request's input rows (the scatter)
-    and its MASK rows. The others are rejected rows past the request's input length."""
-    qsl = cad.query_start_loc.tolist()
-    written = p.is_masked_token_mask[:n].clone()
-    for r in range(len(qsl) - 1):
-        start = qsl[r] + r * p.net_num_new_slots_per_request
-        written[start : start + qsl[r + 1] - qsl[r]] = True
-    return written
-
-
-def assert_same_step(vllm, p_a, p_b, res_a, res_b, cad_in=None):
-    """Same outputs. With cad_in (the step's input metadata), the hidden rows that vLLM's step
-    leaves as they were in the persistent buffer are compared separately: p_a's may be zero."""
-    n, tis, cad = res_a
-    n2, tis2, cad2 = res_b
-    assert n == n2
-    assert torch.equal(tis, tis2)
-    for name in ("input_ids", "positions", "is_rejected_token_mask", "is_masked_token_mask"):
-        a, b = getattr(p_a, name), getattr(p_b, name)
-        assert (a is None and b is None) if a is None or b is None else torch.equal(a[:n], b[:n]), name
-    ha, hb = p_a.hidden_states[:n], p_b.hidden_states[:n]
-    if cad_in is None:
-        assert torch.equal(ha, hb)
-    else:
-        written = hidden_rows_written(p_b, cad_in, n)
-        assert torch.equal(ha[written], hb[written])
-        stale = ~written
-        # don't-care rows: rejected, never sampled, and no KV-cache slot, so nothing reads them
-        assert p_b.is_rejected_token_mask[:n][stale].all()
-        assert (cad2.slot_mapping[stale] == -1).all()
-        assert not torch.isin(tis2, stale.nonzero().flatten().to(tis2.dtype)).any()
-        assert (ha[stale] == 0).all()
-    for f in dataclasses.fields(vllm.Cad):
-        a, b = getattr(cad, f.name), getattr(cad2, f.name)
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
 
 
 def test_sources_skip_only_when_the_index_is_unreachable(tmp_path, monkeypatch):
@@ -431,7 +370,7 @@ def test_patched_step_equals_vllms_own(vllm, patched, rng, vllm_kernel_calls, K,
     make, call, _ = make_step(vllm, rng, K=K, dtype=dtype, none_rejected=none_rejected, near_max=near_max)
     p_vllm, p_fused = make(), make()
     # A previous step's content in the persistent buffers: the rows vLLM does not write keep
-    # it, the op writes zero hidden rows there (assert_same_step checks both).
+    # it, the op writes zero hidden rows there (assert_same_first_pass checks both).
     for name in ("input_ids", "positions", "hidden_states"):
         garbage = torch.randint(-9, 9, getattr(p_vllm, name).shape, generator=rng)
         getattr(p_vllm, name).copy_(garbage)
@@ -440,7 +379,7 @@ def test_patched_step_equals_vllms_own(vllm, patched, rng, vllm_kernel_calls, K,
     assert len(vllm_kernel_calls) == 1
     res_fused = p_fused.set_inputs_first_pass(**call)
     assert len(vllm_kernel_calls) == 1, "the patched step ran vLLM's kernel"
-    assert_same_step(vllm, p_fused, p_vllm, res_fused, res_vllm, cad_in=call["cad"])
+    assert_same_first_pass(p_fused, p_vllm, res_fused, res_vllm, cad_in=call["cad"])
     assert res_fused[2].slot_mapping.dtype == res_vllm[2].slot_mapping.dtype == torch.int64
     assert isinstance(res_fused[2], vllm.Cad)
 
@@ -456,11 +395,11 @@ def test_patched_proposer_falls_back_to_vllm_outside_p_eagle(
     with caplog.at_level(logging.INFO, logger="peagle_ext"):
         res = p_patched.set_inputs_first_pass(**call)
     assert "plain EAGLE path" in caplog.text
-    assert_same_step(vllm, p_patched, p_vllm, res, vllm.Base.set_inputs_first_pass(p_vllm, **call))
+    assert_same_first_pass(p_patched, p_vllm, res, vllm.Base.set_inputs_first_pass(p_vllm, **call))
     # P-EAGLE with an input the op does not take (int64 rejected counts): vLLM's step runs
     make, call, _ = make_step(vllm, rng, K=3)
     call["num_rejected_tokens_gpu"] = call["num_rejected_tokens_gpu"].long()
     p_vllm, p_patched = make(), make()
     res = p_patched.set_inputs_first_pass(**call)
     assert len(vllm_kernel_calls) == 1
-    assert_same_step(vllm, p_patched, p_vllm, res, vllm.Base.set_inputs_first_pass(p_vllm, **call))
+    assert_same_first_pass(p_patched, p_vllm, res, vllm.Base.set_inputs_first_pass(p_vllm, **call))
