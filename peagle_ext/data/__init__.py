@@ -22,7 +22,7 @@ Conventions (those of vLLM / speculators, so a drafter trained here serves in vL
 """
 
 from .cache import HiddenStateCache, packed_fingerprint
-from .chat import TokenizeStats, assistant_char_spans, tokenize_conversation, tokenize_conversations
+from .chat import TokenizeStats, assistant_char_spans, tokenize_conversation, tokenize_conversations, tokenize_many
 from .conversations import (
     Conversation,
     iter_sharegpt_records,
@@ -63,6 +63,7 @@ __all__ = [
     "assistant_char_spans",
     "tokenize_conversation",
     "tokenize_conversations",
+    "tokenize_many",
     "Conversation",
     "iter_sharegpt_records",
     "load_conversations",

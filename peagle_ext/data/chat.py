@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import multiprocessing
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -194,6 +197,53 @@ def tokenize_conversation(
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
+# below this many conversations a process pool costs more than it saves
+PARALLEL_MIN_CONVERSATIONS = 1024
+_worker_args: tuple = ()
+
+
+def _init_worker(tokenizer, max_len, template_kwargs):
+    global _worker_args
+    # the Rust tokenizer's own thread pool would oversubscribe the cores the processes share
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_args = (tokenizer, max_len, template_kwargs)
+
+
+def _tokenize_one(msgs):
+    tokenizer, max_len, template_kwargs = _worker_args
+    try:
+        ids, mask = tokenize_conversation(tokenizer, msgs, max_len=max_len, template_kwargs=template_kwargs)
+    except DataError as e:
+        return str(e)
+    return ids.numpy(), mask.numpy()
+
+
+def tokenize_many(tokenizer, conversations, *, max_len: int, template_kwargs: dict | None = None, workers=None):
+    """tokenize_conversation of every conversation, in order: (ids, mask) each, or the DataError
+    message of a conversation the template refuses. Chat-template rendering is single-threaded
+    Python (a few ms a conversation), so large lists are split over `workers` forked processes
+    (default: the cores this process may use, at most 32; 1 = in this process)."""
+    _check_tokenizer(tokenizer)
+    n = len(conversations)
+    if workers is None:
+        workers = min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    workers = max(1, min(int(workers), n // (PARALLEL_MIN_CONVERSATIONS // 4) or 1))
+    if workers == 1 or n < PARALLEL_MIN_CONVERSATIONS or "fork" not in multiprocessing.get_all_start_methods():
+        out = []
+        for msgs in conversations:
+            try:
+                out.append(tokenize_conversation(tokenizer, msgs, max_len=max_len, template_kwargs=template_kwargs))
+            except DataError as e:
+                out.append(str(e))
+        return out
+    ctx = multiprocessing.get_context("fork")  # the tokenizer is inherited, not pickled
+    with ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_worker, initargs=(tokenizer, max_len, template_kwargs)
+    ) as pool:
+        res = list(pool.map(_tokenize_one, conversations, chunksize=64))
+    return [r if isinstance(r, str) else (torch.from_numpy(r[0]), torch.from_numpy(r[1])) for r in res]
+
+
 @dataclass
 class TokenizeStats:
     conversations: int = 0
@@ -211,18 +261,16 @@ def tokenize_conversations(
     """tokenize_conversation over a list, dropping results without any loss token and the
     conversations the chat template cannot render, with counts (the caller logs
     `stats.truncated`, `stats.unrenderable` etc.)."""
-    _check_tokenizer(tokenizer)
     out = []
     st = TokenizeStats()
-    for msgs in conversations:
+    # Truncation check needs the untruncated length: ask for one more token than allowed.
+    for res in tokenize_many(tokenizer, conversations, max_len=max_len + 1, template_kwargs=template_kwargs):
         st.conversations += 1
-        # Truncation check needs the untruncated length: ask for one more token than allowed.
-        try:
-            ids, mask = tokenize_conversation(tokenizer, msgs, max_len=max_len + 1, template_kwargs=template_kwargs)
-        except DataError as e:
+        if isinstance(res, str):
             st.unrenderable += 1
-            log.debug("skipping a conversation: %s", e)
+            log.debug("skipping a conversation: %s", res)
             continue
+        ids, mask = res
         if len(ids) > max_len:
             st.truncated += 1
             ids, mask = ids[:max_len], mask[:max_len]

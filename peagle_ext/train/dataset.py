@@ -35,14 +35,12 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
     tok_train, tok_val = [], []
     truncated = dropped = unrenderable = 0
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i, msgs in enumerate(convs):
-        try:
-            ids, mask = D.tokenize_conversation(
-                tokenizer, msgs, max_len=s.seq_len + 1, template_kwargs=s.chat_template_kwargs
-            )
-        except D.DataError:
+    tokenized = D.tokenize_many(tokenizer, convs, max_len=s.seq_len + 1, template_kwargs=s.chat_template_kwargs)
+    for i, res in enumerate(tokenized):
+        if isinstance(res, str):
             unrenderable += 1
             continue
+        ids, mask = res
         if ids.shape[0] > s.seq_len:
             truncated += 1
             ids, mask = ids[: s.seq_len], mask[: s.seq_len]

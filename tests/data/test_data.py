@@ -312,6 +312,32 @@ def test_tokenize_conversations_counts(tiny_tok):
     assert st.dropped_no_loss == 1 and out == []
 
 
+def test_tokenize_many_processes_equal_one_process(tiny_tok, monkeypatch):
+    """The forked pool gives, in order, what one process gives, refusals included."""
+    import peagle_ext.data.chat as chat
+
+    monkeypatch.setattr(chat, "PARALLEL_MIN_CONVERSATIONS", 8)
+    refused = [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    convs = [CONV, CONV[1:3], CONV[:2], *[CONV[: 2 + i % 3] for i in range(21)]]
+    convs[7] = refused  # ChatML renders it; a template that refuses it is checked below
+    one = D.tokenize_many(tiny_tok, convs, max_len=40, workers=1)
+    many = D.tokenize_many(tiny_tok, convs, max_len=40, workers=2)
+    assert len(one) == len(many) == len(convs)
+    for a, b in zip(one, many):
+        assert type(a) is type(b)
+        if isinstance(a, str):
+            assert a == b
+        else:
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    strict = _build_tiny_tokenizer(
+        "{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] == 'assistant' %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    res = D.tokenize_many(strict, [CONV[1:3], refused] * 6, max_len=40, workers=2)
+    assert [isinstance(r, str) for r in res] == [False, True] * 6
+    assert "roles must alternate" in res[1]
+
+
 # ----------------------------------------------------------------------------------------------
 # Packing
 
