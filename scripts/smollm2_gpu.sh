@@ -16,25 +16,25 @@
 #
 # Settings: edit the block below or override by environment (e.g. LAYERS="1" TRAIN_MINUTES=5).
 #
-# GPU time on an H200, estimated from FLOP counts and the launch-bound step times of a 30-layer
-# 576-wide model (measured end-to-end times land in $OUT/summary.txt; adjust the budgets from them):
-#   setup        ~90 s   build of the extension (46-55 s measured on this image) + GGUF join and
-#                        conversion (14 s of dequantization on this CPU)
-#   data         ~15 s   decompress the bundle's ShareGPT (17,392 conversations), hold out 200
-#   datagen      ~240 s  budget DATAGEN_SECONDS: HF generate, batch 256, <= 256 new tokens, first
-#                        turn; a decode step is launch-bound (~30 layers x ~12 kernels, ~20 ms at any
-#                        batch <= 512): ~70 batches x 256 steps x 20 ms = ~6 min for all conversations,
-#                        so the budget covers ~2/3 of them (the file is usable at any point)
-#   train        ~180 s per setting (TRAIN_MINUTES): a step of 4 rows x 2048 tokens is ~23K layout
-#                        tokens x ~6 x 43 MFLOP (1 layer, 32K draft vocab, both loss sides) = ~6 TFLOP
-#                        + the verifier's hidden states (2.2 TFLOP) + ~40 ms of launches: ~0.1 s, so
-#                        3 min = ~1,800 steps = ~0.8 epoch (the CPU ratio of loss to layer FLOPs holds)
-#   eval         ~200 s for the full setting (EVAL_FULL: both benches, K sweep 1..8, 128 new tokens;
-#                        ~1.2 ms a greedy token and ~1.7 ms a round as CUDA graphs), ~30 s for each
-#                        other setting (MT-Bench, K=EVAL_K only)
-#   consistency  ~60 s   tools/consistency.py on 60 held-out conversations
-# Total for the defaults (3 settings): ~90 + 15 + 240 + 540 + 260 + 60 s = ~20 min; the ~15 min
-# study budget: TRAIN_MINUTES=2 (or SETTINGS="1:orig 1:regen") and DATAGEN_SECONDS=150.
+# GPU time on an H200 (measured where it says so; $OUT/summary.txt records every phase's time):
+#   setup        ~100 s  build of the extension (41-44 s measured with PEAGLE_CUDA_ARCHS=90-real)
+#                        + GGUF join and conversion (48 s measured, with other work on the CPU)
+#   data         8 s     measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
+#   datagen      DATAGEN_SECONDS: HF generate, batch 256, <= 256 new tokens, first turn; measured
+#                        4,354 new tokens/s (2,816 conversations in 101 s, 44% of them cut at 256),
+#                        so all ~17K conversations take ~10 min (the file is usable at any point and a
+#                        later call continues it)
+#   train        TRAIN_MINUTES per setting and call. Before the first step the trainer renders and
+#                        tokenizes the data with the chat template (forked over the cores) and fills
+#                        the verifier's hidden states. Measured with batch 8 x 2048 and three
+#                        settings side by side (TRAIN_PARALLEL=1): ~0.35 s a step and 45-50K
+#                        tokens/s per setting (an epoch of the 22M-token ShareGPT rows is ~8 min
+#                        alone); set MAX_STEPS to what the minutes reach, so the cosine schedule ends
+#   eval         ~200 s for the full setting (EVAL_FULL: both benches, K sweep 1..8, 128 new tokens),
+#                        ~30 s for each other setting (MT-Bench, K=EVAL_K only): estimates
+#   consistency  ~60 s   tools/consistency.py on 60 held-out conversations (estimate)
+# A useful study needs ~25 min of GPU: setup + data 2 min, datagen 5 min, three settings side
+# by side for 12 min, eval and consistency 5 min.
 #
 # On a machine that takes at most 64 MiB and 10 minutes a call (the bundle's MANIFEST.json lists
 # what each call carries), in calls that follow each other on one held machine:
