@@ -45,6 +45,22 @@ def test_export_names_the_verifier_and_prints_the_serve_line(tmp_path, capsys, r
     }
 
 
+def test_recorded_revision_pins_the_serve_line(tmp_path, capsys):
+    src = _checkpoint(tmp_path, "Qwen/Qwen3-8B")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["revision"] = "0123abc"
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main(["export", str(src), str(tmp_path / "out")]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    assert argv[:5] == ["vllm", "serve", "Qwen/Qwen3-8B", "--revision", "0123abc"]
+    # another verifier named at export time drops the trained one's revision
+    assert main(["export", str(src), str(tmp_path / "out2"), "--verifier", "my-org/v"]) == 0
+    assert (
+        "revision" not in json.loads((tmp_path / "out2" / "config.json").read_text())["speculators_config"]["verifier"]
+    )
+    assert "--revision" not in capsys.readouterr().out.strip().splitlines()[-1]
+
+
 def test_local_verifier_is_named_by_its_absolute_path(tmp_path, monkeypatch):
     (tmp_path / "v").mkdir()
     monkeypatch.chdir(tmp_path)

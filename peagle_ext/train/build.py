@@ -150,6 +150,8 @@ def build_model(s: TrainSettings, inp: RunInputs, device: torch.device, log: Run
         norm_before_residual=s.norm_before_residual,
     )
     model.config.speculators_config["verifier"]["architectures"] = list(inp.head.architectures)
+    if s.verifier_revision:  # the export then names the exact weights the drafter was trained on
+        model.config.speculators_config["verifier"]["revision"] = s.verifier_revision
     if int(vcfg.hidden_size) != model.config.hidden_size:
         raise TrainError(
             f"verifier/draft hidden size mismatch: verifier {vcfg.hidden_size}, draft {model.config.hidden_size}"

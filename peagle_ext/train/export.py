@@ -43,6 +43,8 @@ def export(src: str, dst: str, *, dtype: str = "bfloat16", verifier: str | None 
     named = model.config.speculators_config["verifier"]
     if verifier is not None or named.get("name_or_path") == "smollm2":  # "smollm2": a name only peagle resolves
         named["name_or_path"] = D.verifier_name(verifier or "smollm2")
+        if verifier is not None:
+            named.pop("revision", None)  # the recorded revision is the trained verifier's
     for name, t in model.checkpoint_state_dict().items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise TrainError(f"export: {pick} has non-finite values in {name}")
@@ -121,4 +123,6 @@ def vllm_serve_command(export_dir) -> str:
     k = cfg["proposal_methods"][0]["speculative_tokens"]
     spec = {"model": str(d), "method": "eagle3", "num_speculative_tokens": k, "parallel_drafting": True}
     verifier = cfg["verifier"].get("name_or_path") or "<verifier>"
-    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(_json.dumps(spec))}"
+    rev = cfg["verifier"].get("revision")
+    pin = f" --revision {shlex.quote(str(rev))}" if rev else ""
+    return f"vllm serve {shlex.quote(verifier)}{pin} --speculative-config {shlex.quote(_json.dumps(spec))}"
