@@ -222,12 +222,17 @@ def tokenize_many(tokenizer, conversations, *, max_len: int, template_kwargs: di
     """tokenize_conversation of every conversation, in order: (ids, mask) each, or the DataError
     message of a conversation the template refuses. Chat-template rendering is single-threaded
     Python (a few ms a conversation), so large lists are split over `workers` forked processes
-    (default: the cores this process may use, at most 32; 1 = in this process)."""
+    (default: the cores this process may use, shared among the ranks of a torchrun host, at most
+    32; 1 = in this process)."""
     _check_tokenizer(tokenizer)
     n = len(conversations)
     if workers is None:
-        workers = min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    workers = max(1, min(int(workers), n // (PARALLEL_MIN_CONVERSATIONS // 4) or 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        # under torchrun every rank on this host tokenizes at once: share the cores among them
+        ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        workers = min(32, cores // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1))
+    per_worker = max(1, PARALLEL_MIN_CONVERSATIONS // 4)  # conversations a process is worth starting for
+    workers = max(1, min(int(workers), n // per_worker))
     if workers == 1 or n < PARALLEL_MIN_CONVERSATIONS or "fork" not in multiprocessing.get_all_start_methods():
         out = []
         for msgs in conversations:
