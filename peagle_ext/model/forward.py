@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.cod import CodLayout
-from .layers import DraftLayer, apply_rope, rms_norm
+from .layers import DraftLayer, apply_rope, autocast_input, rms_norm
 from .partition import partitioned_forward_backward
 from .rows import LayerZeroRows, gather_distinct_rows, weighted_rows
 
@@ -140,6 +140,7 @@ class TrainingForward:
         if layer.first:
             emb, hid = l0
             a_in, res_u = layer.pre_attention(emb, hid)
+            a_in = autocast_input(a_in)
             rows = tok.rows
             q = rows.take(layer.self_attn.q(a_in)) if want_q else None
             k, v = layer.self_attn.kv(a_in)
@@ -147,6 +148,7 @@ class TrainingForward:
             res = rows.take(res_u)
         else:
             a_in, res = layer.pre_attention(x)
+            a_in = autocast_input(a_in)
             q = layer.self_attn.q(a_in) if want_q else None
             k, v = layer.self_attn.kv(a_in)
         cos, sin = tok.cos.to(k.dtype), tok.sin.to(k.dtype)

@@ -7,6 +7,7 @@ import copy
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
@@ -18,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.weight.dtype == torch.float32:
+            return fused_rms_norm_fp32(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -27,6 +30,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def fused_rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) in fp32 through torch's one-kernel RMSNorm (forward and backward), for
+    fp32 weights: the eager rms_norm spends a broadcast fp32 kernel per statistic and product on
+    every row (the largest elementwise cost of a training step). Same output dtype (fp32) as
+    rms_norm with fp32 weights; it skips rms_norm's rounding of x / rms(x) to x's dtype."""
+    with torch.autocast("cuda", enabled=False):
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x as autocast's linear layers will read it: cast once to the autocast dtype for the several
+    projections that share an input (q/k/v, gate/up) instead of once per projection, with the
+    same values."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if x.dtype != dt:
+            return x.to(dt)
+    return x
 
 
 def rope_inv_freq(tl: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -90,6 +114,7 @@ class DraftMLP(nn.Module):
         self.act = ACT2FN[tl.hidden_act]
 
     def forward(self, x):
+        x = autocast_input(x)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

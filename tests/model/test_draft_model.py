@@ -460,3 +460,45 @@ def test_bf16_states_under_autocast_skip_the_fp32_copy_with_equal_results(rng):
     assert len(res[0][1]) == len(res[1][1]) > 0
     for a, b in zip(res[0][1], res[1][1]):
         assert torch.equal(a, b)
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_rms_norm_matches_eager(rng, x_dtype):
+    """RMSNorm with fp32 weights on the GPU takes torch's fused kernel: output and both gradients
+    equal the eager fp32-statistics norm (rms_norm) within the eager path's own rounding of
+    x / rms(x) to x's dtype; the output dtype is fp32 either way."""
+    from peagle_ext.model.layers import RMSNorm, rms_norm
+
+    norm = RMSNorm(256, 1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(256, generator=rng) + 0.5)
+    x = (3 * torch.randn(300, 4, 256, generator=rng)).to("cuda", x_dtype).requires_grad_()
+    gy = torch.randn(300, 4, 256, generator=rng).cuda()
+    outs = []
+    for fn in (lambda: norm(x), lambda: rms_norm(x, norm.weight, norm.eps)):
+        x.grad = norm.weight.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn()
+        (y * gy).sum().backward()
+        outs.append((y.detach(), x.grad.float(), norm.weight.grad.clone()))
+    tol = 1e-5 if x_dtype == torch.float32 else 1e-2
+    for got, ref in zip(outs[0], outs[1]):
+        assert got.dtype == ref.dtype
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) < tol
+
+
+def test_autocast_input_is_the_value_autocast_linears_read(rng):
+    """autocast_input casts once to what an autocast linear would cast its input to: the outputs
+    of q/k/v-style projections are bit-identical with and without it, and it leaves tensors alone
+    outside autocast."""
+    from peagle_ext.model.layers import autocast_input
+
+    lin = torch.nn.Linear(32, 48)
+    x = torch.randn(10, 32, generator=rng)
+    assert autocast_input(x) is x
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        xa = autocast_input(x)
+        assert xa.dtype == torch.bfloat16
+        assert torch.equal(lin(xa), lin(x))
+        assert autocast_input(xa) is xa
