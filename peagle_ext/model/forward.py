@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.cod import CodLayout
-from .layers import DraftLayer, apply_rope, autocast_input, rms_norm
+from .layers import DraftLayer, apply_rope, autocast_input, rms_norm, rope_to
 from .partition import partitioned_forward_backward
 from .rows import LayerZeroRows, gather_distinct_rows, weighted_rows
 
@@ -105,7 +105,7 @@ class TrainingForward:
         from ..ops.attention import cod_attention, cod_attention_metadata
 
         o = self.options
-        dt, in_dt = self.compute_dtype(q), q.dtype
+        dt, in_dt = self.compute_dtype(q), v.dtype  # v is never roped: the projections' dtype
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if context is not None:
             context = (context[0].to(dt), context[1].to(dt))
@@ -151,6 +151,12 @@ class TrainingForward:
             a_in = autocast_input(a_in)
             q = layer.self_attn.q(a_in) if want_q else None
             k, v = layer.self_attn.kv(a_in)
+        if k.is_cuda:  # fused, in fp32, written in the attention's dtype (layers.rope_to)
+            dt = self.compute_dtype(k)
+            k = rope_to(k, tok.cos, tok.sin, dt)
+            if q is not None:
+                q = rope_to(q, tok.cos, tok.sin, dt)
+            return q, k, v, res
         cos, sin = tok.cos.to(k.dtype), tok.sin.to(k.dtype)
         k = apply_rope(k, cos, sin)
         if q is not None:

@@ -74,6 +74,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """apply_rope with bf16/fp16 inputs lifted to fp32 and one rounding to `dtype` at the end."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
+    return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype)).to(dtype)
+
+
+_COMPILED_ROPE: dict = {}
+
+
+def rope_to(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """RoPE for the attention op, output in its compute dtype. On CUDA one Inductor-fused kernel
+    forward and one backward: in eager PyTorch RoPE is six full passes over q and k each way
+    (broadcast multiplies by cos/sin [T, 1, D], the negated half, the concatenation, the sum,
+    the cast), the largest elementwise cost of a training step. Elsewhere, or where Inductor
+    cannot build (no Triton), the same math eagerly."""
+    fn = _COMPILED_ROPE.get("fn", False) if x.is_cuda else None
+    if fn is False:  # first CUDA call: compile once, fall back for good if that fails
+        try:
+            fn = torch.compile(rope_math, dynamic=True, fullgraph=True)
+            out = fn(x, cos, sin, dtype)
+        except Exception as e:  # noqa: BLE001 - any Inductor/Triton build failure
+            import warnings
+
+            warnings.warn(f"RoPE runs eagerly: torch.compile failed here ({type(e).__name__}: {e})", stacklevel=2)
+            _COMPILED_ROPE["fn"] = None
+            return rope_math(x, cos, sin, dtype)
+        _COMPILED_ROPE["fn"] = fn
+        return out
+    return fn(x, cos, sin, dtype) if fn is not None else rope_math(x, cos, sin, dtype)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, tl: PretrainedConfig, in_dim: int):
         super().__init__()

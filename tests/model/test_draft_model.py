@@ -502,3 +502,45 @@ def test_autocast_input_is_the_value_autocast_linears_read(rng):
         assert xa.dtype == torch.bfloat16
         assert torch.equal(lin(xa), lin(x))
         assert autocast_input(xa) is xa
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_rope_math_is_fp32_rope_rounded_once(rng, x_dtype):
+    """rope_math (what the GPU's fused RoPE computes) equals HF-convention RoPE in float64 rounded
+    once to the output dtype, and compiles as one graph with dynamic shapes (the GPU compiles it
+    with Inductor; on the CPU it runs eagerly, so this test compiles it for the CPU backend)."""
+    from peagle_ext.model.layers import apply_rope, rope_math
+
+    def ref(x, cos, sin):
+        return apply_rope(x.double(), cos.double(), sin.double()).to(torch.bfloat16)
+
+    compiled = torch.compile(rope_math, dynamic=True, fullgraph=True)
+    for t, heads in ((37, 4), (90, 2)):  # two shapes: one dynamic graph
+        x = torch.randn(t, heads, 64, generator=rng).to(x_dtype)
+        ang = torch.rand(t, 1, 32, generator=rng) * 100
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        want = ref(x, cos, sin)
+        for fn in (rope_math, compiled):
+            got = fn(x, cos, sin, torch.bfloat16)
+            assert got.dtype == torch.bfloat16
+            # at most one bf16 rounding step apart (fp32 vs float64 arithmetic before the rounding)
+            assert float((got.float() - want.float()).abs().max()) <= 2**-7 * float(want.float().abs().max())
+
+
+@requires_cuda
+def test_cuda_rope_to_matches_rope_math_with_gradients(rng):
+    """The GPU's compiled RoPE (rope_to) against the eager rope_math: values and input gradients."""
+    from peagle_ext.model.layers import rope_math, rope_to
+
+    x = torch.randn(500, 8, 128, generator=rng).cuda().requires_grad_()
+    ang = torch.rand(500, 1, 64, generator=rng).cuda() * 1000
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    g = torch.randn(500, 8, 128, generator=rng).cuda()
+    res = []
+    for fn in (rope_to, rope_math):
+        x.grad = None
+        y = fn(x, cos, sin, torch.bfloat16)
+        (y.float() * g).sum().backward()
+        res.append((y.float(), x.grad.clone()))
+    assert float((res[0][0] - res[1][0]).abs().max()) <= 2**-7 * float(res[1][0].abs().max())
+    assert torch.allclose(res[0][1], res[1][1], rtol=1e-5, atol=1e-5)
