@@ -39,7 +39,9 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
         tgt = model.target_normed(example, model.compute_dtype(model.fc.weight))
         l0 = model.layer0_rows(example)
         h_stream, kvs = model.run_layers(stream, l0, collect_kv=True, last_full=symmetric, keep=keep_stream)
-    leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kvs]
+    # the leaves gather their gradient over every segment: in fp32 even where the stream's K/V are
+    # bf16, so the sum of the segments' gradients is not rounded segment by segment
+    leaves = [(_fp32_leaf(k), _fp32_leaf(v)) for k, v in kvs]
     total_sum = 0.0
     wsum_all = 0.0
     correct = torch.zeros(model.num_depths, dtype=torch.int64)
@@ -73,7 +75,7 @@ def partitioned_forward_backward(model, example, layout: CodLayout, segments: in
         for t_, leaf in ((k, lk), (v, lv)):
             if leaf.grad is not None:
                 roots.append(t_)
-                grads.append(leaf.grad)
+                grads.append(leaf.grad.to(t_.dtype))
     if roots:
         torch.autograd.backward(roots, [g if g is not None else torch.ones_like(r) for r, g in zip(roots, grads)])
     return {
@@ -113,3 +115,8 @@ def segment_layouts(layout: CodLayout, keep: torch.Tensor, segments: int):
             offs.append(offs[-1] + int(c))
         subs.append(CodLayout(sa.contiguous(), sd.contiguous(), offs, layout.document_ids, False))
     return subs
+
+
+def _fp32_leaf(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).requires_grad_()
