@@ -141,8 +141,13 @@ def _rate(tokens: int, seconds: float) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
-def summarize_k(k: int, prompt_ids: list[str], spec: list[SpecResult], base: list[GreedyResult]) -> dict:
-    """The report of one K over all prompts."""
+def summarize_k(
+    k: int, prompt_ids: list[str], spec: list[SpecResult], base: list[GreedyResult], prompt_tokens=None
+) -> dict:
+    """The report of one K over all prompts. A prompt whose output differs from the baseline's
+    gets "mismatch": the first differing position, both tokens there and the common prefix
+    (prompt + generated tokens before it, when prompt_tokens are given), which
+    tools/mismatch_gaps.py rescores in fp32 to tell a rounding-flipped near-tie from a bug."""
     accepted = [a for r in spec for a in r.accepted]
     st = acceptance_stats(accepted, k)
     tok = sum(len(r.tokens) for r in spec)
@@ -151,8 +156,17 @@ def summarize_k(k: int, prompt_ids: list[str], spec: list[SpecResult], base: lis
     bsec = sum(b.wall_s for b in base)
     tps, btps = _rate(tok, sec), _rate(btok, bsec)
     prompts = []
-    for pid, r, b in zip(prompt_ids, spec, base):
+    for i, (pid, r, b) in enumerate(zip(prompt_ids, spec, base)):
         mm = first_mismatch(r.tokens, b.tokens)
+        detail = None
+        if mm is not None:
+            detail = {
+                "position": mm,
+                "token": r.tokens[mm] if mm < len(r.tokens) else None,
+                "baseline_token": b.tokens[mm] if mm < len(b.tokens) else None,
+            }
+            if prompt_tokens is not None:
+                detail["prefix"] = list(prompt_tokens[i]) + list(b.tokens[:mm])
         prompts.append(
             {
                 "id": pid,
@@ -162,6 +176,7 @@ def summarize_k(k: int, prompt_ids: list[str], spec: list[SpecResult], base: lis
                 "acceptance_length": r.acceptance_length if r.rounds else None,
                 "lossless": mm is None,
                 "first_mismatch": mm,
+                "mismatch": detail,
                 "wall_s": r.wall_s,
                 "baseline_wall_s": b.wall_s,
                 "accepted_per_round": list(r.accepted),
@@ -236,7 +251,8 @@ def evaluate(
             f"{s.acceptance_length:.2f}, {'lossless' if s.tokens == b.tokens else 'MISMATCH'}, "
             f"{fmt(_rate(len(s.tokens), s.wall_s))} vs {fmt(_rate(len(b.tokens), b.wall_s))} tok/s"
         )
-    report = summarize_k(num_spec_tokens, ids, main, base)
+    toks = [t for _, t in prompts]
+    report = summarize_k(num_spec_tokens, ids, main, base, toks)
     if ks:
         sweep = []
         for k in ks:
@@ -247,7 +263,7 @@ def evaluate(
                     speculative_generate(verifier, drafter, t, k, max_new_tokens, eos_token_id=eos, engine=eng(k))
                     for _, t in prompts
                 ]
-                r = summarize_k(k, ids, spec, base)
+                r = summarize_k(k, ids, spec, base, toks)
             say(
                 f"K={k}: acceptance length {r['acceptance_length']:.3f}, {fmt(r['tokens_per_s'])} tok/s "
                 f"(x{fmt(r['speedup'], 2)}), lossless {r['num_lossless']}/{len(prompts)}"
