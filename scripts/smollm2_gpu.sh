@@ -20,13 +20,13 @@
 #   setup        ~100 s  build of the extension (41-44 s measured with PEAGLE_CUDA_ARCHS=90-real)
 #                        + GGUF join and conversion (48 s measured, with other work on the CPU)
 #   data         8 s     measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
-#   datagen      DATAGEN_SECONDS: HF generate, batch 256, <= 256 new tokens, first turn; measured
-#                        4,354 new tokens/s (2,816 conversations in 101 s, 44% of them cut at 256),
-#                        so all ~17K conversations take ~10 min (the file is usable at any point and a
-#                        later call continues it)
+#   datagen      DATAGEN_SECONDS: HF generate, batch 512, <= 256 new tokens, first turn; measured
+#                        8,836 new tokens/s beside a training (6,656 conversations in 137 s; batch 256:
+#                        4,354), so all ~17K conversations take ~5 min (the file is usable at any point
+#                        and a later call continues it)
 #   train        TRAIN_MINUTES per setting and call. Before the first step the trainer renders and
-#                        tokenizes the data with the chat template (forked over the cores) and fills
-#                        the verifier's hidden states. Measured with batch 8 x 2048 and three
+#                        tokenizes the data with the chat template (forked over the cores: 36 s from
+#                        start to the first step, verifier load included). Measured with batch 8 x 2048 and three
 #                        settings side by side (TRAIN_PARALLEL=1): ~0.35 s a step and 45-50K
 #                        tokens/s per setting (an epoch of the 22M-token ShareGPT rows is ~8 min
 #                        alone); set MAX_STEPS to what the minutes reach, so the cosine schedule ends
@@ -36,8 +36,10 @@
 # A useful study needs ~25 min of GPU: setup + data 2 min, datagen 5 min, three settings side
 # by side for 12 min, eval and consistency 5 min.
 #
-# On a machine that takes at most 64 MiB and 10 minutes a call (the bundle's MANIFEST.json lists
-# what each call carries), in calls that follow each other on one held machine:
+# On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
+# bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
+# machine; run the phases after setup under `setsid nohup bash -c '...' &` so that training and eval
+# outlast a call, and let each later call wait on them and copy $WORK/out and $WORK/eval back:
 #   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
 #   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: DATAGEN_SECONDS=150 TRAIN_MINUTES=2.5
@@ -63,7 +65,7 @@ TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one
 VAL_FRACTION=${VAL_FRACTION:-0.02}  # of the training conversations: the validation split
 HOLDOUT=${HOLDOUT:-200}            # last conversations kept out of training (consistency phase)
 DATAGEN_TOKENS=${DATAGEN_TOKENS:-256}
-DATAGEN_BATCH=${DATAGEN_BATCH:-256}
+DATAGEN_BATCH=${DATAGEN_BATCH:-512}
 DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
