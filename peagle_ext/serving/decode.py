@@ -261,6 +261,14 @@ def speculative_generate(
             num_rows = t_in + k - 1 - n_rej
             drafts = drafter.propose(batch, k, num_rows, seq_len - 1 + k).to(dev)
             tick("draft")
+            if engine is not None and not profile:
+                # the verify half on the engine (its graph): the same computation, and the
+                # engine holds the next round's inputs afterwards
+                host = engine.first_verify(drafts, bonus, seq_len)
+                a = host[0]
+                accepted.append(a)
+                out, done = _finish(out + host[2 : a + 2] + [host[k + 2 + a]], max_new_tokens, eos)
+                break
             verify_ids = torch.cat([bonus, drafts])
             logits, aux = verifier.forward(verify_ids, cache, seq_len)
             tick("verify")

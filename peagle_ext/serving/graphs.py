@@ -12,6 +12,9 @@ on the device, with no host sync, ending with one packed int tensor [a, verified
 that the host reads (the only device -> host copy of a round). With cuda_graph=True the engine
 captures round() once and replays it; otherwise (and on CPU) it runs round() eagerly, which is
 the same computation: the CPU tests check it against the general decoding loop token for token.
+The first round drafts from the whole prompt (its own shape, run eagerly); its verify half
+(`first_verify`: the verifier over bonus + K drafts, the acceptance, the next inputs) has the
+fixed shape and replays a graph of its own, so no eager verifier forward is left after prefill.
 
 GreedyEngine is the same for plain greedy decoding (one token per step), so that the baseline
 decoding is timed with the same verifier forward and the same graph replay.
@@ -78,9 +81,16 @@ class RoundEngine:
         for t in self.batch.as_tuple():
             t.zero_()
         self._arange = torch.arange(k + 1, dtype=torch.int64, device=dev)
+        self.drafts = torch.zeros(k, dtype=torch.int64, device=dev)
         self.out = torch.zeros(1 + 2 * (k + 1), dtype=torch.int64, device=dev)
         self._draft_cache = drafter.kv_cache_ptr
         self.graph = _capture(self.round, dev) if cuda_graph else None
+        # the first round drafts from the whole prompt (a shape of its own, run eagerly); its verify
+        # forward has the fixed K + 1 tokens of every round and replays a graph of its own
+        # (its warm-up runs start again from position K + 1: the two captures' warm-ups together
+        # would run past a small capacity)
+        self.seq_len.fill_(k + 1)
+        self.verify_graph = _capture(self.verify, dev) if cuda_graph else None
 
     def check(self):
         """The drafter's KV cache must be the one this engine was built on (a larger reset()
@@ -93,7 +103,7 @@ class RoundEngine:
 
     def round(self):
         """One round on the engine's buffers (module docstring)."""
-        k, v, dr = self.k, self.verifier, self.drafter
+        k, dr = self.k, self.drafter
         hidden = dr.combine_hidden(self.aux).to(self._mask_hidden.dtype)
         batch = prepare_parallel_draft_inputs(
             self.tgt_ids,
@@ -110,7 +120,14 @@ class RoundEngine:
             max_model_len=self.capacity,
             out=self.batch,
         )
-        drafts = dr.propose_static(batch, k)
+        self.drafts.copy_(dr.propose_static(batch, k))
+        self.verify()
+
+    def verify(self):
+        """The verifier half of a round: bonus + self.drafts through the verifier at seq_len, the
+        accepted count, and the next round's inputs."""
+        k, v = self.k, self.verifier
+        drafts = self.drafts
         verify_ids = torch.cat([self.bonus.long(), drafts])
         pos = self.seq_len + self._arange
         logits, aux = v.forward_static(verify_ids, pos, self.cache)
@@ -133,6 +150,19 @@ class RoundEngine:
         self.bonus.copy_(bonus.reshape(1))
         self.n_rej.fill_(int(n_rej))
         self.seq_len.fill_(int(seq_len) + self.k + 1 - int(n_rej))
+
+    def first_verify(self, drafts, bonus, seq_len: int) -> list[int]:
+        """The verify half of the first round, whose drafts came from the eager draft forward over
+        the prompt: bonus at position seq_len, then the K drafts. Leaves the engine ready for
+        step(); returns what step() returns."""
+        self.drafts.copy_(drafts.reshape(-1))
+        self.bonus.copy_(bonus.reshape(1))
+        self.seq_len.fill_(int(seq_len))
+        if self.verify_graph is not None:
+            self.verify_graph.replay()
+        else:
+            self.verify()
+        return self.out.tolist()
 
     def step(self) -> list[int]:
         """Run one round; [accepted, verified ids (K+1), greedy ids (K+1)] on the host."""
