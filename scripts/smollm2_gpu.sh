@@ -4,8 +4,12 @@
 # own regenerated answers (`peagle datagen`), then `peagle eval` on MT-Bench (80) and HumanEval
 # (164) with --k-sweep 1..8, bf16, batch 1: one JSON + PNG per setting and bench.
 #
-#   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] PHASE...
+#   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE...
 #   phases: setup data datagen train eval consistency report | all (= every phase in this order)
+#           study: datagen beside the original-data training, then the regenerated-data settings
+#                  side by side, then consistency, eval and report (the arrangement measured fastest)
+#           wait:  follow a --detach run for up to WAIT_SECONDS and copy its results to $OUT
+#   --detach: run the phases in their own session and return at once (they outlast the command)
 #
 # Every phase is resumable: run the same command again and it continues where it stopped (a
 # finished phase is skipped). Time budgets (below) keep each phase inside a 10-minute device call.
@@ -42,10 +46,9 @@
 # outlast a call, and let each later call wait on them and copy $WORK/out and $WORK/eval back:
 #   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
-#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: DATAGEN_SECONDS=150 TRAIN_MINUTES=2.5
-#      SETTINGS=1:orig `... setup data datagen train`
-#   3. TRAIN_MINUTES=2 SETTINGS="1:regen 2:regen" `... train`, then `... eval report`
-#   4. (if time is left) `... consistency report`, and more training: a later call resumes it
+#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (joins the GGUF), then
+#      DATAGEN_SECONDS=130 TRAIN_MINUTES=7 MAX_STEPS=1200 `... --detach study` and `... wait`
+#   3. and later calls, back to back: `... wait` until it says the detached run has ended
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,22 +75,39 @@ EVAL_TOKENS=${EVAL_TOKENS:-128}
 EVAL_FULL=${EVAL_FULL:-"1:regen"}  # settings evaluated on both benches with the K sweep
 EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
+WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
 # ---------------------------------------------------------------------------------------------
 
 BUNDLE=""
 WORK=runs/smollm2_gpu
+DETACH=0
 phases=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE=$(cd "$2" && pwd); shift 2 ;;
     --work) WORK=$2; shift 2 ;;
+    --detach) DETACH=1; shift ;;
     all) phases+=(setup data datagen train eval consistency report); shift ;;
-    setup|data|datagen|train|eval|consistency|report) phases+=("$1"); shift ;;
-    *) echo "smollm2_gpu.sh: unknown argument $1 (phases: setup data datagen train eval consistency report all)" >&2; exit 2 ;;
+    setup|data|datagen|train|eval|consistency|report|study|wait) phases+=("$1"); shift ;;
+    *) echo "smollm2_gpu.sh: unknown argument $1 (phases: setup data datagen train eval consistency report study wait all)" >&2; exit 2 ;;
   esac
 done
-[ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] PHASE... | all" >&2; exit 2; }
+[ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE... | all" >&2; exit 2; }
+if [ "$DETACH" = 1 ]; then
+  # the phases go on in their own session after this command returns (and after the device call
+  # that ran it); `wait` later follows them and copies their results to that call's $OUT
+  mkdir -p "$WORK"
+  if [ -f "$WORK/detached.pid" ] && kill -0 "$(cat "$WORK/detached.pid")" 2> /dev/null; then
+    echo "smollm2_gpu.sh: a detached run is still going (pid $(cat "$WORK/detached.pid")); use the wait phase" >&2
+    exit 2
+  fi
+  OUT=$WORK/out setsid nohup bash "$0" ${BUNDLE:+--bundle "$BUNDLE"} --work "$WORK" "${phases[@]}" \
+    > "$WORK/detached.log" 2>&1 < /dev/null &
+  echo $! > "$WORK/detached.pid"
+  echo "detached: ${phases[*]} (pid $!, log $WORK/detached.log)"
+  exit 0
+fi
 OUT=${OUT:-$WORK/out}
 mkdir -p "$WORK" "$OUT"
 SUMMARY=$OUT/summary.txt
@@ -215,6 +235,7 @@ phase_eval() {
 }
 
 phase_consistency() {
+  mkdir -p "$WORK/eval"
   for s in $EVAL_FULL; do
     local dir=$WORK/train/L${s%%:*}-${s##*:} name=L${s%%:*}-${s##*:}
     [ -f "$WORK/eval/consistency_$name.json" ] && continue
@@ -254,6 +275,39 @@ for f in sorted(work.glob("train/*/log.jsonl")):
 print("\n".join(lines))
 EOF
   (cd "$WORK" && tar czf "$OUT/results.tgz" eval logs train/*/log.jsonl train/*/*.png 2>/dev/null || true)
+}
+
+phase_study() {
+  # the measured arrangement on one GPU: datagen beside the training on the original answers,
+  # then the regenerated-data settings side by side, then consistency, eval and report. Every
+  # setting trains to the same MAX_STEPS; the original-data one starts DATAGEN_SECONDS earlier
+  # and gets that much more time
+  local orig="" regen="" s
+  for s in $SETTINGS; do if [ "${s##*:}" = orig ]; then orig+=" $s"; else regen+=" $s"; fi; done
+  local extra
+  extra=$(python3 -c "print($TRAIN_MINUTES + $DATAGEN_SECONDS / 60)")
+  ( phase_datagen && SETTINGS=$regen TRAIN_PARALLEL=1 phase_train ) &
+  local gen=$!
+  if [ -n "$orig" ]; then
+    SETTINGS=$orig TRAIN_PARALLEL=1 TRAIN_MINUTES=$extra phase_train || note "study: training on$orig failed (logs/)"
+  fi
+  wait $gen || note "study: datagen or training on$regen failed (logs/)"
+  phase_consistency
+  phase_eval
+  phase_report
+}
+
+phase_wait() {
+  # follow a --detach run for at most WAIT_SECONDS, then bring its results here ($OUT)
+  local pid_file=$WORK/detached.pid t0=$SECONDS
+  [ -f "$pid_file" ] || { note "wait: no detached run in $WORK"; return 0; }
+  while kill -0 "$(cat "$pid_file")" 2> /dev/null && [ $((SECONDS - t0)) -lt "$WAIT_SECONDS" ]; do sleep 5; done
+  kill -0 "$(cat "$pid_file")" 2> /dev/null && note "wait: the detached run goes on" || note "wait: the detached run has ended"
+  if [ "$(cd "$OUT" && pwd)" != "$(cd "$WORK/out" 2> /dev/null && pwd)" ]; then
+    cp -r "$WORK/out/." "$OUT/" 2> /dev/null || true
+    (cd "$WORK" && tar czf "$OUT/results_so_far.tgz" detached.log eval logs train/*/log.jsonl train/*/*.png 2> /dev/null || true)
+  fi
+  tail -40 "$WORK/detached.log"
 }
 
 note "== smollm2_gpu.sh ${phases[*]} (work $WORK, bundle ${BUNDLE:-none}) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"

@@ -36,7 +36,7 @@ def bundle(tmp_path_factory):
     return b
 
 
-def _run(bundle, work, *phases):
+def _run(bundle, work, *phases, **env_extra):
     env = {
         **os.environ,
         "DEVICE": "cpu",
@@ -57,6 +57,7 @@ def _run(bundle, work, *phases):
         "DATAGEN_BATCH": "8",
         "EVAL_TOKENS": "6",
         "OUT": str(work / "out"),
+        **env_extra,
     }
     return subprocess.run(
         ["bash", "scripts/smollm2_gpu.sh", "--bundle", str(bundle), "--work", str(work), *phases],
@@ -99,6 +100,27 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     # bad phase: exit 2 and one line
     r = _run(bundle, work, "nope")
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
+
+
+def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle, tmp_path):
+    """`--detach study` returns at once and goes on in its own session (as training must outlast a
+    device call); a second --detach while it runs is refused; `wait` follows it to the end and
+    copies its results into the calling command's $OUT."""
+    work = tmp_path / "work"
+    assert _run(bundle, work, "setup", "data").returncode == 0
+    r = _run(bundle, work, "--detach", "study", DATAGEN_SECONDS="60", TRAIN_MINUTES="5")
+    assert r.returncode == 0 and "detached: study" in r.stdout, r.stderr[-2000:]
+    again = _run(bundle, work, "--detach", "study")
+    assert again.returncode == 2 and "still going" in again.stderr
+    out = tmp_path / "call_out"
+    out.mkdir()
+    r = _run(bundle, work, "wait", OUT=str(out), WAIT_SECONDS="900")
+    assert r.returncode == 0 and "the detached run has ended" in r.stdout, r.stdout[-3000:]
+    md = (out / "results.md").read_text()
+    assert "| L1-regen | mtbench |" in md and "| L1-orig | mtbench | 2 |" in md
+    assert (work / "eval" / "consistency_L1-regen.json").is_file()
+    with tarfile.open(out / "results_so_far.tgz") as t:
+        assert "detached.log" in t.getnames()
 
 
 def test_bundle_cut_keeps_the_first_tokens(tmp_path):

@@ -162,6 +162,7 @@ def main(argv=None) -> int:
         print(f"  {key:<22} {f(rep[key])}")
     print(f"  in_vocab (verifier's choice inside the draft vocab): {rep['in_vocab']:.3f}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rep, indent=1) + "\n")
         print(f"report: {args.json}")
     return 0
