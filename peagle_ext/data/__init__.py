@@ -32,7 +32,7 @@ from .conversations import (
     sharegpt_path,
 )
 from .gguf import convert_gguf_to_hf
-from .hidden_states import verifier_hidden_states
+from .hidden_states import verifier_hidden_states, verifier_hidden_states_many
 from .packing import pack_conversations
 from .records import DataError, PackedSequence, TrainingExample
 from .shift import eagle_shift
@@ -71,6 +71,7 @@ __all__ = [
     "normalize_messages",
     "sharegpt_path",
     "verifier_hidden_states",
+    "verifier_hidden_states_many",
     "pack_conversations",
     "eagle_shift",
     "iter_records",

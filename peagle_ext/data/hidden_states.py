@@ -1,4 +1,4 @@
-"""Verifier hidden states of a packed row: the aux layers' inputs and the last layer's output,
+"""Verifier hidden states of packed rows: the aux layers' inputs and the last layer's output,
 per document (documents never attend each other)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from .records import PackedSequence
 from .verifier import check_aux_layer_ids, decoder_parts
 
 
-def _batches_by_length(spans: list[tuple[int, int]], token_budget: int) -> list[list[tuple[int, int]]]:
+def _batches_by_length(spans: list[tuple], token_budget: int) -> list[list[tuple]]:
     """Group documents of similar length so that padding waste stays small: sort by length,
     then cut whenever (count * longest) would exceed the token budget."""
     order = sorted(spans, key=lambda s: s[1] - s[0], reverse=True)
-    batches: list[list[tuple[int, int]]] = []
-    cur: list[tuple[int, int]] = []
+    batches: list[list[tuple]] = []
+    cur: list[tuple] = []
     for s in order:
         longest = (cur[0][1] - cur[0][0]) if cur else (s[1] - s[0])
         if cur and (len(cur) + 1) * longest > token_budget:
@@ -54,19 +54,40 @@ def verifier_hidden_states(
     """
     if not isinstance(packed, PackedSequence):
         raise TypeError(f"packed must be a PackedSequence, got {type(packed).__name__}")
+    return verifier_hidden_states_many(verifier, [packed], aux_layer_ids, token_budget=token_budget)[0]
+
+
+@torch.no_grad()
+def verifier_hidden_states_many(
+    verifier, rows: list[PackedSequence], aux_layer_ids, *, token_budget: int | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """verifier_hidden_states of several rows, their documents batched together: one forward
+    serves documents of every row (on a GPU an eager verifier forward costs about the same for
+    one document as for a batch of them, so a training step's rows in one pass instead of one
+    pass or more per row). token_budget: max tokens (documents * longest) per forward; default
+    max(longest row, 4096), which for one row batches exactly as verifier_hidden_states always
+    has. The values agree with one row at a time to float rounding (other batch shapes)."""
+    for r in rows:
+        if not isinstance(r, PackedSequence):
+            raise TypeError(f"rows must be PackedSequences, got {type(r).__name__}")
     base, layers, norm = decoder_parts(verifier)
     L = len(layers)
     ids = check_aux_layer_ids(aux_layer_ids, L)
     param = next(verifier.parameters())
     device, dtype = param.device, param.dtype
     H = int(verifier.config.hidden_size)
-    N = len(packed)
-    aux = torch.zeros(N, len(ids) * H, dtype=dtype, device=device)
-    last = torch.zeros(N, H, dtype=dtype, device=device)
-    spans = packed.document_spans()
+    outs = [
+        (
+            torch.zeros(len(r), len(ids) * H, dtype=dtype, device=device),
+            torch.zeros(len(r), H, dtype=dtype, device=device),
+        )
+        for r in rows
+    ]
+    # (start, end, row): every document of every row; _batches_by_length reads the span's length
+    spans = [(s, e, j) for j, r in enumerate(rows) for s, e in r.document_spans()]
     if not spans:
-        return aux, last
-    budget = token_budget or max(N, 4096)
+        return outs
+    budget = token_budget or max(max(len(r) for r in rows), 4096)
 
     captured: dict[int, torch.Tensor] = {}
 
@@ -81,23 +102,24 @@ def verifier_hidden_states(
     wanted = sorted(set(i for i in ids if i < L))
     handles = [layers[k].register_forward_pre_hook(capture_input(k), with_kwargs=True) for k in wanted]
     handles.append(norm.register_forward_pre_hook(capture_input(L), with_kwargs=True))
-    input_ids = packed.input_ids.to(device)
+    input_ids = [r.input_ids.to(device) for r in rows]
     try:
         for batch in _batches_by_length(spans, budget):
-            longest = max(e - s for s, e in batch)
+            longest = max(e - s for s, e, _ in batch)
             x = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
             am = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
-            for b, (s, e) in enumerate(batch):
-                x[b, : e - s] = input_ids[s:e]
+            for b, (s, e, j) in enumerate(batch):
+                x[b, : e - s] = input_ids[j][s:e]
                 am[b, : e - s] = 1
             captured.clear()
             base(input_ids=x, attention_mask=am, use_cache=False)
-            for b, (s, e) in enumerate(batch):
+            for b, (s, e, j) in enumerate(batch):
                 n = e - s
-                for j, k in enumerate(ids):
-                    aux[s:e, j * H : (j + 1) * H] = captured[k][b, :n]
+                aux, last = outs[j]
+                for jj, k in enumerate(ids):
+                    aux[s:e, jj * H : (jj + 1) * H] = captured[k][b, :n]
                 last[s:e] = captured[L][b, :n]
     finally:
         for h in handles:
             h.remove()
-    return aux, last
+    return outs

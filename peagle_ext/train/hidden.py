@@ -40,6 +40,18 @@ class HiddenStates:
         ex = D.eagle_shift(self.rows[i], aux, last)
         return ex.to("cpu", self.store_dtype) if self.cache else ex
 
+    def get_many(self, indices: list[int]) -> list:
+        """get() of several rows. Recomputed states (no cache, no disk) come from one batched
+        verifier pass over all their documents (data.verifier_hidden_states_many): a training
+        step's rows cost about one eager verifier forward on a GPU, not one or more per row. They
+        agree with row-by-row states to float rounding."""
+        if self.cache or self.disk is not None or len(indices) < 2:
+            return [self.get(i) for i in indices]
+        rows = [self.rows[i] for i in indices]
+        budget = max(sum(len(r) for r in rows), 4096)
+        states = D.verifier_hidden_states_many(self.verifier, rows, self.aux, token_budget=budget)
+        return [D.eagle_shift(r, aux, last) for r, (aux, last) in zip(rows, states)]
+
     def get(self, i: int):
         if self.cache:
             if self._producer is not None:

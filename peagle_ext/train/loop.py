@@ -291,7 +291,7 @@ def _train(
                 cursor += 1
             micro = [picked[i * s.batch_size : (i + 1) * s.batch_size] for i in range(n_units)]
             mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
-            examples = [concat_examples([train_h.get(i) for i in micro[g]]).to(device) for g in mine]
+            examples = [concat_examples(train_h.get_many(micro[g])).to(device) for g in mine]
             layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
             weights = [
                 float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())

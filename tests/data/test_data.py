@@ -432,6 +432,50 @@ def test_verifier_hidden_states_edge_cases():
         D.verifier_hidden_states(model, (one.input_ids,), [1])
 
 
+def test_verifier_hidden_states_of_many_rows_equal_each_row_alone(rng):
+    """Documents of several rows batched together (one forward for a training step's rows) give
+    each row's states as computing it alone, to float rounding (float64 here), including an
+    empty row and a row whose documents end up in batches with other rows' documents."""
+    model = _tiny_model("llama", 300).double()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 5, 1, 40), 120, pad_token_id=0)[0] for _ in range(3)]
+    empty = D.PackedSequence(
+        torch.zeros(50, dtype=torch.long), torch.full((50,), -1, dtype=torch.int32), torch.zeros(50, dtype=torch.bool)
+    )
+    rows.insert(1, empty)
+    ids = [0, 2, model.config.num_hidden_layers]
+    for budget in (None, 200, 4096):
+        many = D.verifier_hidden_states_many(model, rows, ids, token_budget=budget)
+        assert len(many) == len(rows)
+        for r, (aux, last) in zip(rows, many):
+            a1, l1 = D.verifier_hidden_states(model, r, ids)
+            torch.testing.assert_close(aux, a1, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(last, l1, rtol=1e-12, atol=1e-12)
+    assert D.verifier_hidden_states_many(model, [empty], ids)[0][0].shape == (50, 3 * model.config.hidden_size)
+    with pytest.raises(TypeError, match="PackedSequence"):
+        D.verifier_hidden_states_many(model, [rows[0], "row"], ids)
+
+
+def test_recomputed_hidden_states_of_a_step_come_from_one_batched_pass(rng, monkeypatch):
+    """HiddenStates.get_many without a cache: one batched verifier pass for all the rows, and the
+    same examples as get() row by row (to float rounding)."""
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300).double()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(4)]
+    ids = [1, 2, 3]
+    hs = HiddenStates(model, ids, rows, cache=False, store_dtype=torch.float64, device=torch.device("cpu"))
+    calls = []
+    real = D.verifier_hidden_states_many
+    monkeypatch.setattr(D, "verifier_hidden_states_many", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = hs.get_many([2, 0, 3])
+    assert len(calls) == 1
+    for i, ex in zip([2, 0, 3], got):
+        want = hs.get(i)
+        assert torch.equal(ex.input_ids, want.input_ids) and torch.equal(ex.document_ids, want.document_ids)
+        torch.testing.assert_close(ex.hidden, want.hidden, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ex.last_hidden, want.last_hidden, rtol=1e-12, atol=1e-12)
+
+
 def test_default_aux_layer_ids():
     assert D.default_aux_layer_ids(30) == [2, 15, 27]
     assert D.default_aux_layer_ids(5) == [2, 2, 2]
