@@ -163,7 +163,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hidden-cache-gb",
         type=float,
-        help=f"keep verifier hidden states in memory up to this. Default {d.hidden_cache_gb}",
+        help=f"keep verifier hidden states in memory up to this; beyond it they are recomputed every "
+        f"step, one batched verifier pass for the step's rows. Default {d.hidden_cache_gb}",
     )
     g.add_argument(
         "--hidden-cache-dir",
