@@ -30,8 +30,9 @@
 #                        and a later call continues it)
 #   train        TRAIN_MINUTES per setting and call. Before the first step the trainer renders and
 #                        tokenizes the data with the chat template (forked over the cores: 36 s from
-#                        start to the first step, verifier load included). Measured with batch 8 x 2048 and three
-#                        settings side by side (TRAIN_PARALLEL=1): ~0.35 s a step and 45-50K
+#                        start to the first step, verifier load included). Measured with batch
+#                        8 x 2048 and three settings side by side (TRAIN_PARALLEL=1), before the
+#                        verifier's states were batched over a step's rows: ~0.35 s a step and 45-50K
 #                        tokens/s per setting (an epoch of the 22M-token ShareGPT rows is ~8 min
 #                        alone); set MAX_STEPS to what the minutes reach, so the cosine schedule ends
 #   eval         ~200 s for the full setting (EVAL_FULL: both benches, K sweep 1..8, 128 new tokens),
@@ -42,8 +43,7 @@
 #
 # On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
 # bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
-# machine; run the phases after setup under `setsid nohup bash -c '...' &` so that training and eval
-# outlast a call, and let each later call wait on them and copy $WORK/out and $WORK/eval back:
+# machine; the long phases run with --detach (they outlast a call) and `wait` follows them:
 #   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
 #   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (joins the GGUF), then
