@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.cod import CodLayout
-from .layers import DraftLayer, apply_rope, autocast_input, rms_norm, rope_to
+from .layers import DraftLayer, autocast_input, rms_norm, rope_to
 from .partition import partitioned_forward_backward
 from .rows import LayerZeroRows, gather_distinct_rows, weighted_rows
 
@@ -151,16 +151,12 @@ class TrainingForward:
             a_in = autocast_input(a_in)
             q = layer.self_attn.q(a_in) if want_q else None
             k, v = layer.self_attn.kv(a_in)
-        if k.is_cuda:  # fused, in fp32, written in the attention's dtype (layers.rope_to)
-            dt = self.compute_dtype(k)
-            k = rope_to(k, tok.cos, tok.sin, dt)
-            if q is not None:
-                q = rope_to(q, tok.cos, tok.sin, dt)
-            return q, k, v, res
-        cos, sin = tok.cos.to(k.dtype), tok.sin.to(k.dtype)
-        k = apply_rope(k, cos, sin)
+        # in fp32 (float64 stays float64), written in the attention's dtype; one fused kernel
+        # each way on the GPU (layers.rope_to)
+        dt = self.compute_dtype(k)
+        k = rope_to(k, tok.cos, tok.sin, dt)
         if q is not None:
-            q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+            q = rope_to(q, tok.cos, tok.sin, dt)
         return q, k, v, res
 
     def run_layers(self, tok: PassTokens, l0, contexts=None, *, collect_kv=False, last_full=True, keep=None):
