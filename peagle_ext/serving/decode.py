@@ -221,6 +221,12 @@ def speculative_generate(
     clock = dict.fromkeys(PROFILE_PARTS, 0.0)
     mark = [t0]
 
+    def take(host, out):
+        """An engine's packed round [a, verified ids, greedy ids]: record a, append the tokens."""
+        a = host[0]
+        accepted.append(a)
+        return _finish(out + host[2 : a + 2] + [host[k + 2 + a]], max_new_tokens, eos)
+
     def tick(part):
         if profile:
             _sync(dev)
@@ -264,10 +270,7 @@ def speculative_generate(
             if engine is not None and not profile:
                 # the verify half on the engine (its graph): the same computation, and the
                 # engine holds the next round's inputs afterwards
-                host = engine.first_verify(drafts, bonus, seq_len)
-                a = host[0]
-                accepted.append(a)
-                out, done = _finish(out + host[2 : a + 2] + [host[k + 2 + a]], max_new_tokens, eos)
+                out, done = take(engine.first_verify(drafts, bonus, seq_len), out)
                 break
             verify_ids = torch.cat([bonus, drafts])
             logits, aux = verifier.forward(verify_ids, cache, seq_len)
@@ -292,10 +295,7 @@ def speculative_generate(
                 engine.begin(verify_ids, seq_len, aux, bonus, n_rej)
             seq_len += 1 + a
         while not done:  # engine rounds
-            host = engine.step()
-            a = host[0]
-            accepted.append(a)
-            out, done = _finish(out + host[2 : a + 2] + [host[k + 2 + a]], max_new_tokens, eos)
+            out, done = take(engine.step(), out)
             tick("engine_round")
     _sync(dev)
     prof = None
