@@ -28,18 +28,21 @@
 #                        8,836 new tokens/s beside a training (6,656 conversations in 137 s; batch 256:
 #                        4,354), so all ~17K conversations take ~5 min (the file is usable at any point
 #                        and a later call continues it)
-#   train        TRAIN_MINUTES per setting and call. Before the first step the trainer renders and
-#                        tokenizes the data with the chat template (forked over the cores: 36 s from
-#                        start to the first step, verifier load included). Measured with batch
-#                        8 x 2048 and three settings side by side (TRAIN_PARALLEL=1), before the
-#                        verifier's states were batched over a step's rows: ~0.35 s a step and 45-50K
-#                        tokens/s per setting (an epoch of the 22M-token ShareGPT rows is ~8 min
-#                        alone); set MAX_STEPS to what the minutes reach, so the cosine schedule ends
-#   eval         ~200 s for the full setting (EVAL_FULL: both benches, K sweep 1..8, 128 new tokens),
-#                        ~30 s for each other setting (MT-Bench, K=EVAL_K only): estimates
+#   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
+#                        Before the first step the trainer renders and tokenizes the data with the chat
+#                        template (forked over the cores: 36 s from start to the first step, verifier
+#                        load included). Measured with batch 8 x 2048 and three settings side by side
+#                        (TRAIN_PARALLEL=1), before the verifier's states were batched over a step's
+#                        rows: ~0.35 s a step and 45-50K tokens/s per setting (an epoch of the 22M-token
+#                        ShareGPT rows is ~8 min alone)
+#   eval         estimates from the measured 247 (K=4) and 288 (greedy) tokens/s at 128 new tokens:
+#                        ~35 s for each K of MT-Bench (80 prompts) and ~75 s for each K of HumanEval
+#                        (164), the greedy baseline counted as one K: the full setting (EVAL_FULL, K
+#                        sweep 1..8 on MT-Bench) ~5.5 min, + ~2.5 min for HumanEval at one K
+#                        (EVAL_HE_SWEEP=), ~11 min for its sweep; each other setting ~80 s
 #   consistency  ~60 s   tools/consistency.py on 60 held-out conversations (estimate)
-# A useful study needs ~25 min of GPU: setup + data 2 min, datagen 5 min, three settings side
-# by side for 12 min, eval and consistency 5 min.
+# A useful study needs ~25 min of GPU: setup + data 2 min, datagen beside the first training
+# 2.5 min, three settings side by side for 6.5 min, eval and consistency 12 min.
 #
 # On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
 # bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
@@ -47,7 +50,7 @@
 #   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
 #   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (joins the GGUF), then
-#      DATAGEN_SECONDS=130 TRAIN_MINUTES=7 MAX_STEPS=1200 `... --detach study` and `... wait`
+#      DATAGEN_SECONDS=150 TRAIN_MINUTES=6.5 EVAL_HE_SWEEP= `... --detach study` and `... wait`
 #   3. and later calls, back to back: `... wait` until it says the detached run has ended
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,11 +62,14 @@ SETTINGS=${SETTINGS:-"1:orig 1:regen 2:regen"}   # layers:data, data = orig (Sha
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-4}
 LR=${LR:-1e-3}
-MAX_STEPS=${MAX_STEPS:-2000}        # the cosine schedule's length; TRAIN_MINUTES may end it sooner
+MAX_STEPS=${MAX_STEPS:-20000}       # the most steps; with TIME_SCHEDULE=1 TRAIN_MINUTES usually ends it
 WARMUP=${WARMUP:-100}
 VAL_EVERY=${VAL_EVERY:-250}
 PATIENCE=${PATIENCE:-3}            # validation evaluations without a 0.2% better loss -> stop
-TRAIN_MINUTES=${TRAIN_MINUTES:-3}  # per setting and call; a later call resumes
+TRAIN_MINUTES=${TRAIN_MINUTES:-7}  # per setting
+TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINUTES, however fast the steps
+                                   # (train --time-schedule) and the run ends there; 0: it decays over
+                                   # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
 VAL_FRACTION=${VAL_FRACTION:-0.02}  # of the training conversations: the validation split
 HOLDOUT=${HOLDOUT:-200}            # last conversations kept out of training (consistency phase)
@@ -74,6 +80,7 @@ DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 EVAL_FULL=${EVAL_FULL:-"1:regen"}  # settings evaluated on both benches with the K sweep
 EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
+EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
@@ -169,11 +176,12 @@ phase_datagen() {
     --batch-size "$DATAGEN_BATCH" --time-budget "$DATAGEN_SECONDS" --no-progress "${n[@]}" | tee -a "$SUMMARY"
 }
 
-train_done() {  # final/ written by a run that was not stopped by its time budget
-  [ -f "$1/final/config.json" ] && python3 - "$1/log.jsonl" <<'EOF'
+train_done() {  # final/ written by a run that was not stopped by its time budget (or ran on the clock)
+  [ -f "$1/final/config.json" ] && python3 - "$1/log.jsonl" "$TIME_SCHEDULE" <<'EOF'
 import json, sys
 done = [json.loads(x) for x in open(sys.argv[1]) if '"event": "done"' in x]
-sys.exit(0 if done and "--max-minutes" not in (done[-1].get("stop_reason") or "") else 1)
+on_clock = sys.argv[2] == "1"
+sys.exit(0 if done and (on_clock or "--max-minutes" not in (done[-1].get("stop_reason") or "")) else 1)
 EOF
 }
 
@@ -190,7 +198,8 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
     --num-conversations none --seq-len "$SEQ" --num-depths "$K" --num-layers "$layers" \
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
-    --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --no-progress "${resume[@]}" \
+    --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
+    --no-progress "${resume[@]}" \
     > "$WORK/logs/train_L${layers}-${data}.log" 2>&1 || rc=$?
   tail -12 "$WORK/logs/train_L${layers}-${data}.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"
   return $rc
@@ -231,7 +240,10 @@ phase_eval() {
     [[ " $EVAL_FULL " == *" $s "* ]] && continue
     eval_one "$s" mtbench --num-spec-tokens "$EVAL_K"
   done
-  for s in $EVAL_FULL; do eval_one "$s" humaneval --num-spec-tokens "$K" --k-sweep "1..$K"; done
+  for s in $EVAL_FULL; do
+    if [ -n "$EVAL_HE_SWEEP" ]; then eval_one "$s" humaneval --num-spec-tokens "$K" --k-sweep "$EVAL_HE_SWEEP"
+    else eval_one "$s" humaneval --num-spec-tokens "$EVAL_K"; fi
+  done
 }
 
 phase_consistency() {
@@ -280,7 +292,7 @@ EOF
 phase_study() {
   # the measured arrangement on one GPU: datagen beside the training on the original answers,
   # then the regenerated-data settings side by side, then consistency, eval and report. Every
-  # setting trains to the same MAX_STEPS; the original-data one starts DATAGEN_SECONDS earlier
+  # setting trains for TRAIN_MINUTES; the original-data one starts DATAGEN_SECONDS earlier
   # and gets that much more time
   local orig="" regen="" s
   for s in $SETTINGS; do if [ "${s##*:}" = orig ]; then orig+=" $s"; else regen+=" $s"; fi; done

@@ -119,6 +119,8 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     md = (out / "results.md").read_text()
     assert "| L1-regen | mtbench |" in md and "| L1-orig | mtbench | 2 |" in md
     assert (work / "eval" / "consistency_L1-regen.json").is_file()
+    start = json.loads((work / "train" / "L1-regen" / "log.jsonl").read_text().splitlines()[0])
+    assert start["settings"]["time_schedule"] and start["settings"]["max_minutes"] == 5
     with tarfile.open(out / "results_so_far.tgz") as t:
         assert "detached.log" in t.getnames()
 

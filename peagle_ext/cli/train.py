@@ -136,6 +136,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_opt_float,
         help="wall-clock budget: stop there, saving final/ (none = off)",
     )
+    g.add_argument(
+        "--time-schedule",
+        type=_bool,
+        help="the schedule's progress is the larger of the steps' and --max-minutes' share, so a run the "
+        "clock stops ends with its learning rate decayed. Default false",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--device", help=f"cpu | cuda. Default {d.device}")
     g.add_argument(

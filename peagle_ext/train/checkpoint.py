@@ -342,6 +342,11 @@ def check_trainer_state(st, ck: Path):
         isinstance(ga, int) and isinstance(ws, int) and ga >= 1 and ws >= 1, "grad_accum / world_size must be ints >= 1"
     )
     need(isinstance(st.get("scheduler"), dict), "scheduler must be a mapping")
+    sp = st.get("schedule_progress", 0.0)
+    need(
+        isinstance(sp, (int, float)) and not isinstance(sp, bool) and 0.0 <= sp <= 1.0,
+        f"schedule_progress must be a number in [0, 1], got {sp!r}",
+    )
     need(st.get("optimizer") is None or isinstance(st.get("optimizer"), dict), "optimizer must be a mapping")
     rng = st.get("rng")
     need(isinstance(rng, dict), "rng must be a mapping")

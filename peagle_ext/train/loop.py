@@ -230,7 +230,9 @@ def _train(
     ctx.wrap(model, amp)  # DDP / FSDP2 under torchrun; nothing in one process
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_adamw(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
+    progress = float(ck.get("schedule_progress", 0.0)) if resume_from is not None else 0.0
+    schedule = lr_lambda(s, minutes=lambda: (time.time() - t_start) / 60.0, progress=progress)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0
     if resume_from is not None:
@@ -407,6 +409,7 @@ def _train(
                         "cursor": cursor,
                         "settings": dataclasses.asdict(s),
                         "skipped_steps": skipped,
+                        "schedule_progress": schedule.progress(),
                         "inputs": inputs,
                     },
                     s.keep_checkpoints,

@@ -19,7 +19,15 @@ def make_adamw(params, *, lr: float, betas: tuple[float, float], weight_decay: f
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
 
 
-def lr_lambda(s: TrainSettings):
+def lr_lambda(s: TrainSettings, minutes=None, progress: float = 0.0):
+    """The learning-rate factor of a step: a linear warmup over `warmup_steps`, then the schedule's
+    shape over progress t in [0, 1], t = the step's share of the steps after warmup. With
+    `s.time_schedule`, t is also the clock's share of `s.max_minutes` (`minutes()`: minutes the
+    budget has run), whichever is further, and never below `progress` nor below any t it has
+    returned: a run that the time budget stops ends with its rate decayed however fast its steps
+    turn out, and a resumed run goes on from the progress it had. `f.progress()` is that t."""
+    state = {"t": float(progress)}
+
     def f(step: int) -> float:
         if s.warmup_steps and step < s.warmup_steps:
             return (step + 1) / s.warmup_steps
@@ -27,7 +35,11 @@ def lr_lambda(s: TrainSettings):
             return 1.0
         span = max(1, s.max_steps - s.warmup_steps)
         t = min(1.0, (step - s.warmup_steps) / span)
+        if s.time_schedule and minutes is not None:
+            t = max(t, min(1.0, minutes() / s.max_minutes), state["t"])
+            state["t"] = t
         shape = 0.5 * (1 + math.cos(math.pi * t)) if s.schedule == "cosine" else 1.0 - t
         return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
 
+    f.progress = lambda: state["t"]
     return f

@@ -68,6 +68,8 @@ class TrainSettings:
     early_stop_patience: int | None = None
     early_stop_min_delta: float = 0.002
     max_minutes: float | None = None
+    # the schedule also runs on the clock: it ends decayed when max_minutes does (train/optim.py)
+    time_schedule: bool = False
     # bookkeeping
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16
@@ -164,6 +166,7 @@ class TrainSettings:
         need(self.early_stop_patience is None or self.early_stop_patience >= 1, "--early-stop-patience must be >= 1")
         need(0 <= self.early_stop_min_delta < 1, "--early-stop-min-delta must be in [0, 1)")
         need(self.max_minutes is None or self.max_minutes > 0, "--max-minutes must be > 0")
+        need(not self.time_schedule or self.max_minutes is not None, "--time-schedule needs --max-minutes")
         need(self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1")
         need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size must be >= 1")
         need(self.epochs is None or self.epochs > 0, f"--epochs must be > 0, got {self.epochs}")

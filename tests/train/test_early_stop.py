@@ -7,6 +7,7 @@ import json
 import pytest
 
 from peagle_ext.train import train
+from peagle_ext.train.checkpoint import check_trainer_state, read_trainer_state
 from peagle_ext.train.early_stop import StopRule
 from peagle_ext.train.settings import TrainError
 from tests.helpers import train_settings
@@ -56,3 +57,22 @@ def test_bad_stop_settings(tiny, tmp_path):
     ):
         with pytest.raises(TrainError, match=flag):
             _settings(tiny, tmp_path / "x", **kw).validate()
+
+
+def test_time_schedule_ends_decayed_when_the_clock_stops_the_run(tiny, tmp_path):
+    # 10**6 steps would keep the rate near its peak; the clock's share of the budget decays it
+    kw = dict(max_steps=10**6, max_minutes=0.1, time_schedule=True, val_every=10**6, checkpoint_every=10**6)
+    r = train(_settings(tiny, tmp_path / "run", log_every=1, **kw))
+    assert "--max-minutes" in r.stop_reason and r.steps >= 3
+    lrs = [e["lr"] for e in map(json.loads, (tmp_path / "run" / "log.jsonl").read_text().splitlines()) if "lr" in e]
+    s = _settings(tiny, tmp_path / "run")
+    assert all(a >= b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 0.25 * s.lr
+    ck = read_trainer_state(tmp_path / "run" / f"checkpoint-{r.steps}")
+    assert ck["schedule_progress"] > 0.9
+    with pytest.raises(ValueError, match="schedule_progress must be a number in"):
+        check_trainer_state({**ck, "schedule_progress": 1.5}, tmp_path / "run")
+    # a resume goes on from that progress (its own clock starts at 0): the rate stays decayed
+    train(_settings(tiny, tmp_path / "run", resume=True, log_every=1, **kw), stop_after=2)
+    recs = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    after = [e["lr"] for e in recs if "lr" in e and e["step"] > r.steps]
+    assert len(after) == 2 and max(after) <= lrs[-1]
