@@ -286,14 +286,31 @@ def test_lr_schedule_shapes():
 
 
 @requires_cuda
-def test_train_on_cuda_smoke(tiny, tmp_path):
-    """The same trainer on the GPU: bf16 autocast, fp32 master weights, finite loss, a final dir."""
+@pytest.mark.parametrize("hidden_cache_gb", [4.0, 0.0])
+def test_train_on_cuda_smoke(tiny, tmp_path, hidden_cache_gb):
+    """The same trainer on the GPU (head dim 64, as the CUDA attention needs): bf16 autocast, fp32
+    master weights, finite loss, validations, a final dir; with the verifier's states cached and
+    recomputed every step (a step's rows in one batched pass, validation rows one by one)."""
+    from peagle_ext.testing import make_tiny_verifier
     from peagle_ext.train import train
 
+    v = make_tiny_verifier(tmp_path / "v128", hidden=128, heads=2)
     r = train(
-        settings(tiny, tmp_path / "gpu", device="cuda", dtype="auto", max_steps=4, seq_partition=2, attention="cross")
+        settings(
+            (v, tiny[1]),
+            tmp_path / "gpu",
+            device="cuda",
+            dtype="auto",
+            max_steps=4,
+            seq_partition=2,
+            attention="cross",
+            batch_size=2,
+            val_fraction=0.2,
+            val_every=2,
+            hidden_cache_gb=hidden_cache_gb,
+        )
     )
-    assert r.final_dir is not None and r.skipped_steps == 0
+    assert r.final_dir is not None and r.skipped_steps == 0 and r.val is not None
     w = _weights(r.final_dir)
     assert w["fc.weight"].dtype == torch.float32 and all(
         torch.isfinite(t).all() for t in w.values() if t.is_floating_point()
