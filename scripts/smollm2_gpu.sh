@@ -71,6 +71,12 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # (train --time-schedule) and the run ends there; 0: it decays over
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
+TRAIN_GRACE=${TRAIN_GRACE:-420}    # s past TRAIN_MINUTES (start-up, last validation, final save) after
+                                   # which a training counts as stuck: SIGUSR1 prints its stacks into
+                                   # its log, KILL_AFTER s later it is killed, and the phases after it
+                                   # run (eval takes its newest checkpoint)
+EVAL_TIMEOUT=${EVAL_TIMEOUT:-1200}  # s, the same for one `peagle eval`
+KILL_AFTER=${KILL_AFTER:-60}
 VAL_FRACTION=${VAL_FRACTION:-0.02}  # of the training conversations: the validation split
 HOLDOUT=${HOLDOUT:-200}            # last conversations kept out of training (consistency phase)
 DATAGEN_TOKENS=${DATAGEN_TOKENS:-256}
@@ -194,7 +200,9 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   ls -d "$dir"/checkpoint-* > /dev/null 2>&1 && resume=(--resume)
   note "train $s: $([ ${#resume[@]} -gt 0 ] && echo resuming || echo starting) on $file"
   mkdir -p "$WORK/logs"
-  timed $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
+  local limit
+  limit=$(python3 -c "print(int($TRAIN_MINUTES * 60 + $TRAIN_GRACE))")
+  timed timeout -s USR1 -k "$KILL_AFTER" "$limit" $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
     --num-conversations none --seq-len "$SEQ" --num-depths "$K" --num-layers "$layers" \
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
@@ -219,14 +227,20 @@ phase_train() {
 eval_one() {  # setting bench K-args...
   local s=$1 bench=$2; shift 2
   local dir=$WORK/train/L${s%%:*}-${s##*:} name=L${s%%:*}-${s##*:}_$bench
-  local src=$BENCH_MT n=80
+  local src=$BENCH_MT n=80 draft
   [ "$bench" = humaneval ] && src=$BENCH_HE n=164
   [ -f "$WORK/eval/$name.json" ] && { note "eval $name: done"; return; }
-  [ -f "$dir/final/config.json" ] || { note "eval $name: no drafter yet ($dir/final)"; return; }
+  draft=$dir/final
+  if [ ! -f "$draft/config.json" ]; then  # a training that was stopped: its newest checkpoint
+    draft=$(ls -d "$dir"/checkpoint-[0-9]* 2> /dev/null | sort -t- -k2 -n | tail -1)
+    [ -n "$draft" ] || { note "eval $name: no drafter yet ($dir/final)"; return; }
+    note "eval $name: no final/, evaluating $draft"
+  fi
   mkdir -p "$WORK/eval"
-  timed $PEAGLE eval --verifier "$VERIFIER" --draft "$dir/final" --bench "$src" --num-prompts "$n" \
-    --max-new-tokens "$EVAL_TOKENS" --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs "$CUDA_GRAPHS" --quiet \
-    --profile "$@" --json "$WORK/eval/$name.tmp.json" | tail -25 | tee -a "$SUMMARY"
+  { timed timeout -s USR1 -k "$KILL_AFTER" "$EVAL_TIMEOUT" $PEAGLE eval --verifier "$VERIFIER" --draft "$draft" --bench "$src" \
+    --num-prompts "$n" --max-new-tokens "$EVAL_TOKENS" --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs "$CUDA_GRAPHS" \
+    --quiet --profile "$@" --json "$WORK/eval/$name.tmp.json" || true; } 2>&1 | tail -25 | tee -a "$SUMMARY"
+  [ -f "$WORK/eval/$name.tmp.json" ] || { note "eval $name: failed (no report; the lines above say why)"; return 0; }
   mv "$WORK/eval/$name.tmp.json" "$WORK/eval/$name.json"
   [ -f "$WORK/eval/$name.tmp_k_sweep.png" ] && mv "$WORK/eval/$name.tmp_k_sweep.png" "$WORK/eval/${name}_k_sweep.png"
   return 0

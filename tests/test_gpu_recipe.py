@@ -125,6 +125,23 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
         assert "detached.log" in t.getnames()
 
 
+def test_a_stuck_training_is_stopped_with_its_stacks_logged_and_its_checkpoint_evaluated(bundle, tmp_path):
+    """A training still running TRAIN_GRACE s past its minutes (here: held by the trainer's test
+    hook after step 2) gets SIGUSR1, which puts its Python stacks into its log, and is killed
+    KILL_AFTER s later; eval then takes its newest checkpoint."""
+    work = tmp_path / "work"
+    assert _run(bundle, work, "setup", "data").returncode == 0
+    stuck = dict(SETTINGS="1:orig", EVAL_FULL="1:orig", EVAL_HE_SWEEP="", TRAIN_MINUTES="1", TRAIN_GRACE="-40")
+    r = _run(bundle, work, "train", KILL_AFTER="3", PEAGLE_TEST_PAUSE=f"step:2:{tmp_path / 'held'}", **stuck)
+    assert r.returncode != 0 and (tmp_path / "held").is_file()
+    log = (work / "logs" / "train_L1-orig.log").read_text()
+    assert "in test_pause" in log and "Thread 0x" in log, log[-3000:]
+    assert not (work / "train" / "L1-orig" / "final").exists()
+    r = _run(bundle, work, "eval", **stuck)
+    assert r.returncode == 0 and "evaluating " in r.stdout and "checkpoint-2" in r.stdout, r.stdout[-3000:]
+    assert json.loads((work / "eval" / "L1-orig_humaneval.json").read_text())["num_spec_tokens"] == 2
+
+
 def test_bundle_cut_keeps_the_first_tokens(tmp_path):
 
     from transformers import AutoTokenizer

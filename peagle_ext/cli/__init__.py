@@ -32,7 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's Python stack to stderr and the command goes on:
+    where a run that seems stuck is waiting, with no debugger on the machine."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (OSError, ValueError):  # stderr is no file (captured in-process): nowhere to write
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _stacks_on_sigusr1()
     p = build_parser()
     args = p.parse_args(argv)
     if not getattr(args, "_run", None):

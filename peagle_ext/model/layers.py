@@ -82,6 +82,10 @@ def rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torc
 
 
 _COMPILED_ROPE: dict = {}
+# Inductor compiles RoPE (forward, and backward at the first backward) in this process, not in
+# its pool of worker processes: one small kernel each way is not worth a pool, and a pool whose
+# workers stall leaves the compiling process waiting for good (pytorch#108586, #121197)
+_ROPE_COMPILE_OPTIONS = {"compile_threads": 1}
 
 
 def rope_to(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +97,7 @@ def rope_to(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.
     fn = _COMPILED_ROPE.get("fn", False) if x.is_cuda else None
     if fn is False:  # first CUDA call: compile once, fall back for good if that fails
         try:
-            fn = torch.compile(rope_math, dynamic=True, fullgraph=True)
+            fn = torch.compile(rope_math, dynamic=True, fullgraph=True, options=_ROPE_COMPILE_OPTIONS)
             out = fn(x, cos, sin, dtype)
         except Exception as e:  # noqa: BLE001 - any Inductor/Triton build failure
             import warnings

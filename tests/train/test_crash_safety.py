@@ -93,8 +93,9 @@ def _train_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs if r.get("split") == "train"}
 
 
-def _kill_at(tiny, out: Path, point: str, step: int, timeout=90.0):
-    """Start `peagle train`, wait until it pauses at (point, step), SIGKILL it."""
+def _kill_at(tiny, out: Path, point: str, step: int, timeout=90.0, before_kill=None):
+    """Start `peagle train`, wait until it pauses at (point, step), call before_kill(process,
+    log path) if given, SIGKILL it."""
     flag = out.parent / f"paused-{point}-{step}"
     log = open(out.parent / f"killed-{point}-{step}.log", "w")
     p = subprocess.Popen(
@@ -116,6 +117,8 @@ def _kill_at(tiny, out: Path, point: str, step: int, timeout=90.0):
             if time.time() - t0 > timeout:
                 pytest.fail(f"trainer did not reach {point}:{step} in {timeout}s")
             time.sleep(0.05)
+        if before_kill is not None:
+            before_kill(p, out.parent / f"killed-{point}-{step}.log")
         os.kill(p.pid, signal.SIGKILL)
         assert p.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -185,3 +188,18 @@ def test_sigkill_before_the_checkpoint_rename(tiny, tmp_path, uninterrupted):
     assert (tmp / "COMPLETE").is_file() and (tmp / "trainer_state.json").is_file()
     assert _assert_every_listed_checkpoint_loads(out) == [3]
     _resume_and_compare(tiny, out, uninterrupted, expect_from=3)
+
+
+def test_sigusr1_prints_the_stacks_of_a_stuck_run_and_it_goes_on(tiny, tmp_path):
+    """A run that seems stuck (here: paused by the test hook) answers SIGUSR1 with every thread's
+    Python stack on stderr, and keeps running."""
+
+    def dump(p, log):
+        os.kill(p.pid, signal.SIGUSR1)
+        t0 = time.time()
+        while "in test_pause" not in log.read_text() and time.time() - t0 < 20:
+            time.sleep(0.1)
+        assert "in test_pause" in log.read_text() and "Thread 0x" in log.read_text()
+        assert p.poll() is None  # still running
+
+    _kill_at(tiny, tmp_path / "run", "step", 1, before_kill=dump)
