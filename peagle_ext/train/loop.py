@@ -231,7 +231,15 @@ def _train(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_adamw(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay)
     progress = float(ck.get("schedule_progress", 0.0)) if resume_from is not None else 0.0
-    schedule = lr_lambda(s, minutes=lambda: (time.time() - t_start) / 60.0, progress=progress)
+    # --time-schedule's clock: the share of the budget's training time (from the first step to
+    # the end of --max-minutes) spent; start-up (data, verifier, cached states) is not schedule time
+    train_clock = {"t0": None, "span": 1.0}
+
+    def clock() -> float:
+        t0 = train_clock["t0"]
+        return 0.0 if t0 is None else (time.time() - t0) / train_clock["span"]
+
+    schedule = lr_lambda(s, clock=clock, progress=progress)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     step, epoch, cursor = 0, 0, 0
     history_skipped = 0
@@ -282,6 +290,9 @@ def _train(
         autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else _null
         steps_here = 0
         model.train()
+        train_clock["t0"] = time.time()
+        if s.max_minutes is not None:
+            train_clock["span"] = max(1e-3, s.max_minutes * 60.0 - (train_clock["t0"] - t_start))
         for _ in bar:
             # rows of this step
             picked = []

@@ -76,3 +76,18 @@ def test_time_schedule_ends_decayed_when_the_clock_stops_the_run(tiny, tmp_path)
     recs = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     after = [e["lr"] for e in recs if "lr" in e and e["step"] > r.steps]
     assert len(after) == 2 and max(after) <= lrs[-1]
+
+
+def test_time_schedule_does_not_count_the_start_up(tiny, tmp_path, monkeypatch):
+    # a slow start-up (here 3 s of the 12 s budget) leaves the first steps after warmup near the peak
+    import time
+
+    import peagle_ext.train.loop as loop
+
+    real = loop.build_hidden_states
+    monkeypatch.setattr(loop, "build_hidden_states", lambda *a, **k: time.sleep(3.0) or real(*a, **k))
+    kw = dict(max_steps=10**6, max_minutes=0.2, time_schedule=True, val_every=10**6, checkpoint_every=10**6)
+    train(_settings(tiny, tmp_path / "run", log_every=1, **kw), stop_after=3)
+    lrs = [e["lr"] for e in map(json.loads, (tmp_path / "run" / "log.jsonl").read_text().splitlines()) if "lr" in e]
+    s = _settings(tiny, tmp_path / "run")
+    assert len(lrs) == 3 and lrs[1] > 0.9 * s.lr

@@ -56,23 +56,23 @@ def _cosine(t):
 
 def test_time_schedule_follows_the_clock_when_it_is_ahead_of_the_steps():
     clock = [0.0]
-    f = lr_lambda(_schedule_settings(), minutes=lambda: clock[0])
+    f = lr_lambda(_schedule_settings(), clock=lambda: clock[0])
     assert f(0) == 0.1 and f(9) == 1.0  # the warmup counts steps only
     assert math.isclose(f(55), _cosine(0.5))  # the steps ahead: step 55 of 10..100
-    clock[0] = 7.5  # the clock ahead: 3/4 of the budget
+    clock[0] = 0.75  # the clock ahead: 3/4 of the training time
     assert math.isclose(f(56), _cosine(0.75)) and f.progress() == 0.75
     clock[0] = 0.0  # never back (a resumed process restarts its clock)
     assert math.isclose(f(57), _cosine(0.75))
-    clock[0] = 99.0
+    clock[0] = 9.9
     assert math.isclose(f(58), 0.1) and f.progress() == 1.0
     # a resumed run starts from the progress it had
-    assert math.isclose(lr_lambda(_schedule_settings(), minutes=lambda: 0.0, progress=0.75)(20), _cosine(0.75))
+    assert math.isclose(lr_lambda(_schedule_settings(), clock=lambda: 0.0, progress=0.75)(20), _cosine(0.75))
 
 
 def test_without_time_schedule_the_steps_alone_set_the_rate():
-    late = lambda: 99.0  # noqa: E731
-    assert math.isclose(lr_lambda(_schedule_settings(time_schedule=False), minutes=late)(55), _cosine(0.5))
-    assert lr_lambda(_schedule_settings(schedule="constant"), minutes=late)(50) == 1.0
+    late = lambda: 9.9  # noqa: E731
+    assert math.isclose(lr_lambda(_schedule_settings(time_schedule=False), clock=late)(55), _cosine(0.5))
+    assert lr_lambda(_schedule_settings(schedule="constant"), clock=late)(50) == 1.0
 
 
 def test_time_schedule_needs_max_minutes():
