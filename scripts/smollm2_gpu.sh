@@ -31,7 +31,11 @@
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
 #                        template (forked over the cores: 36 s from start to the first step, verifier
-#                        load included). Measured with batch 8 x 2048 and three settings side by side
+#                        load included, measured alone; 155-164 s with three trainings and datagen
+#                        starting together, which the minutes include). Measured with batch 8 x 2048:
+#                        ~86K tokens/s per setting for the regenerated data (states cached), two side
+#                        by side; ~40K tokens/s for the original data (states recomputed each step, in
+#                        one batched pass). Earlier, with three settings side by side
 #                        (TRAIN_PARALLEL=1), before the verifier's states were batched over a step's
 #                        rows: ~0.35 s a step and 45-50K tokens/s per setting (an epoch of the 22M-token
 #                        ShareGPT rows is ~8 min alone)
@@ -71,7 +75,8 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # (train --time-schedule) and the run ends there; 0: it decays over
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
-TRAIN_GRACE=${TRAIN_GRACE:-420}    # s past TRAIN_MINUTES (start-up, last validation, final save) after
+TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which counts the start-up; then the last
+                                   # validation, final save and exit) after
                                    # which a training counts as stuck: SIGUSR1 prints its stacks into
                                    # its log, KILL_AFTER s later it is killed, and the phases after it
                                    # run (eval takes its newest checkpoint)

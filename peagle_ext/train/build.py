@@ -83,6 +83,7 @@ def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> Run
     vocab = int(vcfg.vocab_size)
     aux_ids = list(s.aux_layer_ids) if s.aux_layer_ids else D.default_aux_layer_ids(int(vcfg.num_hidden_layers))
     ds = prepare_data(s, tokenizer, vocab, log)
+    t_data = time.time()
     mask_id, how = resolve_mask_token_id(tokenizer, vocab, s.mask_token_id)
     for rows, where in ((ds.train_rows, "the training data"), (ds.val_rows, "the validation data")):
         for r in rows:
@@ -107,7 +108,8 @@ def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> Run
     log.event(
         "verifier",
         f"verifier {s.verifier}: {vcfg.model_type}, {vcfg.num_hidden_layers} layers, hidden "
-        f"{vcfg.hidden_size}, vocab {vocab}, aux layers {aux_ids}; {loaded} ({time.time() - t0:.1f}s)",
+        f"{vcfg.hidden_size}, vocab {vocab}, aux layers {aux_ids}; {loaded} ({time.time() - t_data:.1f}s, after "
+        f"{t_data - t0:.1f}s of tokenizer and data preparation)",
     )
     ntok = sum(int((r.document_ids >= 0).sum()) for r in ds.train_rows)
     log.event(
