@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The SmolLM2 study on one GPU: P-EAGLE drafters for the bundled SmolLM2-135M-Instruct verifier,
-# trained on all ShareGPT conversations (seq-len 2048, K=8, 1 and 2 layers) and on the verifier's
-# own regenerated answers (`peagle datagen`), then `peagle eval` on MT-Bench (80) and HumanEval
-# (164) with --k-sweep 1..8, bf16, batch 1: one JSON + PNG per setting and bench.
+# The SmolLM2 study on one GPU: P-EAGLE drafters for the bundled SmolLM2-135M-Instruct verifier
+# (seq-len 2048, K=8, 1 and 2 layers), trained on the verifier's own regenerated answers (`peagle
+# datagen`) and on the original answers to the same prompts (or on every ShareGPT conversation:
+# SETTINGS below), then `peagle eval` on MT-Bench (80) and HumanEval (164) with --k-sweep 1..8,
+# bf16, batch 1: one JSON + PNG per setting and bench.
 #
 #   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE...
 #   phases: setup data datagen train eval consistency report | all (= every phase in this order)
-#           study: datagen beside the original-data training, then the regenerated-data settings
-#                  side by side, then consistency, eval and report (the arrangement measured fastest)
+#           study: datagen (beside the full-data training, if a setting has one), then the
+#                  settings on its output side by side, then consistency, eval and report
 #           wait:  follow a --detach run for up to WAIT_SECONDS and copy its results to $OUT
 #   --detach: run the phases in their own session and return at once (they outlast the command)
 #
@@ -45,8 +46,8 @@
 #                        sweep 1..8 on MT-Bench) ~5.5 min, + ~2.5 min for HumanEval at one K
 #                        (EVAL_HE_SWEEP=), ~11 min for its sweep; each other setting ~80 s
 #   consistency  ~60 s   tools/consistency.py on 60 held-out conversations (estimate)
-# A useful study needs ~25 min of GPU: setup + data 2 min, datagen beside the first training
-# 2.5 min, three settings side by side for 6.5 min, eval and consistency 12 min.
+# A useful study needs ~23 min of GPU: setup + data 2 min, datagen 2.5 min, three settings side by
+# side for 6.5 min, eval and consistency 12 min.
 #
 # On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
 # bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
@@ -62,7 +63,11 @@ cd "$(dirname "$0")/.."
 # ---- settings (one place) ------------------------------------------------------------------
 K=${K:-8}
 SEQ=${SEQ:-2048}
-SETTINGS=${SETTINGS:-"1:orig 1:regen 2:regen"}   # layers:data, data = orig (ShareGPT) | regen
+# layers:data; data = orig: every ShareGPT conversation, all turns, the original answers;
+# regen: the conversations `datagen` reached (shortest first prompts first), first turn, the verifier's
+# own answer; origfirst: the same conversations and first turns with their original answers (orig
+# against regen on the same prompts)
+SETTINGS=${SETTINGS:-"1:origfirst 1:regen 2:regen"}
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-4}
 LR=${LR:-1e-3}
@@ -200,6 +205,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   local s=$1 layers=${1%%:*} data=${1##*:} dir=$WORK/train/L${1%%:*}-${1##*:}
   local file=$DATA/train.jsonl
   [ "$data" = regen ] && file=$DATA/regen.jsonl
+  [ "$data" = origfirst ] && file=$DATA/origfirst.jsonl
   if train_done "$dir"; then note "train $s: done ($dir/final)"; return 0; fi
   local resume=() rc=0
   ls -d "$dir"/checkpoint-* > /dev/null 2>&1 && resume=(--resume)
@@ -218,10 +224,35 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   return $rc
 }
 
+origfirst_data() {  # the regenerated conversations' prompts with their original first answers
+  [ -f "$DATA/origfirst.jsonl" ] && [ "$DATA/origfirst.jsonl" -nt "$DATA/regen.jsonl" ] && return 0
+  [ -f "$DATA/regen.jsonl" ] || { note "origfirst: no $DATA/regen.jsonl yet (run datagen)"; return 1; }
+  timed python3 - "$DATA/train.jsonl" "$DATA/regen.jsonl" "$DATA/origfirst.jsonl" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+src = [json.loads(x)["messages"] for x in open(sys.argv[1], encoding="utf-8") if x.strip()]
+n = 0
+with open(sys.argv[3] + ".tmp", "w", encoding="utf-8") as out:
+    for line in open(sys.argv[2], encoding="utf-8"):
+        rec = json.loads(line) if line.strip() else {}
+        msgs = rec.get("messages") or []
+        if not msgs:  # skipped by datagen
+            continue
+        answer = next((m["content"] for m in src[rec["index"]] if m["role"] == "assistant"), None)
+        if answer is None:
+            continue
+        out.write(json.dumps({"messages": msgs[:-1] + [{"role": "assistant", "content": answer}]}, ensure_ascii=False) + "\n")
+        n += 1
+import os
+os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+print(f"origfirst: {n} conversations (the regenerated prompts, original first answers)")
+EOF
+}
+
 phase_train() {
   # TRAIN_PARALLEL=1: the settings train side by side on one GPU (a small drafter's step is
   # launch-bound, so several processes share the GPU at little cost to each)
   local pids=() rc=0
+  [[ " $SETTINGS " == *":origfirst "* ]] && { origfirst_data || return 1; }
   for s in $SETTINGS; do
     if [ "$TRAIN_PARALLEL" = 1 ]; then train_one "$s" & pids+=($!); else train_one "$s" || rc=1; fi
   done
@@ -309,10 +340,10 @@ EOF
 }
 
 phase_study() {
-  # the measured arrangement on one GPU: datagen beside the training on the original answers,
-  # then the regenerated-data settings side by side, then consistency, eval and report. Every
-  # setting trains for TRAIN_MINUTES; the original-data one starts DATAGEN_SECONDS earlier
-  # and gets that much more time
+  # the measured arrangement on one GPU: datagen beside the training on every original
+  # conversation (if a setting has one), then the settings that need datagen's output side by
+  # side, then consistency, eval and report. Every setting trains for TRAIN_MINUTES; a
+  # full-data one starts DATAGEN_SECONDS earlier and gets that much more time
   local orig="" regen="" s
   for s in $SETTINGS; do if [ "${s##*:}" = orig ]; then orig+=" $s"; else regen+=" $s"; fi; done
   local extra

@@ -108,16 +108,27 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     copies its results into the calling command's $OUT."""
     work = tmp_path / "work"
     assert _run(bundle, work, "setup", "data").returncode == 0
-    r = _run(bundle, work, "--detach", "study", DATAGEN_SECONDS="60", TRAIN_MINUTES="5")
+    settings = "1:orig 1:origfirst 1:regen"
+    r = _run(bundle, work, "--detach", "study", DATAGEN_SECONDS="60", TRAIN_MINUTES="5", SETTINGS=settings)
     assert r.returncode == 0 and "detached: study" in r.stdout, r.stderr[-2000:]
     again = _run(bundle, work, "--detach", "study")
     assert again.returncode == 2 and "still going" in again.stderr
     out = tmp_path / "call_out"
     out.mkdir()
-    r = _run(bundle, work, "wait", OUT=str(out), WAIT_SECONDS="900")
+    r = _run(bundle, work, "wait", OUT=str(out), WAIT_SECONDS="900", SETTINGS=settings)
     assert r.returncode == 0 and "the detached run has ended" in r.stdout, r.stdout[-3000:]
     md = (out / "results.md").read_text()
     assert "| L1-regen | mtbench |" in md and "| L1-orig | mtbench | 2 |" in md
+    assert "| L1-origfirst | mtbench | 2 |" in md
+    # origfirst: the regenerated conversations' prompts, each with its original first answer
+    src = [json.loads(x)["messages"] for x in open(work / "data" / "train.jsonl")]
+    regen = [json.loads(x) for x in open(work / "data" / "regen.jsonl")]
+    regen = [r for r in regen if r["messages"]]
+    first = [json.loads(x)["messages"] for x in open(work / "data" / "origfirst.jsonl")]
+    assert len(first) == len(regen) > 10
+    for r, f in zip(regen, first):
+        want = next(m["content"] for m in src[r["index"]] if m["role"] == "assistant")
+        assert f[:-1] == r["messages"][:-1] and f[-1] == {"role": "assistant", "content": want}
     assert (work / "eval" / "consistency_L1-regen.json").is_file()
     start = json.loads((work / "train" / "L1-regen" / "log.jsonl").read_text().splitlines()[0])
     assert start["settings"]["time_schedule"] and start["settings"]["max_minutes"] == 5
