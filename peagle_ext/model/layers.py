@@ -23,6 +23,16 @@ class RMSNorm(nn.Module):
             return fused_rms_norm_fp32(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
+    def for_linears(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of x as the linear layers that read it see it: autocast_input(self(x)). In a
+        training step on CUDA (fp32 weights, autocast on, gradients on) one compiled kernel each
+        way computes the fp32 norm and writes it in the autocast dtype, instead of torch's fused
+        fp32 norm, an fp32 output and a cast, each way."""
+        dev = x.device.type
+        if x.is_cuda and self.weight.dtype == torch.float32 and torch.is_autocast_enabled(dev) and _training(x):
+            return compiled("rms_norm_to", rms_norm_to_math, x, self.weight, self.eps, torch.get_autocast_dtype(dev))
+        return autocast_input(self(x))
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # fp32 statistics like the HF llama/qwen3 norms, output in the input's dtype
@@ -53,6 +63,23 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def rms_norm_to_math(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """weight * x / rms(x) in fp32, rounded once to `dtype` (what RMSNorm.for_linears compiles)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(dtype)
+
+
+def silu_mul_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32, rounded once to up's dtype (what DraftMLP compiles)."""
+    return (F.silu(gate.float()) * up.float()).to(up.dtype)
+
+
+def _training(x: torch.Tensor) -> bool:
+    """A training step's tensor: gradients on and wanted. Decoding (no grad, CUDA graphs) keeps
+    the eager ops, which capture without compiling anything."""
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def rope_inv_freq(tl: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     params = getattr(tl, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -81,33 +108,41 @@ def rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torc
     return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype)).to(dtype)
 
 
-_COMPILED_ROPE: dict = {}
-# Inductor compiles RoPE (forward, and backward at the first backward) in this process, not in
-# its pool of worker processes: one small kernel each way is not worth a pool, and a pool whose
-# workers stall leaves the compiling process waiting for good (pytorch#108586, #121197)
-_ROPE_COMPILE_OPTIONS = {"compile_threads": 1}
+_COMPILED: dict = {}  # name -> compiled function, or None where compiling failed (eager for good)
+# Inductor compiles these (forward, and backward at the first backward) in this process, not in
+# its pool of worker processes: a few small kernels are not worth a pool, and a pool whose workers
+# stall leaves the compiling process waiting for good (pytorch#108586, #121197)
+_COMPILE_OPTIONS = {"compile_threads": 1}
+
+
+def compiled(name: str, fn, *args):
+    """fn(*args) through torch.compile (Inductor: one fused kernel each way for these elementwise
+    and row-reduction functions), compiled on the first call with dynamic shapes; where that
+    fails (no Triton, an Inductor error) fn runs eagerly from then on, with a warning."""
+    c = _COMPILED.get(name, False)
+    if c is False:
+        try:
+            c = torch.compile(fn, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
+            out = c(*args)
+        except Exception as e:  # noqa: BLE001 - any Inductor/Triton build failure
+            import warnings
+
+            warnings.warn(f"{name} runs eagerly: torch.compile failed here ({type(e).__name__}: {e})", stacklevel=2)
+            _COMPILED[name] = None
+            return fn(*args)
+        _COMPILED[name] = c
+        return out
+    return c(*args) if c is not None else fn(*args)
 
 
 def rope_to(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """RoPE for the attention op, output in its compute dtype. On CUDA one Inductor-fused kernel
     forward and one backward: in eager PyTorch RoPE is six full passes over q and k each way
     (broadcast multiplies by cos/sin [T, 1, D], the negated half, the concatenation, the sum,
-    the cast), the largest elementwise cost of a training step. Elsewhere, or where Inductor
-    cannot build (no Triton), the same math eagerly."""
-    fn = _COMPILED_ROPE.get("fn", False) if x.is_cuda else None
-    if fn is False:  # first CUDA call: compile once, fall back for good if that fails
-        try:
-            fn = torch.compile(rope_math, dynamic=True, fullgraph=True, options=_ROPE_COMPILE_OPTIONS)
-            out = fn(x, cos, sin, dtype)
-        except Exception as e:  # noqa: BLE001 - any Inductor/Triton build failure
-            import warnings
-
-            warnings.warn(f"RoPE runs eagerly: torch.compile failed here ({type(e).__name__}: {e})", stacklevel=2)
-            _COMPILED_ROPE["fn"] = None
-            return rope_math(x, cos, sin, dtype)
-        _COMPILED_ROPE["fn"] = fn
-        return out
-    return fn(x, cos, sin, dtype) if fn is not None else rope_math(x, cos, sin, dtype)
+    the cast), the largest elementwise cost of a training step. Elsewhere the same math eagerly."""
+    if x.is_cuda:
+        return compiled("rope", rope_math, x, cos, sin, dtype)
+    return rope_math(x, cos, sin, dtype)
 
 
 class DraftAttention(nn.Module):
@@ -148,10 +183,15 @@ class DraftMLP(nn.Module):
         self.up_proj = nn.Linear(tl.hidden_size, tl.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(tl.intermediate_size, tl.hidden_size, bias=bias)
         self.act = ACT2FN[tl.hidden_act]
+        self.silu = tl.hidden_act == "silu"
 
     def forward(self, x):
         x = autocast_input(x)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.silu and gate.is_cuda and _training(gate):
+            # one kernel each way for silu(gate) * up (eager: silu, its rounding, the product)
+            return self.down_proj(compiled("silu_mul", silu_mul_math, gate, up))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DraftLayer(nn.Module):
@@ -172,14 +212,14 @@ class DraftLayer(nn.Module):
     def pre_attention(self, x, hid=None):
         """(attention input, residual). Layer 0 takes x = embeds and hid = fc(hidden)."""
         if not self.first:
-            return self.input_layernorm(x), x
+            return self.input_layernorm.for_linears(x), x
         hn = self.hidden_norm(hid)
         residual = hn if self.norm_before_residual else hid
         return torch.cat([self.input_layernorm(x), hn], dim=-1), residual
 
     def post_attention(self, attn_out, residual):
         h = residual + self.self_attn.o_proj(attn_out.flatten(-2))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm.for_linears(h))
 
     def forward(self, layer_pass, *args, **kwargs):
         """One pass of this layer, `layer_pass(self, *args, **kwargs)` (built by the model, which

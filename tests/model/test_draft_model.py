@@ -544,3 +544,75 @@ def test_cuda_rope_to_matches_rope_math_with_gradients(rng):
         res.append((y.float(), x.grad.clone()))
     assert float((res[0][0] - res[1][0]).abs().max()) <= 2**-7 * float(res[1][0].abs().max())
     assert torch.allclose(res[0][1], res[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_norm_and_silu_mul_math_round_once_and_compile_as_one_graph(rng):
+    """rms_norm_to_math and silu_mul_math (what a CUDA training step compiles) equal their float64
+    math rounded once to bf16, and compile as one dynamic-shape graph each, gradients included
+    (the GPU compiles them with Inductor; on the CPU they run eagerly, so this test compiles them
+    for the CPU backend)."""
+    from peagle_ext.model.layers import rms_norm_to_math, silu_mul_math
+
+    norm_c = torch.compile(rms_norm_to_math, dynamic=True, fullgraph=True)
+    silu_c = torch.compile(silu_mul_math, dynamic=True, fullgraph=True)
+    w = (torch.rand(64, generator=rng) + 0.5).requires_grad_()
+    for rows in (37, 90):  # two shapes: one dynamic graph
+        x = (3 * torch.randn(rows, 64, generator=rng)).requires_grad_()
+        xd = x.double()
+        want = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).to(torch.bfloat16)
+        g, u = (torch.randn(rows, 96, generator=rng).to(torch.bfloat16).requires_grad_() for _ in range(2))
+        want_s = (torch.nn.functional.silu(g.double()) * u.double()).to(torch.bfloat16)
+        grads = []
+        for nf, sf in ((rms_norm_to_math, silu_mul_math), (norm_c, silu_c)):
+            x.grad = w.grad = g.grad = u.grad = None
+            y, s = nf(x, w, 1e-6, torch.bfloat16), sf(g, u)
+            assert y.dtype == s.dtype == torch.bfloat16
+            assert float((y.float() - want.float()).abs().max()) <= 2**-7 * float(want.float().abs().max())
+            assert float((s.float() - want_s.float()).abs().max()) <= 2**-7 * float(want_s.float().abs().max())
+            (y.float().sum() + (s.float() * 0.5).sum()).backward()
+            grads.append([t.grad.float().clone() for t in (x, w, g, u)])
+        for a, b in zip(*grads):  # compiled backward == eager backward
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-2)
+
+
+def test_for_linears_off_the_gpu_is_the_norm_cast_as_linears_read_it(rng):
+    """Off a CUDA training step, RMSNorm.for_linears is autocast_input(norm(x)) bit for bit."""
+    from peagle_ext.model.layers import RMSNorm, autocast_input
+
+    norm = RMSNorm(32, 1e-6)
+    x = torch.randn(10, 32, generator=rng).requires_grad_()
+    assert torch.equal(norm.for_linears(x), norm(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm.for_linears(x)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, autocast_input(norm(x)))
+
+
+@requires_cuda
+def test_cuda_training_norm_and_mlp_compiled_match_eager(rng):
+    """In a CUDA training step (fp32 weights, bf16 autocast, gradients) RMSNorm.for_linears and a
+    SiLU DraftMLP take their compiled kernels: values and every gradient against the eager ops."""
+    from transformers import LlamaConfig
+
+    from peagle_ext.model.layers import DraftMLP, RMSNorm, autocast_input
+
+    tl = LlamaConfig(hidden_size=256, intermediate_size=512, hidden_act="silu")
+    norm, mlp = RMSNorm(256, 1e-6).cuda(), DraftMLP(tl).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(256, generator=rng) + 0.5)
+    x = (3 * torch.randn(700, 256, generator=rng)).cuda().requires_grad_()
+    gy = torch.randn(700, 256, generator=rng).cuda()
+
+    def eager():
+        h = autocast_input(norm(x))
+        return mlp.down_proj(mlp.act(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+    res = []
+    for fn in (lambda: mlp(norm.for_linears(x)), eager):
+        for p in (x, norm.weight, *mlp.parameters()):
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn()
+        (y.float() * gy).sum().backward()
+        res.append([y.float().detach()] + [p.grad.float().clone() for p in (x, norm.weight, *mlp.parameters())])
+    for got, ref in zip(*res):
+        assert float((got - ref).norm() / ref.norm()) < 2e-2
