@@ -80,11 +80,11 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # (train --time-schedule) and the run ends there; 0: it decays over
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
-TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which counts the start-up; then the last
-                                   # validation, final save and exit) after
-                                   # which a training counts as stuck: SIGUSR1 prints its stacks into
-                                   # its log, KILL_AFTER s later it is killed, and the phases after it
-                                   # run (eval takes its newest checkpoint)
+TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
+                                   # validation, final save and exit; a training still running then
+                                   # counts as stuck: SIGUSR1 prints its stacks into its log, KILL_AFTER s
+                                   # later it is killed, and the phases after it run (eval takes its
+                                   # newest checkpoint)
 EVAL_TIMEOUT=${EVAL_TIMEOUT:-1200}  # s, the same for one `peagle eval`
 KILL_AFTER=${KILL_AFTER:-60}
 VAL_FRACTION=${VAL_FRACTION:-0.02}  # of the training conversations: the validation split
@@ -117,6 +117,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE... | all" >&2; exit 2; }
+for s in $SETTINGS $EVAL_FULL; do
+  [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst)$ ]] || {
+    echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA with DATA orig, regen or origfirst" >&2
+    exit 2
+  }
+done
 if [ "$DETACH" = 1 ]; then
   # the phases go on in their own session after this command returns (and after the device call
   # that ran it); `wait` later follows them and copies their results to that call's $OUT

@@ -100,6 +100,9 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     # bad phase: exit 2 and one line
     r = _run(bundle, work, "nope")
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
+    # a setting with an unknown data kind: exit 2 before any phase runs
+    r = _run(bundle, work, "train", SETTINGS="1:regn")
+    assert r.returncode == 2 and "setting 1:regn" in r.stderr and not r.stdout
 
 
 def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle, tmp_path):

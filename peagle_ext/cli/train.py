@@ -139,8 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--time-schedule",
         type=_bool,
-        help="the schedule's progress is the larger of the steps' and --max-minutes' share, so a run the "
-        "clock stops ends with its learning rate decayed. Default false",
+        help="the schedule's progress is the larger of the steps' share and the share of --max-minutes' "
+        "training time (from the first step) spent, so a run the clock stops ends with its learning rate "
+        "decayed. Default false",
     )
     g = p.add_argument_group("run")
     g.add_argument("--device", help=f"cpu | cuda. Default {d.device}")
