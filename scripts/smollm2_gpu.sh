@@ -32,7 +32,7 @@
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
 #                        template (forked over the cores: 36 s from start to the first step, verifier
-#                        load included, measured alone; 155-164 s with three trainings and datagen
+#                        load included, measured alone; ~165 s with three trainings and datagen
 #                        starting together, which the minutes include). Measured with batch 8 x 2048:
 #                        ~86K tokens/s per setting for the regenerated data (states cached), two side
 #                        by side; ~40K tokens/s for the original data (states recomputed each step, in
