@@ -136,11 +136,13 @@ def compiled(name: str, fn, *args):
 
 
 def rope_to(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """RoPE for the attention op, output in its compute dtype. On CUDA one Inductor-fused kernel
-    forward and one backward: in eager PyTorch RoPE is six full passes over q and k each way
-    (broadcast multiplies by cos/sin [T, 1, D], the negated half, the concatenation, the sum,
-    the cast), the largest elementwise cost of a training step. Elsewhere the same math eagerly."""
-    if x.is_cuda:
+    """RoPE for the attention op, output in its compute dtype. In a CUDA training step one
+    Inductor-fused kernel forward and one backward: in eager PyTorch RoPE is six full passes over
+    q and k each way (broadcast multiplies by cos/sin [T, 1, D], the negated half, the
+    concatenation, the sum, the cast), the largest elementwise cost of a training step.
+    Elsewhere, validation included, the same math eagerly: a no-grad call would recompile (grad
+    mode is part of a compiled graph's guards), for a pass that is a small share of the time."""
+    if x.is_cuda and _training(x):
         return compiled("rope", rope_math, x, cos, sin, dtype)
     return rope_math(x, cos, sin, dtype)
 

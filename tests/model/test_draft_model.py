@@ -616,3 +616,21 @@ def test_cuda_training_norm_and_mlp_compiled_match_eager(rng):
         res.append([y.float().detach()] + [p.grad.float().clone() for p in (x, norm.weight, *mlp.parameters())])
     for got, ref in zip(*res):
         assert float((got - ref).norm() / ref.norm()) < 2e-2
+
+
+@requires_cuda
+def test_cuda_rope_without_gradients_compiles_nothing(rng):
+    """Validation and decoding (no grad) take the eager RoPE: a compiled graph's guards include the
+    grad mode, so a no-grad call would compile again."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from peagle_ext.model.layers import rope_math, rope_to
+
+    x = torch.randn(50, 4, 64, generator=rng).cuda()
+    ang = torch.rand(50, 1, 32, generator=rng).cuda() * 100
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    before = dynamo_utils.counters["stats"].get("unique_graphs", 0)
+    with torch.no_grad():
+        y = rope_to(x, cos, sin, torch.bfloat16)
+    assert dynamo_utils.counters["stats"].get("unique_graphs", 0) == before
+    assert torch.equal(y, rope_math(x, cos, sin, torch.bfloat16))
