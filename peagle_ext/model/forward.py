@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.cod import CodLayout
-from .layers import DraftLayer, autocast_input, rms_norm, rope_to
+from .layers import DraftLayer, rms_norm, rope_to
 from .partition import partitioned_forward_backward
 from .rows import LayerZeroRows, gather_distinct_rows, weighted_rows
 
@@ -140,7 +140,6 @@ class TrainingForward:
         if layer.first:
             emb, hid = l0
             a_in, res_u = layer.pre_attention(emb, hid)
-            a_in = autocast_input(a_in)
             rows = tok.rows
             q = rows.take(layer.self_attn.q(a_in)) if want_q else None
             k, v = layer.self_attn.kv(a_in)
@@ -148,7 +147,6 @@ class TrainingForward:
             res = rows.take(res_u)
         else:
             a_in, res = layer.pre_attention(x)
-            a_in = autocast_input(a_in)
             q = layer.self_attn.q(a_in) if want_q else None
             k, v = layer.self_attn.kv(a_in)
         # in fp32 (float64 stays float64), written in the attention's dtype; one fused kernel

@@ -212,12 +212,13 @@ class DraftLayer(nn.Module):
             self.hidden_norm = RMSNorm(h, tl.rms_norm_eps)
 
     def pre_attention(self, x, hid=None):
-        """(attention input, residual). Layer 0 takes x = embeds and hid = fc(hidden)."""
+        """(attention input as the q/k/v projections read it, residual). Layer 0 takes x = embeds
+        and hid = fc(hidden)."""
         if not self.first:
             return self.input_layernorm.for_linears(x), x
         hn = self.hidden_norm(hid)
         residual = hn if self.norm_before_residual else hid
-        return torch.cat([self.input_layernorm(x), hn], dim=-1), residual
+        return autocast_input(torch.cat([self.input_layernorm(x), hn], dim=-1)), residual
 
     def post_attention(self, attn_out, residual):
         h = residual + self.self_attn.o_proj(attn_out.flatten(-2))
