@@ -60,7 +60,14 @@ K8, K32 = 8192, 32768
 def case(name, impl, n, *, layers=1, vocab=None, max_anchors=None, est_s=20, profile=False):
     """vocab: draft vocab size (None = the verifier's); est_s: expected seconds on an H200."""
     return dict(
-        name=name, impl=impl, n=n, layers=layers, vocab=vocab, max_anchors=max_anchors, est_s=est_s, profile=profile
+        name=name,
+        impl=impl,
+        n=n,
+        layers=layers,
+        vocab=vocab,
+        max_anchors=max_anchors,
+        est_s=est_s,
+        with_profile=profile,
     )
 
 
@@ -351,7 +358,7 @@ def run_case(c, env, path, deadline):
         rest_gb=mem(torch.cuda.memory_allocated) if dev.type == "cuda" else None,
         x_floor=round(med / floor_s, 3),
     )
-    if c["profile"] and time.time() + 3 * med < deadline:
+    if c["with_profile"] and time.time() + 3 * med < deadline:
         res.set("profiled", profile=profile_step(env, step))
     res.set(status="ok")
     del model, opt, step
@@ -412,6 +419,13 @@ def run_child(a, cases, deadline, logdir):
     return p.returncode
 
 
+def share_deadline(now, end, mine_s, later_s):
+    """The deadline of the implementation about to run: its share of the time left to `end`, in
+    proportion to its cases' estimates against those of the implementations after it (so a short
+    budget shortens every implementation instead of starving the first); at least 10 s."""
+    return max(now + 10, now + (end - now) * mine_s / max(mine_s + later_s, 1e-9))
+
+
 def parent_main(a):
     cases = tiny_cases() if a.tiny else default_cases()
     if a.cases:
@@ -425,7 +439,7 @@ def parent_main(a):
         todo = [c for c in cases if c["impl"] == impl]
         later = sum(c["est_s"] for c in cases if c["impl"] in impls[gi + 1 :])
         while todo and time.time() < end - 5:
-            deadline = max(time.time() + 10, end - later)
+            deadline = share_deadline(time.time(), end, sum(c["est_s"] for c in todo), later)
             print(f"[{time.time() - T0:6.1f}s] -> {impl}: {[c['name'] for c in todo]}", flush=True)
             rc = run_child(a, todo, deadline, logdir)
             done = {c["name"] for c in todo if os.path.exists(os.path.join(logdir, f"{c['name']}.json"))}
@@ -487,7 +501,7 @@ def print_tables(meta, res):
             f"{r.get('peak_gb') or '-'} | {r.get('rest_gb') or '-'} |"
             + ("" if r["status"] == "ok" else f" {r['status']}")
         )
-    prof = [r for r in res if r.get("profile")]
+    prof = [r for r in res if isinstance(r.get("profile"), dict)]
     if prof:
         print("\nkernel ms per step by class (torch.profiler, one step)")
         print("| case | " + " | ".join(KERNEL_CLASSES) + " | all kernels | step wall |")

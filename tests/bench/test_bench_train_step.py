@@ -1,0 +1,36 @@
+"""The train-step benchmark's parent side (scheduling and tables), without running a step."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+bts = pytest.importorskip("bench_train_step")
+
+
+def test_share_deadline_splits_the_time_left_by_estimate():
+    # 220 s left, this implementation's cases 60 s, the later ones' 190 s: 60/250 of it
+    assert bts.share_deadline(0.0, 220.0, 60.0, 190.0) == pytest.approx(220.0 * 60 / 250)
+    assert bts.share_deadline(100.0, 320.0, 60.0, 0.0) == pytest.approx(320.0)  # the last takes all
+    assert bts.share_deadline(100.0, 101.0, 60.0, 190.0) == pytest.approx(110.0)  # never under 10 s
+
+
+def test_tables_print_a_skipped_case_that_asked_for_a_profile(capsys):
+    ran = bts.case("peagle-1L-8K", "peagle", 512, profile=True)
+    ran.update(
+        status="ok",
+        median_s=0.1,
+        T=1400,
+        floor_ms=10.0,
+        x_floor=10.0,
+        peak_gb=None,
+        rest_gb=None,
+        profile={"classes_ms": {k: 1.0 for k in bts.KERNEL_CLASSES}, "kernel_ms": 7.0, "wall_ms": 9.0},
+    )
+    skipped = {**bts.case("peagle-4L-8K", "peagle", 512, layers=4, profile=True), "status": "skipped: 4s left"}
+    bts.print_tables({"device": "cpu", "tiny": True, "elapsed_s": 1.0}, [ran, skipped])
+    out = capsys.readouterr().out
+    assert "| peagle-4L-8K | 512 | - |" in out and "skipped: 4s left" in out
+    assert "| peagle-1L-8K | 1.0 |" in out  # the profiled case's class row
+    assert out.count("| peagle-4L-8K |") == 1  # no class row for the case that never ran
