@@ -8,7 +8,7 @@
 #   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE...
 #   phases: setup data datagen train eval consistency report | all (= every phase in this order)
 #           study: datagen (beside the full-data training, if a setting has one), then the
-#                  settings on its output side by side, then consistency, eval and report
+#                  settings on its output side by side, then MT-Bench, consistency, HumanEval, report
 #           wait:  follow a --detach run for up to WAIT_SECONDS and copy its results to $OUT
 #   --detach: run the phases in their own session and return at once (they outlast the command)
 #
@@ -22,32 +22,30 @@
 # Settings: edit the block below or override by environment (e.g. LAYERS="1" TRAIN_MINUTES=5).
 #
 # GPU time on an H200 (measured where it says so; $OUT/summary.txt records every phase's time):
-#   setup        ~100 s  build of the extension (41-44 s measured with PEAGLE_CUDA_ARCHS=90-real)
-#                        + GGUF join and conversion (48 s measured, with other work on the CPU)
-#   data         8 s     measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
-#   datagen      DATAGEN_SECONDS: HF generate, batch 512, <= 256 new tokens, first turn; measured
-#                        8,836 new tokens/s beside a training (6,656 conversations in 137 s; batch 256:
-#                        4,354), so all ~17K conversations take ~5 min (the file is usable at any point
-#                        and a later call continues it)
+#   setup        ~100 s  build of the extension (41-47 s measured with PEAGLE_CUDA_ARCHS=90-real)
+#                        + GGUF join and conversion (45-48 s measured)
+#   data         7-8 s   measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
+#   datagen      DATAGEN_SECONDS + ~35 s of start: HF generate, batch 512, <= 256 new tokens, first
+#                        turn; measured 9,006 new tokens/s alone (7,168 conversations in 146 s), 8,836
+#                        beside a training, so all ~17K conversations take ~5 min (the file is usable
+#                        at any point and a later call continues it)
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
-#                        template (forked over the cores: 36 s from start to the first step, verifier
-#                        load included, measured alone; ~165 s with three trainings and datagen
-#                        starting together, which the minutes include). Measured with batch 8 x 2048:
-#                        ~86K tokens/s per setting for the regenerated data (states cached), two side
-#                        by side; ~40K tokens/s for the original data (states recomputed each step, in
-#                        one batched pass). Earlier, with three settings side by side
-#                        (TRAIN_PARALLEL=1), before the verifier's states were batched over a step's
-#                        rows: ~0.35 s a step and 45-50K tokens/s per setting (an epoch of the 22M-token
-#                        ShareGPT rows is ~8 min alone)
-#   eval         estimates from the measured 247 (K=4) and 288 (greedy) tokens/s at 128 new tokens:
-#                        ~35 s for each K of MT-Bench (80 prompts) and ~75 s for each K of HumanEval
-#                        (164), the greedy baseline counted as one K: the full setting (EVAL_FULL, K
-#                        sweep 1..8 on MT-Bench) ~5.5 min, + ~2.5 min for HumanEval at one K
-#                        (EVAL_HE_SWEEP=), ~11 min for its sweep; each other setting ~80 s
-#   consistency  ~60 s   tools/consistency.py on 60 held-out conversations (estimate)
-# A useful study needs ~23 min of GPU: setup + data 2 min, datagen 2.5 min, three settings side by
-# side for 6.5 min, eval and consistency 12 min.
+#                        template, forked over the cores: 36 s from start to the first step alone (16.5K
+#                        conversations, verifier load included); three trainings tokenizing 7K each at
+#                        once took 229 s, so side-by-side settings start one after another (each waits
+#                        for the one before to log its data, at most STAGGER_TIMEOUT). The verifier's
+#                        states are cached in host memory (HIDDEN_CACHE_GB, one batched pass per 16
+#                        rows). Measured with batch 8 x 2048, three settings side by side: ~86K tokens/s
+#                        each with the states cached, ~66K recomputed each step (one batched pass)
+#   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
+#                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
+#                        1..8) 356 s, each other setting 138 s; HumanEval (164) ~2.5 min at one K
+#                        (EVAL_HE_SWEEP=), ~11 min for its sweep (estimates)
+#   consistency  313 s measured for 60 conversations and 30 decoded prompts (the eager fp32 verifier,
+#                        ~66 ms a forward on that host); the defaults (40, 15) take about half
+# A useful study needs ~26 min of GPU: setup + data 2 min, datagen 3 min, three settings side by side
+# for 7 min, MT-Bench 10.5 min, consistency 2.5 min; HumanEval at one K 2.5 min more.
 #
 # On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
 # bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
@@ -55,7 +53,7 @@
 #   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
 #   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (joins the GGUF), then
-#      DATAGEN_SECONDS=150 TRAIN_MINUTES=6.5 EVAL_HE_SWEEP= `... --detach study` and `... wait`
+#      DATAGEN_SECONDS=140 TRAIN_MINUTES=6 EVAL_HE_SWEEP= `... --detach study` and `... wait`
 #   3. and later calls, back to back: `... wait` until it says the detached run has ended
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +78,9 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # (train --time-schedule) and the run ends there; 0: it decays over
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
+STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-240}  # s the next side-by-side training waits for the one before to tokenize
+HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-32}  # host memory per training for the verifier's states (cached: no
+                                   # verifier pass per step; the H200 host has 128 GB)
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
                                    # validation, final save and exit; a training still running then
                                    # counts as stuck: SIGUSR1 prints its stacks into its log, KILL_AFTER s
@@ -94,6 +95,8 @@ DATAGEN_BATCH=${DATAGEN_BATCH:-512}
 DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
+CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced
+CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-15}  # of them decoded (eager, fp32: ~8 s each on the H200)
 EVAL_FULL=${EVAL_FULL:-"1:regen"}  # settings evaluated on both benches with the K sweep
 EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
@@ -224,7 +227,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
     --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
-    --no-progress "${resume[@]}" \
+    --hidden-cache-gb "$HIDDEN_CACHE_GB" --no-progress "${resume[@]}" \
     > "$WORK/logs/train_L${layers}-${data}.log" 2>&1 || rc=$?
   tail -12 "$WORK/logs/train_L${layers}-${data}.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"
   return $rc
@@ -254,13 +257,31 @@ print(f"origfirst: {n} conversations (the regenerated prompts, original first an
 EOF
 }
 
+data_prepared() {  # dir pid lines: wait until the training `pid` logs its data (past line `lines`)
+  local t0=$SECONDS
+  while kill -0 "$2" 2> /dev/null && [ $((SECONDS - t0)) -lt "$STAGGER_TIMEOUT" ]; do
+    tail -n +"$(($3 + 1))" "$1/log.jsonl" 2> /dev/null | grep -q '"event": "data"' && break
+    sleep 2
+  done
+  note "  (data of $1 prepared after $((SECONDS - t0)) s)"
+}
+
 phase_train() {
   # TRAIN_PARALLEL=1: the settings train side by side on one GPU (a small drafter's step is
-  # launch-bound, so several processes share the GPU at little cost to each)
-  local pids=() rc=0
+  # launch-bound, so several processes share the GPU at little cost to each); each starts once the
+  # one before has prepared its data: on the H200 host one training alone renders 16.5K
+  # conversations over the cores in ~22 s, three at once take minutes for 7K each
+  local pids=() rc=0 dir lines
   [[ " $SETTINGS " == *":origfirst "* ]] && { origfirst_data || return 1; }
   for s in $SETTINGS; do
-    if [ "$TRAIN_PARALLEL" = 1 ]; then train_one "$s" & pids+=($!); else train_one "$s" || rc=1; fi
+    if [ "$TRAIN_PARALLEL" = 1 ]; then
+      dir=$WORK/train/L${s%%:*}-${s##*:}
+      lines=0
+      [ -f "$dir/log.jsonl" ] && lines=$(wc -l < "$dir/log.jsonl")
+      train_one "$s" &
+      pids+=($!)
+      data_prepared "$dir" "$!" "$lines"
+    else train_one "$s" || rc=1; fi
   done
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
   return $rc
@@ -288,18 +309,26 @@ eval_one() {  # setting bench K-args...
   return 0
 }
 
-phase_eval() {
-  # every setting's MT-Bench first, HumanEval's sweep last: a time-boxed call that stops early
-  # still has the figures that compare the settings
+eval_mtbench() {
   for s in $EVAL_FULL; do eval_one "$s" mtbench --num-spec-tokens "$K" --k-sweep "1..$K"; done
   for s in $SETTINGS; do
     [[ " $EVAL_FULL " == *" $s "* ]] && continue
     eval_one "$s" mtbench --num-spec-tokens "$EVAL_K"
   done
+}
+
+eval_humaneval() {
   for s in $EVAL_FULL; do
     if [ -n "$EVAL_HE_SWEEP" ]; then eval_one "$s" humaneval --num-spec-tokens "$K" --k-sweep "$EVAL_HE_SWEEP"
     else eval_one "$s" humaneval --num-spec-tokens "$EVAL_K"; fi
   done
+}
+
+phase_eval() {
+  # every setting's MT-Bench first, HumanEval's sweep last: a time-boxed call that stops early
+  # still has the figures that compare the settings
+  eval_mtbench
+  eval_humaneval
 }
 
 phase_consistency() {
@@ -309,7 +338,7 @@ phase_consistency() {
     [ -f "$WORK/eval/consistency_$name.json" ] && continue
     [ -f "$dir/final/config.json" ] || continue
     timed python3 tools/consistency.py --draft "$dir/final" --verifier "$VERIFIER" --data "$DATA/heldout.jsonl" \
-      --skip 0 --num-conversations 60 --gen-prompts 30 --gen-tokens 128 --max-len 1024 --device "$DEVICE" --amp \
+      --skip 0 --num-conversations "$CONSISTENCY_CONVERSATIONS" --gen-prompts "$CONSISTENCY_PROMPTS" --gen-tokens 128 --max-len 1024 --device "$DEVICE" --amp \
       --json "$WORK/eval/consistency_$name.json" | tail -12 | tee -a "$SUMMARY"
   done
 }
@@ -360,8 +389,10 @@ phase_study() {
     SETTINGS=$orig TRAIN_PARALLEL=1 TRAIN_MINUTES=$extra phase_train || note "study: training on$orig failed (logs/)"
   fi
   wait $gen || note "study: datagen or training on$regen failed (logs/)"
+  # what compares the settings first, then consistency, HumanEval last (the hold may end first)
+  eval_mtbench
   phase_consistency
-  phase_eval
+  eval_humaneval
   phase_report
 }
 

@@ -135,6 +135,11 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     assert (work / "eval" / "consistency_L1-regen.json").is_file()
     start = json.loads((work / "train" / "L1-regen" / "log.jsonl").read_text().splitlines()[0])
     assert start["settings"]["time_schedule"] and start["settings"]["max_minutes"] == 5
+    assert start["settings"]["hidden_cache_gb"] == 32
+    # side by side, each training starts once the one before has prepared its data
+    summary = (work / "out" / "summary.txt").read_text()
+    assert all(f"train/L1-{d} prepared after" in summary for d in ("orig", "origfirst", "regen"))
+    assert summary.index("train/L1-origfirst prepared after") < summary.index("train 1:regen: starting")
     with tarfile.open(out / "results_so_far.tgz") as t:
         assert "detached.log" in t.getnames()
 

@@ -22,7 +22,14 @@ Conventions (those of vLLM / speculators, so a drafter trained here serves in vL
 """
 
 from .cache import HiddenStateCache, packed_fingerprint
-from .chat import TokenizeStats, assistant_char_spans, tokenize_conversation, tokenize_conversations, tokenize_many
+from .chat import (
+    TokenizeStats,
+    assistant_char_spans,
+    tokenize_conversation,
+    tokenize_conversations,
+    tokenize_many,
+    tokenize_workers,
+)
 from .conversations import (
     Conversation,
     iter_sharegpt_records,
@@ -64,6 +71,7 @@ __all__ = [
     "tokenize_conversation",
     "tokenize_conversations",
     "tokenize_many",
+    "tokenize_workers",
     "Conversation",
     "iter_sharegpt_records",
     "load_conversations",

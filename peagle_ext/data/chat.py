@@ -218,6 +218,20 @@ def _tokenize_one(msgs):
     return ids.numpy(), mask.numpy()
 
 
+def tokenize_workers(n: int, workers: int | None = None) -> int:
+    """How many processes tokenize_many uses for n conversations (1 = in this process)."""
+    if workers is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        # under torchrun every rank on this host tokenizes at once: share the cores among them
+        ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        workers = min(32, cores // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1))
+    per_worker = max(1, PARALLEL_MIN_CONVERSATIONS // 4)  # conversations a process is worth starting for
+    workers = max(1, min(int(workers), n // per_worker))
+    if n < PARALLEL_MIN_CONVERSATIONS or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return workers
+
+
 def tokenize_many(tokenizer, conversations, *, max_len: int, template_kwargs: dict | None = None, workers=None):
     """tokenize_conversation of every conversation, in order: (ids, mask) each, or the DataError
     message of a conversation the template refuses. Chat-template rendering is single-threaded
@@ -226,14 +240,8 @@ def tokenize_many(tokenizer, conversations, *, max_len: int, template_kwargs: di
     32; 1 = in this process)."""
     _check_tokenizer(tokenizer)
     n = len(conversations)
-    if workers is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        # under torchrun every rank on this host tokenizes at once: share the cores among them
-        ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        workers = min(32, cores // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1))
-    per_worker = max(1, PARALLEL_MIN_CONVERSATIONS // 4)  # conversations a process is worth starting for
-    workers = max(1, min(int(workers), n // per_worker))
-    if workers == 1 or n < PARALLEL_MIN_CONVERSATIONS or "fork" not in multiprocessing.get_all_start_methods():
+    workers = tokenize_workers(n, workers)
+    if workers == 1:
         out = []
         for msgs in conversations:
             try:

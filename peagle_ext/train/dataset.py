@@ -4,6 +4,7 @@ epoch order; the rows of one micro-batch side by side; the COD seed of each micr
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,15 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
     tok_train, tok_val = [], []
     truncated = dropped = unrenderable = 0
     counts = torch.zeros(vocab_size, dtype=torch.long)
+    t0 = time.time()
     tokenized = D.tokenize_many(tokenizer, convs, max_len=s.seq_len + 1, template_kwargs=s.chat_template_kwargs)
+    dt = time.time() - t0
+    log.event(
+        "tokenized",
+        f"{len(convs)} conversations rendered with the chat template and tokenized in {dt:.1f}s "
+        f"({D.tokenize_workers(len(convs))} process(es))",
+        seconds=dt,
+    )
     for i, res in enumerate(tokenized):
         if isinstance(res, str):
             unrenderable += 1

@@ -15,7 +15,8 @@ class HiddenStates:
     """Verifier hidden states per packed row -> TrainingExample: kept in memory when they fit
     (--hidden-cache-gb), else recomputed on use; or, with a `disk` HiddenStateCache, generated
     once into it (resumable, reusable by later runs on the same data) and read back from it.
-    All three give the same bits (the verifier forward is deterministic)."""
+    Row by row, all three give the same bits (the verifier forward is deterministic); batched
+    passes (get_many's recomputed steps, warming the cache on a GPU) agree to float rounding."""
 
     ROWS_PER_SHARD = 16
 
@@ -147,6 +148,9 @@ class HiddenStates:
             )
         if not self.cache:
             return
+        if self.disk is None and self.verifier is not None and torch.device(self.device).type == "cuda":
+            self._warm_batched(desc, progress)
+            return
         it = range(len(self.rows))
         bar = progress_bar(it, desc=desc, unit="row", disable=not progress)
         t0 = time.time()
@@ -157,3 +161,27 @@ class HiddenStates:
             bar.set_postfix(tok_s=f"{ntok / max(time.time() - t0, 1e-9):.0f}")
         bar.close()
         self._shard = None
+
+    WARM_ROWS = 16  # rows per batched verifier pass when warming the cache on a GPU
+
+    def _warm_batched(self, desc: str, progress: bool):
+        """Fill the in-memory cache with one batched verifier pass per WARM_ROWS rows: on a GPU
+        an eager verifier forward costs about the same for one row as for sixteen (its time is
+        launch overhead), so row by row the cache cost minutes that batched it does not. The
+        states agree with row-by-row ones to float rounding, and every run batches the same
+        rows together, so a resumed run caches the same bits."""
+        todo = [i for i in range(len(self.rows)) if i not in self._mem]
+        bar = progress_bar(None, total=len(todo), desc=desc, unit="row", disable=not progress)
+        t0 = time.time()
+        ntok = 0
+        for k in range(0, len(todo), self.WARM_ROWS):
+            idx = todo[k : k + self.WARM_ROWS]
+            rows = [self.rows[i] for i in idx]
+            budget = max(sum(len(r) for r in rows), 4096)
+            states = D.verifier_hidden_states_many(self.verifier, rows, self.aux, token_budget=budget)
+            for i, r, (aux, last) in zip(idx, rows, states):
+                self._mem[i] = D.eagle_shift(r, aux, last).to("cpu", self.store_dtype)
+                ntok += len(r)
+            bar.update(len(idx))
+            bar.set_postfix(tok_s=f"{ntok / max(time.time() - t0, 1e-9):.0f}")
+        bar.close()

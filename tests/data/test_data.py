@@ -476,6 +476,33 @@ def test_recomputed_hidden_states_of_a_step_come_from_one_batched_pass(rng, monk
         torch.testing.assert_close(ex.last_hidden, want.last_hidden, rtol=1e-12, atol=1e-12)
 
 
+def test_cache_warmed_in_batched_passes_equals_row_by_row(rng, monkeypatch):
+    """On a GPU, HiddenStates.warm fills the cache with one batched verifier pass per WARM_ROWS
+    rows: the same examples as computing each row alone (to float rounding), every row cached
+    once, the passes as many as the chunks. Run here on the CPU through the same method."""
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300).double()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(5)]
+    ids = [1, 2, 3]
+    cached = HiddenStates(model, ids, rows, cache=True, store_dtype=torch.float64, device=torch.device("cpu"))
+    cached.WARM_ROWS = 2
+    calls = []
+    real = D.verifier_hidden_states_many
+    monkeypatch.setattr(D, "verifier_hidden_states_many", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    cached.get(3)  # a row already cached is not computed again
+    calls.clear()
+    cached.device = torch.device("cuda")  # warm() batches for a GPU verifier (none is touched here)
+    cached.warm("test", progress=False)
+    assert calls == [2, 2] and sorted(cached._mem) == [0, 1, 2, 3, 4]
+    alone = HiddenStates(model, ids, rows, cache=False, store_dtype=torch.float64, device=torch.device("cpu"))
+    for i in range(len(rows)):
+        ex, want = cached.get(i), alone.get(i)
+        assert torch.equal(ex.input_ids, want.input_ids) and torch.equal(ex.loss_mask, want.loss_mask)
+        torch.testing.assert_close(ex.hidden, want.hidden, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ex.last_hidden, want.last_hidden, rtol=1e-12, atol=1e-12)
+
+
 def test_default_aux_layer_ids():
     assert D.default_aux_layer_ids(30) == [2, 15, 27]
     assert D.default_aux_layer_ids(5) == [2, 2, 2]
