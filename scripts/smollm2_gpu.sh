@@ -78,7 +78,7 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # (train --time-schedule) and the run ends there; 0: it decays over
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
-STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-240}  # s the next side-by-side training waits for the one before to tokenize
+STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-90}  # s at most that the next side-by-side training waits for the one before
 HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-32}  # host memory per training for the verifier's states (cached: no
                                    # verifier pass per step; the H200 host has 128 GB)
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
