@@ -380,12 +380,14 @@ def plot_k_sweep(sweep: list[dict], path, title: str = "") -> Path:
     if all(s is not None for s in sp):
         ax2 = ax.twinx()
         ax2.plot(ks, sp, "s--", color="tab:orange", label="speed-up vs greedy (tokens/s)")
+        ax2.axhline(1.0, color="tab:orange", lw=0.8, alpha=0.5, label="speed-up 1 (as fast as greedy)")
         ax2.set_ylabel("speed-up")
         l2 = ax2.get_legend_handles_labels()
         lines = (lines[0] + l2[0], lines[1] + l2[1])
-    ax.legend(*lines, fontsize=8, loc="upper left")
     ax.set_title(title or "P-EAGLE acceptance vs K")
-    fig.tight_layout()
+    # below the axes: inside them it covers points wherever the curves happen to lie
+    fig.legend(*lines, fontsize=8, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, dpi=110)

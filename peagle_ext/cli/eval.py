@@ -154,7 +154,8 @@ def run(args) -> int:
             plot_k_sweep(
                 report["k_sweep"],
                 plot,
-                f"{Path(str(args.verifier)).name} + P-EAGLE on {report['bench']} ({len(prompts)} prompts)",
+                f"{Path(str(args.verifier)).name} + P-EAGLE on {Path(str(report['bench'])).stem} "
+                f"({len(prompts)} prompts)",
             )
         )
     _print_summary(report)
