@@ -40,7 +40,8 @@
 #                        each with the states cached, ~66K recomputed each step (one batched pass)
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
-#                        1..8) 356 s, each other setting 138 s; HumanEval (164) ~2.5 min at one K
+#                        1..8, with the round profile) 356 s, each other setting 138 s with the profile
+#                        (which now runs with the K sweep only); HumanEval (164) ~2.5 min at one K
 #                        (EVAL_HE_SWEEP=), ~11 min for its sweep (estimates)
 #   consistency  313 s measured for 60 conversations and 30 decoded prompts (the eager fp32 verifier,
 #                        ~66 ms a forward on that host); the defaults (40, 15) take about half
@@ -302,7 +303,7 @@ eval_one() {  # setting bench K-args...
   mkdir -p "$WORK/eval"
   { timed timeout -s USR1 -k "$KILL_AFTER" "$EVAL_TIMEOUT" $PEAGLE eval --verifier "$VERIFIER" --draft "$draft" --bench "$src" \
     --num-prompts "$n" --max-new-tokens "$EVAL_TOKENS" --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs "$CUDA_GRAPHS" \
-    --quiet --profile "$@" --json "$WORK/eval/$name.tmp.json" || true; } 2>&1 | tail -25 | tee -a "$SUMMARY"
+    --quiet "$@" --json "$WORK/eval/$name.tmp.json" || true; } 2>&1 | tail -25 | tee -a "$SUMMARY"
   [ -f "$WORK/eval/$name.tmp.json" ] || { note "eval $name: failed (no report; the lines above say why)"; return 0; }
   mv "$WORK/eval/$name.tmp.json" "$WORK/eval/$name.json"
   [ -f "$WORK/eval/$name.tmp_k_sweep.png" ] && mv "$WORK/eval/$name.tmp_k_sweep.png" "$WORK/eval/${name}_k_sweep.png"
@@ -310,7 +311,8 @@ eval_one() {  # setting bench K-args...
 }
 
 eval_mtbench() {
-  for s in $EVAL_FULL; do eval_one "$s" mtbench --num-spec-tokens "$K" --k-sweep "1..$K"; done
+  # the round profile once: its eager passes cost about a minute an eval on the H200 host
+  for s in $EVAL_FULL; do eval_one "$s" mtbench --num-spec-tokens "$K" --k-sweep "1..$K" --profile; done
   for s in $SETTINGS; do
     [[ " $EVAL_FULL " == *" $s "* ]] && continue
     eval_one "$s" mtbench --num-spec-tokens "$EVAL_K"

@@ -88,6 +88,9 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     full = json.loads((ev / "L1-regen_mtbench.json").read_text())
     assert [s["num_spec_tokens"] for s in full["k_sweep"]] == [1, 2] and full["lossless"] and full["profile"]
     assert (ev / "L1-regen_mtbench_k_sweep.png").is_file()
+    # the round profile runs once, with the K sweep
+    for f in ("L1-orig_mtbench.json", "L1-regen_humaneval.json"):
+        assert "profile" not in json.loads((ev / f).read_text()), f
     md = (work / "out" / "results.md").read_text()
     assert "| L1-regen | mtbench | 2 |" in md and "L1-orig: step 4 (max steps), val loss" in md
     with tarfile.open(work / "out" / "results.tgz") as t:
