@@ -311,7 +311,7 @@ eval_one() {  # setting bench K-args...
 }
 
 eval_mtbench() {
-  # the round profile once: its eager passes cost about a minute an eval on the H200 host
+  # the round profile once: its eager passes cost up to a minute an eval on the H200 host
   for s in $EVAL_FULL; do eval_one "$s" mtbench --num-spec-tokens "$K" --k-sweep "1..$K" --profile; done
   for s in $SETTINGS; do
     [[ " $EVAL_FULL " == *" $s "* ]] && continue
