@@ -39,6 +39,13 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0 (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="conversations generated together (default 16)")
+    p.add_argument(
+        "--batch-tokens",
+        type=_opt_int,
+        default=None,
+        help="KV-cache tokens a batch holds at most: rows x (longest prompt + --max-new-tokens); lets "
+        "--batch-size be large for short prompts and keeps long ones inside memory (default: no bound)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto = bf16 on cuda, fp32 on cpu"
@@ -62,6 +69,9 @@ def run(args) -> int:
         raise ValueError(f"--output {out} is a directory, expected a JSONL file path")
     if args.num_conversations is not None and args.num_conversations < 1:
         raise ValueError(f"--num-conversations must be >= 1, got {args.num_conversations}")
+    for flag, v in (("--batch-size", args.batch_size), ("--batch-tokens", args.batch_tokens)):
+        if v is not None and v < 1:  # before the verifier loads
+            raise ValueError(f"{flag} must be >= 1, got {v}")
     if args.time_budget is not None and not args.time_budget > 0:
         raise ValueError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     device = torch.device(args.device)
@@ -82,6 +92,7 @@ def run(args) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens,
         turns=args.turns,
         seed=args.seed,
         eos_token_ids=eos_ids(model, tok),

@@ -16,8 +16,13 @@ conversation whose first prompt is already too long is written as {"index": i, "
 "skipped": reason}: data loaders skip a conversation with no exchange, and a resumed run knows it
 was handled.
 
-Batches: conversations sorted by prompt length, cut into groups of batch_size, every group
-generated together with left padding. The groups depend only on the data and the settings, so a
+Batches: conversations sorted by prompt length, cut into groups of at most batch_size, every group
+generated together with left padding. With batch_tokens a group also holds at most that many
+tokens of KV cache: size x (its longest first prompt + max_new_tokens), or size x max_length with
+turns="all" (a later turn's prompt grows up to it). Generation of a small verifier is bound by the
+host's per-step launches, not the GPU, so a step of many rows costs about what a step of few does:
+large groups of short prompts are nearly free throughput, and the token bound keeps the groups of
+long prompts inside memory. The groups depend only on the data and the settings, so a
 resumed run (which redoes every group that is not completely written, and writes only the lines
 missing) produces the same file as an uninterrupted one, also when sampling (each group draws
 from a generator seeded by (seed, group)).
@@ -143,6 +148,7 @@ def regenerate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     batch_size: int = 16,
+    batch_tokens: int | None = None,
     turns: str = "first",
     seed: int = 0,
     eos_token_ids=None,
@@ -151,12 +157,15 @@ def regenerate(
 ) -> DatagenStats:
     """Write the conversations with regenerated assistant turns to `output` (module docstring),
     appending to what an earlier run wrote there. time_budget_s: start no new group after that
-    many seconds (the rest is left for a resumed run)."""
+    many seconds (the rest is left for a resumed run). batch_tokens: the KV-cache tokens a group
+    may hold (module docstring; None = batch_size alone decides)."""
     for name, v, lo in (("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1), ("seed", seed, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= max_new_tokens:
         raise ValueError(f"max_length must be an int > max_new_tokens ({max_new_tokens}), got {max_length!r}")
+    if batch_tokens is not None and (isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1):
+        raise ValueError(f"batch_tokens must be None or an int >= 1, got {batch_tokens!r}")
     if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
@@ -175,7 +184,8 @@ def regenerate(
     parts = [_split_turns(c) for c in conversations]
     first_len = [len(_render_ids(tokenizer, s + [{"role": "user", "content": u[0]}])) for s, u in parts]
     order = sorted(range(len(conversations)), key=lambda i: (first_len[i], i))
-    groups = [order[g : g + batch_size] for g in range(0, len(order), batch_size)]
+    per_row = (lambda i: max_length) if turns == "all" else (lambda i: min(first_len[i] + max_new_tokens, max_length))
+    groups = make_groups(order, per_row, batch_size, batch_tokens)
     todo = [(gi, grp) for gi, grp in enumerate(groups) if any(i not in done for i in grp)]
     st.remaining = sum(1 for _, grp in todo for i in grp if i not in done)
     from tqdm import tqdm
@@ -211,6 +221,25 @@ def regenerate(
     bar.close()
     st.seconds = time.perf_counter() - t0
     return st
+
+
+def make_groups(order: list[int], row_tokens, batch_size: int, batch_tokens: int | None) -> list[list[int]]:
+    """Consecutive runs of `order` of at most batch_size indices whose size x the largest
+    row_tokens(i) among them is at most batch_tokens (a row over the bound alone makes a group of
+    one). `order` ascends in row_tokens, so the last index added is the group's largest."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    widest = 0
+    for i in order:
+        w = max(widest, row_tokens(i))
+        if cur and (len(cur) == batch_size or (batch_tokens is not None and (len(cur) + 1) * w > batch_tokens)):
+            groups.append(cur)
+            cur, w = [], row_tokens(i)
+        cur.append(i)
+        widest = w
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def _regenerate_group(model, tokenizer, items, st: DatagenStats, *, max_length, all_turns, **gen) -> list[dict]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from peagle_ext.data import DataError, load_conversations
-from peagle_ext.data.datagen import read_done_indices, regenerate
+from peagle_ext.data.datagen import make_groups, read_done_indices, regenerate
 from peagle_ext.serving import Verifier, greedy_generate
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
 from tests.helpers import ROOT, run_cli
@@ -72,6 +72,70 @@ def test_answers_are_the_verifiers_greedy_continuations(setup, tmp_path, turns):
     # the file is training data as it stands
     loaded = load_conversations(str(out))
     assert len(loaded) == len(convs)
+
+
+def _groups_by_hand(order, tokens, batch_size, batch_tokens):
+    """Every group of the same cut, grown one index at a time from a fresh start."""
+    groups, start = [], 0
+    while start < len(order):
+        end = start + 1  # a row over the bound still gets a group of its own
+        while end < len(order) and end - start < batch_size:
+            size, widest = end + 1 - start, max(tokens[i] for i in order[start : end + 1])
+            if batch_tokens is not None and size * widest > batch_tokens:
+                break
+            end += 1
+        groups.append(order[start:end])
+        start = end
+    return groups
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_groups_hold_at_most_batch_size_rows_and_batch_tokens(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(0, 60, (1,), generator=g))
+    tokens = torch.randint(1, 50, (n,), generator=g).tolist()
+    order = sorted(range(n), key=lambda i: (tokens[i], i))
+    batch_size = int(torch.randint(1, 9, (1,), generator=g))
+    for batch_tokens in (None, 1, 49, 120, 10_000):
+        groups = make_groups(order, tokens.__getitem__, batch_size, batch_tokens)
+        assert groups == _groups_by_hand(order, tokens, batch_size, batch_tokens), (batch_size, batch_tokens)
+        assert [i for grp in groups for i in grp] == order
+        for grp in groups:
+            assert 1 <= len(grp) <= batch_size
+            if batch_tokens is not None and len(grp) > 1:
+                assert len(grp) * max(tokens[i] for i in grp) <= batch_tokens
+    assert make_groups(list(range(10)), lambda i: 5, 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert make_groups(list(range(5)), lambda i: 5, 4, 10) == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize("turns", ["first", "all"])
+def test_batch_tokens_cuts_groups_and_keeps_the_answers(setup, tmp_path, turns):
+    _, data, tok, model = setup
+    convs = load_conversations(str(data))
+    kw = dict(max_new_tokens=7, max_length=400, turns=turns, progress=False)
+    ref = tmp_path / "ref.jsonl"
+    regenerate(model, tok, convs, ref, batch_size=1, **kw)
+    lens = sorted(
+        len(tok(tok.apply_chat_template(c[:1], tokenize=False, add_generation_prompt=True))["input_ids"]) for c in convs
+    )
+    per_row = 400 if turns == "all" else lens[-1] + 7
+    bounded = tmp_path / "bounded.jsonl"
+    calls = []
+    real = model.generate
+
+    def counted(**a):
+        calls.append(a["input_ids"].shape[0])
+        return real(**a)
+
+    model.generate = counted
+    try:
+        regenerate(model, tok, convs, bounded, batch_size=len(convs), batch_tokens=3 * per_row, **kw)
+    finally:
+        del model.generate
+    assert _records(bounded) == _records(ref)  # float64: the grouping changes no answer
+    assert max(calls) <= 3 and sum(calls[:3]) >= len(convs) // 2  # the bound, not batch_size, cut the groups
+    with pytest.raises(ValueError, match="batch_tokens"):
+        regenerate(model, tok, convs, tmp_path / "x.jsonl", batch_tokens=0, **kw)
 
 
 def test_too_long_prompts_are_skipped_and_recorded(setup, tmp_path):
@@ -162,3 +226,7 @@ def test_bad_input(setup, tmp_path):
     assert not (tmp_path / "o.jsonl").exists()
     r = run_cli([*base, "--data", str(data), "--output", str(tmp_path)])
     assert r.returncode == 2 and "is a directory" in r.stderr
+    for flag in ("--batch-tokens", "--batch-size"):
+        r = run_cli([*base, "--data", str(data), "--output", str(tmp_path / "o.jsonl"), flag, "0"])
+        assert r.returncode == 2 and f"{flag} must be >= 1" in r.stderr and "Traceback" not in r.stderr
+        assert not (tmp_path / "o.jsonl").exists()
