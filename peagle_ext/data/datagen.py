@@ -164,7 +164,8 @@ def regenerate(
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= max_new_tokens:
         raise ValueError(f"max_length must be an int > max_new_tokens ({max_new_tokens}), got {max_length!r}")
-    if batch_tokens is not None and (isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1):
+    bad_bound = isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1
+    if batch_tokens is not None and bad_bound:
         raise ValueError(f"batch_tokens must be None or an int >= 1, got {batch_tokens!r}")
     if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
