@@ -14,6 +14,10 @@ tokens), on every scored chain (peagle_ext.serving.teacher_forced):
 and, on the verifier's own greedy continuations of the same conversations' first user turns
 (--gen-tokens new tokens), what decoding meets on training-distribution prompts:
   greedy_tf   teacher-forced rounds on that text (unconditional per-position correctness)
+  greedy_tf_conditional  the same rounds' conditional per-position acceptance (every anchor)
+  greedy_tf_walk  of those rounds, the ones decoding runs (serving.decoding_rounds): the gap to
+              greedy_tf_conditional is which anchors decoding meets, the gap to decode is the
+              numerics of decoding's cached forwards (none in exact arithmetic)
   decode      speculative decoding of those prompts (conditional per-position acceptance)
 
 python tools/consistency.py --draft runs/smollm2/final [--verifier smollm2] [--data sharegpt]
@@ -47,6 +51,7 @@ from peagle_ext.serving import (  # noqa: E402
     PEagleDrafter,
     Verifier,
     acceptance_stats,
+    decoding_rounds,
     greedy_generate,
     scored_chains_layout,
     speculative_generate,
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
         cover_all += int(sc.sum())
         print(f"[{ci + 1}/{len(convs)}] {n} tokens; tf_full d0 so far {tf_c[0] / max(tf_t[0], 1):.3f}", flush=True)
     eos = eos_ids(model, tok)
-    g_acc, d_acc = [], []
+    g_acc, w_acc, d_acc = [], [], []
     g_c, g_t = z, z
     for conv in convs[: args.gen_prompts]:
         text = tok.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
@@ -137,6 +142,7 @@ def main(argv=None) -> int:
         r = teacher_forced_rounds(v, dr, full, k, scored=torch.arange(full.numel()) >= len(prompt))
         g_c, g_t = _add(g_c, r.correct), _add(g_t, r.total)
         g_acc += r.accepted
+        w_acc += decoding_rounds(r.accepted)
         d_acc += speculative_generate(v, dr, prompt, k, args.gen_tokens, eos_token_id=eos).accepted
     rep = {
         "draft": str(args.draft),
@@ -149,6 +155,8 @@ def main(argv=None) -> int:
         "in_vocab": cover_hit / cover_all if cover_all else None,
         "greedy_tf": _ratio(g_c, g_t),
         "greedy_tf_conditional": acceptance_stats(g_acc, k)["per_position_acceptance"],
+        "greedy_tf_walk": acceptance_stats(w_acc, k)["per_position_acceptance"],
+        "greedy_tf_walk_acceptance_length": acceptance_stats(w_acc, k)["acceptance_length"],
         "decode": acceptance_stats(d_acc, k)["per_position_acceptance"],
         "decode_acceptance_length": acceptance_stats(d_acc, k)["acceptance_length"],
         "wall_s": time.time() - t0,
@@ -158,7 +166,7 @@ def main(argv=None) -> int:
         return " ".join("  n/a" if x is None else f"{x:.3f}" for x in xs) if xs else "-"
 
     print(f"\nheld-out: {rep['held_out']}; per position k = 1..{k} (validation depth k-1)")
-    for key in ("val_fp32", "val_amp", "tf_full", "greedy_tf", "greedy_tf_conditional", "decode"):
+    for key in ("val_fp32", "val_amp", "tf_full", "greedy_tf", "greedy_tf_conditional", "greedy_tf_walk", "decode"):
         print(f"  {key:<22} {f(rep[key])}")
     print(f"  in_vocab (verifier's choice inside the draft vocab): {rep['in_vocab']:.3f}")
     if args.json:

@@ -22,7 +22,7 @@ from .decode import (
     speculative_generate,
 )
 from .drafter import Drafter, PEagleDrafter
-from .teacher_forced import TeacherForcedResult, scored_chains_layout, teacher_forced_rounds
+from .teacher_forced import TeacherForcedResult, decoding_rounds, scored_chains_layout, teacher_forced_rounds
 from .verifier import Verifier
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "PEagleDrafter",
     "Verifier",
     "TeacherForcedResult",
+    "decoding_rounds",
     "scored_chains_layout",
     "teacher_forced_rounds",
 ]

@@ -120,6 +120,23 @@ def teacher_forced_rounds(
     return res
 
 
+def decoding_rounds(accepted: list[int]) -> list[int]:
+    """The rounds greedy speculative decoding runs to generate a text, taken from the
+    teacher-forced rounds `accepted` of teacher_forced_rounds over prompt + the verifier's greedy
+    continuation, the continuation scored (one round per anchor, the first at the prompt's last
+    token, the last where the bonus token is the text's last): the first round at the first
+    anchor, each next one past the accepted drafts and the bonus token, none at the last anchor
+    (its drafts lie past the text, and decoding has the whole text by then). Teacher-forced
+    rounds run at every anchor, decoding only where a round ends, and a round tends to end where
+    drafting is hard, so the two conditional acceptances differ by this selection alone; these
+    rounds are decoding's, without the numerics of its cached forwards."""
+    out, i = [], 0
+    while i < len(accepted) - 1:
+        out.append(int(accepted[i]))
+        i += int(accepted[i]) + 1
+    return out
+
+
 def scored_chains_layout(example, num_depths: int):
     """The CodLayout of exactly the chains teacher_forced_rounds scores on a shifted one-document
     example (peagle_ext.data.eagle_shift): depth 0 at every position (the symmetric-mode stream),

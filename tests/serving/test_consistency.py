@@ -18,7 +18,7 @@ from peagle_ext.data import PackedSequence, eagle_shift, load_conversations, tok
 from peagle_ext.data import verifier_hidden_states as hidden_states
 from peagle_ext.model import PEagleDraftModel
 from peagle_ext.serving import PEagleDrafter, Verifier, acceptance_stats, greedy_generate, speculative_generate
-from peagle_ext.serving.teacher_forced import scored_chains_layout, teacher_forced_rounds
+from peagle_ext.serving.teacher_forced import decoding_rounds, scored_chains_layout, teacher_forced_rounds
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,12 +144,22 @@ def test_teacher_forced_rounds_on_greedy_text_are_decoding(trained):
         for a, acc in zip(anchors, s.accepted):
             i = a - len(prompt) + 1
             assert r.accepted[i] == min(acc, n_new - 1 - i), (i, r.accepted[i], acc)
+        # the same rounds, walked from the teacher-forced ones alone
+        walked = decoding_rounds(r.accepted)
+        assert walked == [min(acc, n_new - 1 - (a - len(prompt) + 1)) for a, acc in zip(anchors, s.accepted)]
         tf_acc += r.accepted
         dec_acc += s.accepted
     st_tf = acceptance_stats(tf_acc, K)
     st_dec = acceptance_stats(dec_acc, K)
     print(st_tf["per_position_acceptance"], st_dec["per_position_acceptance"])
     assert abs(st_tf["per_position_acceptance"][0] - st_dec["per_position_acceptance"][0]) < 0.15, (st_tf, st_dec)
+
+
+def test_decoding_rounds_walk_past_each_accepted_run():
+    assert decoding_rounds([]) == [] and decoding_rounds([1]) == []  # one token: the prefill's
+    assert decoding_rounds([0, 0, 0]) == [0, 0]  # the last anchor drafts past the text
+    assert decoding_rounds([2, 9, 9, 1, 9, 0, 0]) == [2, 1, 0]  # anchors 0, 3, 5
+    assert decoding_rounds([2, 0, 0]) == [2]  # the first round reaches the text's end
 
 
 def test_teacher_forced_bad_input(trained):
