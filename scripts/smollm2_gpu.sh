@@ -26,36 +26,34 @@
 #                        + GGUF join and conversion (45-48 s measured)
 #   data         7-8 s   measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
 #   datagen      DATAGEN_SECONDS + ~35 s of start: HF generate, <= 256 new tokens, first turn; measured
-#                        at batch 512: 9,006 new tokens/s alone (7,168 conversations in 146 s), 8,836
-#                        beside a training, so ~17K conversations took ~5 min; batch 2048 (bounded by
-#                        DATAGEN_BATCH_TOKENS) is not measured yet (the file is usable at any point and
-#                        a later call continues it)
+#                        at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new tokens/s alone
+#                        (14,336 conversations in 147 s; the 2,856 longest prompts need ~40 s more),
+#                        9,006 at batch 512 (the file is usable at any point and a later call continues it)
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
-#                        template, forked over the cores: 36 s from start to the first step alone (16.5K
-#                        conversations, verifier load included); three trainings tokenizing 7K each at
-#                        once took 229 s, so side-by-side settings start one after another (each waits
-#                        for the one before to log its data, at most STAGGER_TIMEOUT). The verifier's
-#                        states are cached in host memory (HIDDEN_CACHE_GB, one batched pass per 16
-#                        rows). Measured with batch 8 x 2048, three settings side by side: ~86K tokens/s
-#                        each with the states cached, ~66K recomputed each step (one batched pass)
+#                        template, forked over the cores: 1.8 s for 14K conversations; three trainings
+#                        tokenizing at once took 229 s, so side-by-side settings start one after another
+#                        (each waits for the one before to log its data, at most STAGGER_TIMEOUT). The
+#                        verifier's states are cached in host memory (HIDDEN_CACHE_GB, one batched pass
+#                        per 16 rows: 42 s for 1,873 rows). Measured with batch 16 x 2048, two settings
+#                        side by side: ~115K tokens/s each, ~1,050 steps in 7 minutes
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
-#                        1..8, with the round profile) 356 s, each other setting 138 s with the profile
-#                        (which now runs with the K sweep only); HumanEval (164) ~2.5 min at one K
-#                        (EVAL_HE_SWEEP=), ~11 min for its sweep (estimates)
-#   consistency  313 s measured for 60 conversations and 30 decoded prompts (the eager fp32 verifier,
-#                        ~66 ms a forward on that host); the defaults (40, 15) take about half
-# A useful study needs ~26 min of GPU: setup + data 2 min, datagen 3 min, three settings side by side
-# for 7 min, MT-Bench 10.5 min, consistency 2.5 min; HumanEval at one K 2.5 min more.
+#                        1..8, with the round profile) 343 s, each other setting 85 s at one K;
+#                        HumanEval (164) 131 s at one K (EVAL_HE_SWEEP=), ~10 min for its sweep (estimate)
+#   consistency  152 s measured with the defaults (40 conversations, 15 decoded prompts; the eager fp32
+#                        verifier, ~66 ms a forward on that host)
+# A whole study measured 1,349 s (22.5 min) after setup + data (1 min) and the build (1 min): datagen
+# 3 min, two settings side by side 7.5 min, MT-Bench 7.1 min, consistency 2.5 min, HumanEval at one K 2.2 min.
 #
 # On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
 # bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
 # machine; the long phases run with --detach (they outlast a call) and `wait` follows them:
 #   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
-#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (joins the GGUF), then
-#      DATAGEN_SECONDS=140 TRAIN_MINUTES=6 EVAL_HE_SWEEP= `... --detach study` and `... wait`
+#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (joins the GGUF), then BATCH=16
+#      DATAGEN_SECONDS=120 TRAIN_MINUTES=7 SETTINGS="1:regen 2:regen" EVAL_K=3 EVAL_HE_SWEEP=
+#      `... --detach study` and `... wait`
 #   3. and later calls, back to back: `... wait` until it says the detached run has ended
 set -euo pipefail
 cd "$(dirname "$0")/.."
