@@ -102,6 +102,7 @@ CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversat
 CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-15}  # of them decoded (eager, fp32: ~8 s each on the H200)
 EVAL_FULL=${EVAL_FULL:-"1:regen"}  # settings evaluated on both benches with the K sweep
 EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
+EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
@@ -314,7 +315,7 @@ eval_one() {  # setting bench K-args...
 
 eval_mtbench() {
   # the round profile once: its eager passes cost up to a minute an eval on the H200 host
-  for s in $EVAL_FULL; do eval_one "$s" mtbench --num-spec-tokens "$K" --k-sweep "1..$K" --profile; done
+  for s in $EVAL_FULL; do eval_one "$s" mtbench --num-spec-tokens "${EVAL_SWEEP##*[.,]}" --k-sweep "$EVAL_SWEEP" --profile; done
   for s in $SETTINGS; do
     [[ " $EVAL_FULL " == *" $s "* ]] && continue
     eval_one "$s" mtbench --num-spec-tokens "$EVAL_K"

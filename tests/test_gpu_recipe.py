@@ -115,7 +115,9 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     work = tmp_path / "work"
     assert _run(bundle, work, "setup", "data").returncode == 0
     settings = "1:orig 1:origfirst 1:regen"
-    r = _run(bundle, work, "--detach", "study", DATAGEN_SECONDS="60", TRAIN_MINUTES="5", SETTINGS=settings)
+    r = _run(
+        bundle, work, "--detach", "study", DATAGEN_SECONDS="60", TRAIN_MINUTES="5", SETTINGS=settings, EVAL_SWEEP="1"
+    )
     assert r.returncode == 0 and "detached: study" in r.stdout, r.stderr[-2000:]
     again = _run(bundle, work, "--detach", "study")
     assert again.returncode == 2 and "still going" in again.stderr
@@ -124,7 +126,8 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     r = _run(bundle, work, "wait", OUT=str(out), WAIT_SECONDS="900", SETTINGS=settings)
     assert r.returncode == 0 and "the detached run has ended" in r.stdout, r.stdout[-3000:]
     md = (out / "results.md").read_text()
-    assert "| L1-regen | mtbench |" in md and "| L1-orig | mtbench | 2 |" in md
+    assert "| L1-regen | mtbench | 1 |" in md and "| L1-orig | mtbench | 2 |" in md
+    assert "| L1-regen | mtbench | 2 |" not in md  # EVAL_SWEEP=1: the sweep of EVAL_FULL is K=1 alone
     assert "| L1-origfirst | mtbench | 2 |" in md
     # origfirst: the regenerated conversations' prompts, each with its original first answer
     src = [json.loads(x)["messages"] for x in open(work / "data" / "train.jsonl")]
