@@ -20,9 +20,9 @@ Batches: conversations sorted by prompt length, cut into groups of at most batch
 generated together with left padding. With batch_tokens a group also holds at most that many
 tokens of KV cache: size x (its longest first prompt + max_new_tokens), or size x max_length with
 turns="all" (a later turn's prompt grows up to it). Generation of a small verifier is bound by the
-host's per-step launches, not the GPU, so a step of many rows costs about what a step of few does:
-large groups of short prompts are nearly free throughput, and the token bound keeps the groups of
-long prompts inside memory. The groups depend only on the data and the settings, so a
+host's per-step launches more than by the GPU, so a step of four times the rows costs far less than
+four times as much: large groups of short prompts are cheap throughput, and the token bound keeps
+the groups of long prompts inside memory. The groups depend only on the data and the settings, so a
 resumed run (which redoes every group that is not completely written, and writes only the lines
 missing) produces the same file as an uninterrupted one, also when sampling (each group draws
 from a generator seeded by (seed, group)).
