@@ -27,7 +27,7 @@
 #   data         7-8 s   measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
 #   datagen      DATAGEN_SECONDS + ~35 s of start: HF generate, <= 256 new tokens, first turn; measured
 #                        at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new tokens/s alone
-#                        (14,336 conversations in 147 s; the 2,856 longest prompts need ~40 s more),
+#                        (14,336 conversations in 147 s; a 120 s budget left the 2,856 longest prompts),
 #                        9,006 at batch 512 (the file is usable at any point and a later call continues it)
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
