@@ -352,7 +352,94 @@ def profile_rounds(
             lambda p: greedy_generate(verifier, p, max_new_tokens, eos_token_id=eos_token_id, engine=greedy_engine)
         )
         out["greedy_engine_step_ms"] = 1e3 * sec / max(tok, 1)
+    if engine is not None and greedy_engine is not None and verifier.device.type == "cuda":
+        out["kernels"] = kernel_breakdown(engine, greedy_engine)
     return out
+
+
+# kernel classes of a decoding step, by a name fragment (lower case; the first class that matches)
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "attention", "efficient")),  # before gemm: fmha_cutlass* is attention
+    ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "splitk", "cublas")),
+    ("parallel draft", ("parallel_draft",)),
+    ("reduce", ("reduce", "norm", "argmax", "cumprod", "scan", "softmax")),
+    ("copy / index", ("copy", "cat", "index", "gather", "scatter", "fill", "where")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+# profiler rows that are runtime calls or transfers, not kernels of the step
+_NOT_KERNELS = ("cudaGraph", "cudaStream", "cudaDevice", "Memcpy DtoH", "Activity Buffer")
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, frags in KERNEL_CLASSES:
+        if any(f in low for f in frags):
+            return cls
+    return "other"
+
+
+def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: int = 8, top: int = 12) -> dict:
+    """Device time of one engine round and of one engine greedy step, by kernel class (KERNEL_CLASSES)
+    and by kernel name (the `top` names that the round spends most on beyond the greedy step), from
+    torch.profiler over `replays` steps of each from position 0 (made-up tokens: the kernels and their
+    shapes are those of decoding; no output is read). Only on a CUDA device. Each engine is left at a
+    state that the next decode's begin() replaces."""
+    from torch.profiler import ProfilerActivity, profile
+
+    k = engine.k
+    # every replay moves a round at most K + 1 positions on; stay inside both capacities
+    r_round = max(1, min(replays, engine.capacity // (k + 1) - 3))
+    r_greedy = max(1, min(replays, greedy_engine.capacity - 2))
+    dev = engine.verifier.device
+    zeros = torch.zeros(k + 1, dtype=torch.long, device=dev)
+
+    def by_name(run, n):
+        torch.cuda.synchronize(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(n)
+            torch.cuda.synchronize(dev)
+        times = {}
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0.0)
+            if t > 0 and not e.key.startswith(_NOT_KERNELS):
+                times[e.key] = times.get(e.key, 0.0) + t / n  # us per replay
+        return times
+
+    def rounds(n):
+        engine.begin(zeros, 0, torch.zeros_like(engine.aux), zeros[:1], 0)
+        for _ in range(n):
+            engine.step()
+
+    def steps(n):
+        greedy_engine.begin(0, 0)
+        for _ in range(n):
+            greedy_engine.step()
+
+    rnd, stp = by_name(rounds, r_round), by_name(steps, r_greedy)
+
+    def classes(times):
+        out = {}
+        for name, t in times.items():
+            c = kernel_class(name)
+            out[c] = out.get(c, 0.0) + t
+        return {c: round(t, 2) for c, t in sorted(out.items(), key=lambda x: -x[1])}
+
+    diff = {n: rnd.get(n, 0.0) - stp.get(n, 0.0) for n in set(rnd) | set(stp)}
+    return {
+        "replays": {"round": r_round, "greedy_step": r_greedy},
+        "round_us": round(sum(rnd.values()), 2),
+        "greedy_step_us": round(sum(stp.values()), 2),
+        "round_kernels": len(rnd),
+        "round_us_by_class": classes(rnd),
+        "greedy_step_us_by_class": classes(stp),
+        "round_minus_greedy_top_us": {
+            n[:120]: round(t, 2) for n, t in sorted(diff.items(), key=lambda x: -x[1])[:top] if t > 0
+        },
+    }
 
 
 def fmt(x, nd=1):

@@ -227,6 +227,15 @@ def print_profile(p: dict, device: str):
     if "greedy_engine_step_ms" in p:
         line += f"; engine greedy step {p['greedy_engine_step_ms']:.3f} ms/token"
     print(line)
+    kern = p.get("kernels")
+    if kern:
+        print(
+            f"    device time: engine round {kern['round_us']:.0f} us ("
+            + ", ".join(f"{c} {t:.0f}" for c, t in kern["round_us_by_class"].items())
+            + f"), greedy step {kern['greedy_step_us']:.0f} us ("
+            + ", ".join(f"{c} {t:.0f}" for c, t in kern["greedy_step_us_by_class"].items())
+            + ")"
+        )
     step = p.get("greedy_engine_step_ms", p["greedy_step_ms"])
     rnd = p.get("engine_round_ms", p["round_ms"])
     print(

@@ -255,3 +255,40 @@ def test_cli_eval_profile_and_verifier_impl(vdir, tmp_path):
     assert hf["verifier_impl"] == "Verifier" and "profile" not in hf
     # the same tokens whichever verifier runs them (float32: equal up to near-ties, none here)
     assert [p["accepted_per_round"] for p in hf["prompts"]] == [p["accepted_per_round"] for p in rep["prompts"]]
+
+
+def test_kernel_class_names():
+    from peagle_ext.eval import kernel_class
+
+    assert kernel_class("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNN") == "gemm"
+    assert kernel_class("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>") == "gemm"
+    assert kernel_class("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(...)") == "attention"
+    assert kernel_class("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
+    assert kernel_class("void at::native::reduce_kernel<512, 1, ...ArgMaxOps...>") == "reduce"
+    assert kernel_class("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "copy / index"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert kernel_class("peagle_parallel_draft_kernel") == "parallel draft"
+    assert kernel_class("something_else") == "other"
+
+
+@requires_cuda
+def test_kernel_breakdown_of_graph_engines(vdir):
+    """Device time of a graph-replayed round and greedy step, by class; the engines still decode
+    exactly afterwards (begin() replaces the made-up state the profile leaves)."""
+    from peagle_ext.eval import kernel_breakdown
+
+    vm = _load(vdir, torch.bfloat16, "cuda")
+    dm = _drafter(vm, k=4, seed=5)
+    st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
+    dr = PEagleDrafter(dm, device="cuda", dtype=torch.bfloat16)
+    dr.reset(128)
+    eng, ge = RoundEngine(st, dr, 4, 128, cuda_graph=True), GreedyEngine(st, 128, cuda_graph=True)
+    p = _prompts(3)[0]
+    want = greedy_generate(st, p, 40).tokens
+    kb = kernel_breakdown(eng, ge, replays=6)
+    assert kb["replays"] == {"round": 6, "greedy_step": 6}
+    assert kb["round_us"] > kb["greedy_step_us"] > 0 and kb["round_kernels"] > 10
+    assert abs(sum(kb["round_us_by_class"].values()) - kb["round_us"]) < 0.1 * kb["round_us"] + 1
+    assert "gemm" in kb["round_us_by_class"] and kb["round_minus_greedy_top_us"]
+    assert speculative_generate(st, dr, p, 4, 40, engine=eng).tokens == want
+    assert greedy_generate(st, p, 40, engine=ge).tokens == want
