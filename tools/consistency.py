@@ -20,8 +20,13 @@ and, on the verifier's own greedy continuations of the same conversations' first
               numerics of decoding's cached forwards (none in exact arithmetic)
   decode      speculative decoding of those prompts (conditional per-position acceptance)
 
+The greedy continuations and the speculative decoding run on the decoding verifier of `peagle
+eval` (--verifier-impl; "auto": the fixed-shape StaticVerifier where the model supports it, with
+its engines, replayed as CUDA graphs on a GPU): the same tokens as the transformers forward, in a
+fraction of the time on a GPU.
+
 python tools/consistency.py --draft runs/smollm2/final [--verifier smollm2] [--data sharegpt]
-    [--skip 400] [--num-conversations 40] [--device cpu] [--amp] [--json out.json]
+    [--skip 400] [--num-conversations 40] [--device cpu] [--amp] [--verifier-impl auto] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from peagle_ext.data import (  # noqa: E402
     tokenize_conversation,
     verifier_hidden_states,
 )
-from peagle_ext.eval import eos_ids, resolve_draft_dir  # noqa: E402
+from peagle_ext.eval import build_engines, eos_ids, make_verifier, resolve_draft_dir  # noqa: E402
 from peagle_ext.model import PEagleDraftModel  # noqa: E402
 from peagle_ext.serving import (  # noqa: E402
     PEagleDrafter,
@@ -80,8 +85,19 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=None, help="K (default: the drafter's num_depths)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--amp", action="store_true", help="also measure val_amp (bf16 autocast)")
+    ap.add_argument(
+        "--verifier-impl",
+        default="auto",
+        choices=["auto", "static", "hf"],
+        help="the verifier of the greedy continuations and the decoding (as peagle eval; default auto)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    for name in ("num_conversations", "max_len", "gen_prompts", "gen_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.skip < 0:
+        ap.error(f"--skip must be >= 0, got {args.skip}")
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     t0 = time.time()
@@ -134,20 +150,31 @@ def main(argv=None) -> int:
     eos = eos_ids(model, tok)
     g_acc, w_acc, d_acc = [], [], []
     g_c, g_t = z, z
+    prompts = []
     for conv in convs[: args.gen_prompts]:
         text = tok.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
-        prompt = tok(text, add_special_tokens=False)["input_ids"][-(args.max_len // 2) :]
-        gen = greedy_generate(v, prompt, args.gen_tokens, eos_token_id=eos).tokens
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"][-(args.max_len // 2) :])
+    dec = make_verifier(model, aux_ids, args.verifier_impl)
+    # engines first, at the largest capacity: teacher_forced_rounds' smaller drafter.reset() then
+    # keeps the draft cache the engines captured
+    engines, greedy_engine = build_engines(dec, dr, [k], max(map(len, prompts), default=1) + args.gen_tokens, None)
+    for prompt in prompts:
+        gen = greedy_generate(dec, prompt, args.gen_tokens, eos_token_id=eos, engine=greedy_engine).tokens
         full = torch.tensor(prompt + gen)
         r = teacher_forced_rounds(v, dr, full, k, scored=torch.arange(full.numel()) >= len(prompt))
         g_c, g_t = _add(g_c, r.correct), _add(g_t, r.total)
         g_acc += r.accepted
         w_acc += decoding_rounds(r.accepted)
-        d_acc += speculative_generate(v, dr, prompt, k, args.gen_tokens, eos_token_id=eos).accepted
+        d_acc += speculative_generate(
+            dec, dr, prompt, k, args.gen_tokens, eos_token_id=eos, engine=engines.get(k)
+        ).accepted
     rep = {
         "draft": str(args.draft),
         "held_out": f"{args.data} conversations {args.skip}..{args.skip + len(convs) - 1}, <= {args.max_len} tokens",
         "num_spec_tokens": k,
+        "gen_tokens": args.gen_tokens,
+        "decoding_verifier": type(dec).__name__,
+        "cuda_graphs": bool(engines) and engines[k].graph is not None,
         "val_fp32": _ratio(val_c, val_t),
         "val_amp": _ratio(amp_c, amp_t) if vb is not None else None,
         "tf_full": _ratio(tf_c, tf_t),
