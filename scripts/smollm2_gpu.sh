@@ -25,7 +25,8 @@
 #   setup        ~100 s  build of the extension (41-47 s measured with PEAGLE_CUDA_ARCHS=90-real)
 #                        + GGUF join and conversion (45-48 s measured)
 #   data         7-8 s   measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
-#   datagen      DATAGEN_SECONDS + ~35 s of start: HF generate, <= 256 new tokens, first turn; measured
+#   datagen      DATAGEN_SECONDS + ~35 s of start: HF generate, <= 256 new tokens, first turn (and the
+#                        held-out conversations the same way, beside it); measured
 #                        at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new tokens/s alone
 #                        (14,336 conversations in 147 s; a 120 s budget left the 2,856 longest prompts),
 #                        9,006 at batch 512 (the file is usable at any point and a later call continues it)
@@ -41,8 +42,8 @@
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
 #                        1..8, with the round profile) 343 s, each other setting 85 s at one K;
 #                        HumanEval (164) 131 s at one K (EVAL_HE_SWEEP=), ~10 min for its sweep (estimate)
-#   consistency  152 s measured with the defaults (40 conversations, 15 decoded prompts; the eager fp32
-#                        verifier, ~66 ms a forward on that host)
+#   consistency  152 s measured with 40 conversations and 15 prompts decoded eagerly for 128 tokens; it now
+#                        decodes DATAGEN_TOKENS on the fp32 CUDA-graph engines (time not yet measured)
 # A whole study measured 1,349 s (22.5 min) after setup + data (1 min) and the build (1 min): datagen
 # 3 min, two settings side by side 7.5 min, MT-Bench 7.1 min, consistency 2.5 min, HumanEval at one K 2.2 min.
 #
@@ -99,7 +100,7 @@ DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced
-CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-15}  # of them decoded (eager, fp32: ~8 s each on the H200)
+CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-30}  # of them decoded (fp32, on the CUDA-graph engines)
 EVAL_FULL=${EVAL_FULL:-"1:regen"}  # settings evaluated on both benches with the K sweep
 EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
@@ -197,12 +198,27 @@ print(f"data: {len(convs) - hold} train, {hold} held-out conversations")
 EOF
 }
 
+datagen_args=()
+set_datagen_args() {
+  datagen_args=(--verifier "$VERIFIER" --device "$DEVICE" --dtype "$DTYPE" --max-new-tokens "$DATAGEN_TOKENS"
+    --max-length "$SEQ" --turns first --batch-size "$DATAGEN_BATCH" --batch-tokens "$DATAGEN_BATCH_TOKENS" --no-progress)
+}
+
 phase_datagen() {
-  local n=()
+  local n=() held rc=0
   [ "$DATAGEN_CONVERSATIONS" = all ] || n=(--num-conversations "$DATAGEN_CONVERSATIONS")
-  timed $PEAGLE datagen --verifier "$VERIFIER" --data "$DATA/train.jsonl" --output "$DATA/regen.jsonl" \
-    --device "$DEVICE" --dtype "$DTYPE" --max-new-tokens "$DATAGEN_TOKENS" --max-length "$SEQ" --turns first \
-    --batch-size "$DATAGEN_BATCH" --batch-tokens "$DATAGEN_BATCH_TOKENS" --time-budget "$DATAGEN_SECONDS" --no-progress "${n[@]}" | tee -a "$SUMMARY"
+  set_datagen_args
+  # the held-out conversations regenerated the same way, beside it (one batch, seconds): the
+  # consistency phase measures a regen drafter on its own training distribution with them
+  mkdir -p "$WORK/logs"
+  $PEAGLE datagen "${datagen_args[@]}" --data "$DATA/heldout.jsonl" --output "$DATA/heldout_regen.jsonl" \
+    > "$WORK/logs/datagen_heldout.log" 2>&1 &
+  held=$!
+  timed $PEAGLE datagen "${datagen_args[@]}" --data "$DATA/train.jsonl" --output "$DATA/regen.jsonl" \
+    --time-budget "$DATAGEN_SECONDS" "${n[@]}" | tee -a "$SUMMARY" || rc=$?
+  wait $held || note "datagen: the held-out conversations failed ($WORK/logs/datagen_heldout.log)"
+  tail -2 "$WORK/logs/datagen_heldout.log" | sed 's/^/[held-out] /' | tee -a "$SUMMARY"
+  return $rc
 }
 
 train_done() {  # final/ written by a run that was not stopped by its time budget (or ran on the clock)
@@ -342,8 +358,12 @@ phase_consistency() {
     local dir=$WORK/train/L${s%%:*}-${s##*:} name=L${s%%:*}-${s##*:}
     [ -f "$WORK/eval/consistency_$name.json" ] && continue
     [ -f "$dir/final/config.json" ] || continue
-    timed python3 tools/consistency.py --draft "$dir/final" --verifier "$VERIFIER" --data "$DATA/heldout.jsonl" \
-      --skip 0 --num-conversations "$CONSISTENCY_CONVERSATIONS" --gen-prompts "$CONSISTENCY_PROMPTS" --gen-tokens 128 --max-len 1024 --device "$DEVICE" --amp \
+    # the setting's own distribution: a regen drafter on the held-out prompts' regenerated
+    # answers, decoding as many tokens as datagen wrote; the others on the original conversations
+    local held=$DATA/heldout.jsonl gen=$EVAL_TOKENS
+    if [ "${s##*:}" = regen ] && [ -s "$DATA/heldout_regen.jsonl" ]; then held=$DATA/heldout_regen.jsonl gen=$DATAGEN_TOKENS; fi
+    timed python3 tools/consistency.py --draft "$dir/final" --verifier "$VERIFIER" --data "$held" \
+      --skip 0 --num-conversations "$CONSISTENCY_CONVERSATIONS" --gen-prompts "$CONSISTENCY_PROMPTS" --gen-tokens "$gen" --max-len 1024 --device "$DEVICE" --amp \
       --json "$WORK/eval/consistency_$name.json" | tail -12 | tee -a "$SUMMARY"
   done
 }
