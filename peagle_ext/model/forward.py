@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.cod import CodLayout
-from .layers import DraftLayer, rms_norm, rope_to
+from .layers import DraftLayer, folds_head_norm, norm_rope_to, rms_norm, rope_to
 from .partition import partitioned_forward_backward
 from .rows import LayerZeroRows, gather_distinct_rows, weighted_rows
 
@@ -137,24 +137,34 @@ class TrainingForward:
 
     def qkv(self, layer: DraftLayer, x, tok: PassTokens, *, l0, want_q=True):
         """q/k/v of the pass's tokens at `layer` (after RoPE), and the residual."""
+        attn = layer.self_attn
         if layer.first:
             emb, hid = l0
-            a_in, res_u = layer.pre_attention(emb, hid)
-            rows = tok.rows
-            q = rows.take(layer.self_attn.q(a_in)) if want_q else None
-            k, v = layer.self_attn.kv(a_in)
-            k, v = rows.take(k), rows.take(v)
-            res = rows.take(res_u)
+            a_in, res = layer.pre_attention(emb, hid)
         else:
             a_in, res = layer.pre_attention(x)
-            q = layer.self_attn.q(a_in) if want_q else None
-            k, v = layer.self_attn.kv(a_in)
+        # qwen3's q/k head norms: inside the RoPE kernel in a CUDA training step (no fp32 copy of
+        # q and k in memory), else here, before layer 0's rows are taken (N + 1 rows, not T)
+        fold = folds_head_norm(a_in, attn.k_norm)
+        if fold:
+            q = attn.q_heads(a_in) if want_q else None
+            k, v = attn.kv_heads(a_in)
+        else:
+            q = attn.q(a_in) if want_q else None
+            k, v = attn.kv(a_in)
+        if layer.first:
+            rows = tok.rows
+            q = rows.take(q) if q is not None else None
+            k, v, res = rows.take(k), rows.take(v), rows.take(res)
         # in fp32 (float64 stays float64), written in the attention's dtype; one fused kernel
-        # each way on the GPU (layers.rope_to)
+        # each way on the GPU (layers.rope_to, layers.norm_rope_to)
         dt = self.compute_dtype(k)
-        k = rope_to(k, tok.cos, tok.sin, dt)
-        if q is not None:
-            q = rope_to(q, tok.cos, tok.sin, dt)
+        if fold:
+            k = norm_rope_to(k, attn.k_norm, tok.cos, tok.sin, dt)
+            q = norm_rope_to(q, attn.q_norm, tok.cos, tok.sin, dt) if q is not None else None
+        else:
+            k = rope_to(k, tok.cos, tok.sin, dt)
+            q = rope_to(q, tok.cos, tok.sin, dt) if q is not None else None
         return q, k, v, res
 
     def run_layers(self, tok: PassTokens, l0, contexts=None, *, collect_kv=False, last_full=True, keep=None):

@@ -147,6 +147,30 @@ def rope_to(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.
     return rope_math(x, cos, sin, dtype)
 
 
+def norm_rope_math(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """apply_rope(weight * x / rms(x)) with bf16/fp16 inputs lifted to fp32 and one rounding to
+    `dtype` at the end: a per-head q/k norm and RoPE as one function (what norm_rope_to compiles)."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
+    return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype)).to(dtype)
+
+
+def folds_head_norm(x: torch.Tensor, norm: RMSNorm | None) -> bool:
+    """Whether a q/k head norm runs inside the RoPE kernel (norm_rope_to) for attention input x:
+    in a CUDA training step with fp32 norm weights, where the separate norm is torch's fused fp32
+    kernel whose fp32 [T, heads, D] output RoPE reads back."""
+    return norm is not None and x.is_cuda and norm.weight.dtype == torch.float32 and _training(x)
+
+
+def norm_rope_to(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
+    """RoPE of norm(x) in `dtype`, one compiled kernel each way (norm_rope_math), for the inputs
+    folds_head_norm accepts: the norm's fp32 output never goes to memory."""
+    return compiled("norm_rope", norm_rope_math, x, norm.weight, norm.eps, cos, sin, dtype)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, tl: PretrainedConfig, in_dim: int):
         super().__init__()
@@ -166,15 +190,21 @@ class DraftAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def q(self, x):
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        q = self.q_heads(x)
         return self.q_norm(q) if self.q_norm is not None else q
 
     def kv(self, x):
+        k, v = self.kv_heads(x)
+        return (self.k_norm(k) if self.k_norm is not None else k), v
+
+    def q_heads(self, x):
+        """q by head before the head norm."""
+        return self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+
+    def kv_heads(self, x):
+        """k and v by head before k's head norm."""
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return k, v
+        return k, self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
 
 class DraftMLP(nn.Module):

@@ -305,6 +305,40 @@ def test_sequence_partition_gradients_equal_single_pass(rng, mode, window, layer
             torch.testing.assert_close(g2[k], g1[k], rtol=2e-4, atol=2e-6 * float(g1[k].abs().max()) + 1e-9)
 
 
+@pytest.mark.parametrize("mode", ["symmetric", "cross"])
+def test_head_norms_folded_into_rope_give_the_same_step(rng, monkeypatch, mode):
+    """The training pass with qwen3's q/k head norms inside the RoPE function (as a CUDA training
+    step runs them, layer 0's rows taken before the norm) gives the loss, counts and gradients of
+    the pass that norms first (float64 parameters; the eager head norm takes its statistics in
+    fp32 as transformers' does, the folded one in float64: 1e-6 relative)."""
+    import peagle_ext.model.forward as fwd
+    from peagle_ext.model.layers import norm_rope_math
+
+    m = make_model(rng, layer_type="qwen3", num_layers=2, k=4, options=PEagleOptions(attention=mode)).double()
+    ex = make_example(rng, n=80, docs=(50, 30))
+    ex = dataclasses.replace(ex, hidden=ex.hidden.double(), last_hidden=ex.last_hidden.double())
+    lay = m.sample_layout(ex, seed=5)
+    results = []
+    for fold in (False, True):
+        calls = []
+        monkeypatch.setattr(fwd, "folds_head_norm", lambda x, norm, fold=fold: fold and norm is not None)
+        monkeypatch.setattr(
+            fwd,
+            "norm_rope_to",
+            lambda x, n, c, s, dt: calls.append(x.shape[0]) or norm_rope_math(x, n.weight, n.eps, c, s, dt),
+        )
+        m.zero_grad()
+        out = m.forward_backward(ex, lay)
+        assert bool(calls) == fold  # every layer's q and k went through it when folded
+        results.append((out, {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}))
+    (ref, g_ref), (got, g_got) = results
+    assert got["total"].tolist() == ref["total"].tolist() and got["correct"].tolist() == ref["correct"].tolist()
+    assert abs(got["loss_sum"] - ref["loss_sum"]) <= 1e-6 * abs(ref["loss_sum"])
+    assert set(g_got) == set(g_ref)
+    for k in g_ref:
+        torch.testing.assert_close(g_got[k], g_ref[k], rtol=1e-5, atol=1e-6 * float(g_ref[k].abs().max()))
+
+
 def test_loss_decreases_on_tiny_overfit(rng):
     m = make_model(rng, num_layers=1, k=3)
     ex = make_example(rng, n=64, docs=(64,))
@@ -573,6 +607,64 @@ def test_norm_and_silu_mul_math_round_once_and_compile_as_one_graph(rng):
             grads.append([t.grad.float().clone() for t in (x, w, g, u)])
         for a, b in zip(*grads):  # compiled backward == eager backward
             torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_math_is_fp32_norm_and_rope_rounded_once(rng, x_dtype):
+    """norm_rope_math (what a CUDA training step compiles for qwen3's q/k head norms and RoPE)
+    equals the float64 head norm and RoPE rounded once to bf16, and compiles as one dynamic-shape
+    graph whose gradients equal the eager ones (compiled here for the CPU backend)."""
+    from peagle_ext.model.layers import apply_rope, norm_rope_math
+
+    compiled = torch.compile(norm_rope_math, dynamic=True, fullgraph=True)
+    w = (torch.rand(64, generator=rng) + 0.5).requires_grad_()
+    for t, heads in ((37, 4), (90, 2)):  # two shapes: one dynamic graph
+        x = (3 * torch.randn(t, heads, 64, generator=rng)).to(x_dtype).requires_grad_()
+        ang = torch.rand(t, 1, 32, generator=rng) * 100
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        xd = x.double()
+        nd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+        want = apply_rope(nd, cos.double(), sin.double()).to(torch.bfloat16)
+        gy = torch.randn(t, heads, 64, generator=rng)
+        grads = []
+        for fn in (norm_rope_math, compiled):
+            x.grad = w.grad = None
+            y = fn(x, w, 1e-6, cos, sin, torch.bfloat16)
+            assert y.dtype == torch.bfloat16
+            assert float((y.float() - want.float()).abs().max()) <= 2**-7 * float(want.float().abs().max())
+            (y.float() * gy).sum().backward()
+            grads.append([x.grad.float().clone(), w.grad.clone()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-2)
+
+
+@requires_cuda
+def test_cuda_training_head_norms_fold_into_rope(rng):
+    """In a CUDA training step qwen3's q/k head norms run inside the RoPE kernel (norm_rope_to):
+    values and the gradients of the input and the norm weight against norm then rope_to; without
+    gradients the norm stays apart."""
+    from peagle_ext.model.layers import RMSNorm, folds_head_norm, norm_rope_to, rope_to
+
+    norm = RMSNorm(128, 1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(128, generator=rng) + 0.5)
+    x = (3 * torch.randn(600, 8, 128, generator=rng)).cuda().to(torch.bfloat16).requires_grad_()
+    ang = torch.rand(600, 1, 64, generator=rng).cuda() * 1000
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    gy = torch.randn(600, 8, 128, generator=rng).cuda()
+    assert folds_head_norm(x, norm)
+    with torch.no_grad():
+        assert not folds_head_norm(x, norm)
+    assert not folds_head_norm(x.detach().cpu(), norm.cpu()) and not folds_head_norm(x, None)
+    norm.cuda()
+    res = []
+    for fn in (norm_rope_to, lambda x, n, c, s, dt: rope_to(n(x), c, s, dt)):
+        x.grad = norm.weight.grad = None
+        y = fn(x, norm, cos, sin, torch.bfloat16)
+        (y.float() * gy).sum().backward()
+        res.append([y.float().detach(), x.grad.float().clone(), norm.weight.grad.clone()])
+    for got, ref in zip(*res):
+        assert float((got - ref).norm() / ref.norm()) < 1e-2
 
 
 def test_for_linears_off_the_gpu_is_the_norm_cast_as_linears_read_it(rng):
