@@ -322,11 +322,12 @@ def test_head_norms_folded_into_rope_give_the_same_step(rng, monkeypatch, mode):
     for fold in (False, True):
         calls = []
         monkeypatch.setattr(fwd, "folds_head_norm", lambda x, norm, fold=fold: fold and norm is not None)
-        monkeypatch.setattr(
-            fwd,
-            "norm_rope_to",
-            lambda x, n, c, s, dt: calls.append(x.shape[0]) or norm_rope_math(x, n.weight, n.eps, c, s, dt),
-        )
+
+        def folded(x, n, c, s, dt, calls=calls):
+            calls.append(x.shape[0])
+            return norm_rope_math(x, n.weight, n.eps, c, s, dt)
+
+        monkeypatch.setattr(fwd, "norm_rope_to", folded)
         m.zero_grad()
         out = m.forward_backward(ex, lay)
         assert bool(calls) == fold  # every layer's q and k went through it when folded
