@@ -177,3 +177,28 @@ def test_teacher_forced_bad_input(trained):
     r = teacher_forced_rounds(v, dr, torch.arange(5, 20), 2, scored=torch.zeros(15, dtype=torch.bool))
     assert r.total == [0, 0] and r.accepted == [] and r.accuracy == [None, None]
     json.dumps(r.__dict__)
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--num-conversations", "0"], "--num-conversations"),
+        (["--gen-tokens", "-1"], "--gen-tokens"),
+        (["--skip", "-3"], "--skip"),
+        (["--verifier-impl", "fast"], "--verifier-impl"),
+    ],
+)
+def test_consistency_tool_bad_arguments_exit_2(args, named):
+    """tools/consistency.py names a bad argument and exits 2 before it loads any model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run(
+        [sys.executable, str(root / "tools" / "consistency.py"), "--draft", "no/such/dir", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and named in p.stderr, p.stderr[-500:]
