@@ -21,6 +21,7 @@ template gets the user text as is.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -384,8 +385,9 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
     """Device time of one engine round and of one engine greedy step, by kernel class (KERNEL_CLASSES)
     and by kernel name (the `top` names that the round spends most on beyond the greedy step), from
     torch.profiler over `replays` steps of each from position 0 (made-up tokens: the kernels and their
-    shapes are those of decoding; no output is read). Only on a CUDA device. Each engine is left at a
-    state that the next decode's begin() replaces."""
+    shapes are those of decoding; no output is read), and the host wall time per replay of each
+    (begin() included, a few small copies). Only on a CUDA device. Each engine is left at a state
+    that the next decode's begin() replaces."""
     from torch.profiler import ProfilerActivity, profile
 
     k = engine.k
@@ -419,7 +421,18 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         for _ in range(n):
             greedy_engine.step()
 
+    def wall_us(run, n):
+        """Host wall time per replay, the device synchronised before and after: against the device
+        time it shows what the host adds (graph launch, the round's device -> host read)."""
+        run(1)  # the warm state of a replay
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        run(n)
+        torch.cuda.synchronize(dev)
+        return 1e6 * (time.perf_counter() - t) / n
+
     rnd, stp = by_name(rounds, r_round), by_name(steps, r_greedy)
+    round_wall, greedy_wall = wall_us(rounds, r_round), wall_us(steps, r_greedy)
 
     def classes(times):
         out = {}
@@ -433,6 +446,8 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         "replays": {"round": r_round, "greedy_step": r_greedy},
         "round_us": round(sum(rnd.values()), 2),
         "greedy_step_us": round(sum(stp.values()), 2),
+        "round_wall_us": round(round_wall, 2),
+        "greedy_step_wall_us": round(greedy_wall, 2),
         "round_kernels": len(rnd),
         "round_us_by_class": classes(rnd),
         "greedy_step_us_by_class": classes(stp),

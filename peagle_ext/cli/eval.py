@@ -234,7 +234,8 @@ def print_profile(p: dict, device: str):
             + ", ".join(f"{c} {t:.0f}" for c, t in kern["round_us_by_class"].items())
             + f"), greedy step {kern['greedy_step_us']:.0f} us ("
             + ", ".join(f"{c} {t:.0f}" for c, t in kern["greedy_step_us_by_class"].items())
-            + ")"
+            + f"); host wall per replay: round {kern['round_wall_us']:.0f} us, greedy step"
+            + f" {kern['greedy_step_wall_us']:.0f} us"
         )
     step = p.get("greedy_engine_step_ms", p["greedy_step_ms"])
     rnd = p.get("engine_round_ms", p["round_ms"])

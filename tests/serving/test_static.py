@@ -271,6 +271,42 @@ def test_kernel_class_names():
     assert kernel_class("something_else") == "other"
 
 
+def test_eval_profile_prints_the_kernel_breakdown(capsys):
+    """peagle eval's round profile prints the device time by class and the host wall time per
+    replay when the profile has a kernel breakdown (a GPU run), and no such line without it."""
+    from peagle_ext.cli.eval import print_profile
+
+    p = {
+        "num_spec_tokens": 3,
+        "prompts": 2,
+        "rounds": 40,
+        "acceptance_length": 1.6,
+        "parts_ms_per_round": {"verify": 3.0, "draft": 0.5},
+        "prefill_ms_per_prompt": 20.0,
+        "round_ms": 3.5,
+        "overhead_ms": 0.5,
+        "greedy_step_ms": 3.2,
+        "engine_round_ms": 3.8,
+        "engine_cuda_graph": True,
+        "greedy_engine_step_ms": 3.1,
+    }
+    print_profile(p, "cuda")
+    assert "device time" not in capsys.readouterr().out
+    p["kernels"] = {
+        "round_us": 3400.4,
+        "greedy_step_us": 2900.2,
+        "round_wall_us": 3700.0,
+        "greedy_step_wall_us": 3050.0,
+        "round_us_by_class": {"gemm": 2000.0, "attention": 1400.4},
+        "greedy_step_us_by_class": {"gemm": 1700.0, "attention": 1200.2},
+    }
+    print_profile(p, "cuda")
+    out = capsys.readouterr().out
+    assert "device time: engine round 3400 us (gemm 2000, attention 1400), greedy step 2900 us" in out
+    assert "host wall per replay: round 3700 us, greedy step 3050 us" in out
+    assert "a round costs 1.23 greedy steps" in out
+
+
 @requires_cuda
 def test_kernel_breakdown_of_graph_engines(vdir):
     """Device time of a graph-replayed round and greedy step, by class; the engines still decode
@@ -288,6 +324,8 @@ def test_kernel_breakdown_of_graph_engines(vdir):
     kb = kernel_breakdown(eng, ge, replays=6)
     assert kb["replays"] == {"round": 6, "greedy_step": 6}
     assert kb["round_us"] > kb["greedy_step_us"] > 0 and kb["round_kernels"] > 10
+    # the host waits for the device: wall time per replay is at least most of the device time
+    assert kb["round_wall_us"] > 0.8 * kb["round_us"] and kb["greedy_step_wall_us"] > 0.8 * kb["greedy_step_us"]
     assert abs(sum(kb["round_us_by_class"].values()) - kb["round_us"]) < 0.1 * kb["round_us"] + 1
     assert "gemm" in kb["round_us_by_class"] and kb["round_minus_greedy_top_us"]
     assert speculative_generate(st, dr, p, 4, 40, engine=eng).tokens == want
