@@ -405,11 +405,12 @@ def _to_cuda(ex: TrainingExample) -> TrainingExample:
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", ["symmetric", "cross"])
-def test_cuda_matches_cpu_and_partition_is_exact(rng, mode):
+@pytest.mark.parametrize("mode,layer_type", [("symmetric", "llama"), ("cross", "llama"), ("symmetric", "qwen3")])
+def test_cuda_matches_cpu_and_partition_is_exact(rng, mode, layer_type):
     """bf16 autocast on the GPU vs the fp32 CPU model on the same layout (the layout is sampled on
-    the CPU and moved), and segments on the GPU vs one pass on the GPU."""
-    m = make_model(rng, num_layers=2, k=4, options=PEagleOptions(attention=mode), head_dim=64)
+    the CPU and moved), and segments on the GPU vs one pass on the GPU; qwen3 with its head norms
+    inside the RoPE kernel on the GPU."""
+    m = make_model(rng, layer_type=layer_type, num_layers=2, k=4, options=PEagleOptions(attention=mode), head_dim=64)
     ex = make_example(rng, n=160, docs=(90, 60))
     lay = m.sample_layout(ex, seed=4)
     ref, gref = _metrics_and_grads(m, ex, lay)
