@@ -123,7 +123,8 @@ def greedy_generate(
 ) -> GreedyResult:
     """Plain greedy decoding with the KV cache, one token per forward (the baseline). engine: a
     GreedyEngine (serving/graphs.py) of this verifier: the steps after the prefill run on its
-    static buffers (as a CUDA graph when it holds one)."""
+    static buffers (as a CUDA graph when it holds one), and the prefill on the prompt padded to a
+    bucket when it has padded_prefill (its default with graphs)."""
     prompt = _as_prompt(prompt_ids, verifier.device)
     n = prompt.shape[0]
     _check_budget(verifier, n, max_new_tokens)
@@ -135,11 +136,14 @@ def greedy_generate(
     _sync(verifier.device)
     t0 = time.perf_counter()
     cache = engine.cache if engine is not None else verifier.new_cache(n + max_new_tokens)
-    logits, _ = verifier.forward(prompt, cache, 0, last_only=True)
-    tok = int(logits[-1].argmax())
+    if engine is not None and engine.padded_prefill:
+        tok = engine.prefill(prompt)
+    else:
+        logits, _ = verifier.forward(prompt, cache, 0, last_only=True)
+        tok = int(logits[-1].argmax())
+        if engine is not None:
+            engine.begin(tok, n)
     out = [tok]
-    if engine is not None:
-        engine.begin(tok, n)
     while len(out) < max_new_tokens and tok not in eos:
         if engine is not None:
             tok = engine.step()
@@ -187,8 +191,10 @@ def speculative_generate(
 
     profile=True also times the parts of every round (PROFILE_PARTS; synchronising the device
     around them, which costs a little on CUDA). engine: a RoundEngine (serving/graphs.py) for
-    this verifier, drafter and K: the prefill and the first round run part by part, every later
-    round in one engine step (one CUDA graph replay when the engine holds a graph)."""
+    this verifier, drafter and K: every round after the first in one engine step (one CUDA graph
+    replay when the engine holds a graph); the prefill and the first round too, as one step on the
+    prompt padded to a bucket, when the engine has padded_prefill (its default with graphs) and
+    profile is off, else part by part."""
     k = num_spec_tokens
     _check_spec_args(verifier, drafter, k)
     if engine is not None and (engine.k != k or engine.verifier is not verifier or engine.drafter is not drafter):
@@ -234,6 +240,16 @@ def speculative_generate(
             clock[part] += now - mark[0]
             mark[0] = now
 
+    if engine is not None and engine.padded_prefill and not profile:
+        # the prefill and the first round as one engine step, then the engine's rounds
+        host = engine.first_round(prompt)
+        out, done = _finish([host[1]], max_new_tokens, eos)
+        if not done:
+            out, done = take(host, out)
+        while not done:
+            out, done = take(engine.step(), out)
+        _sync(dev)
+        return SpecResult(out, n, time.perf_counter() - t0, k, accepted, None, None, None)
     with verifier.capturing():
         tick("accept")
         logits, aux = verifier.forward(prompt, cache, 0, last_only=True)

@@ -12,12 +12,23 @@ on the device, with no host sync, ending with one packed int tensor [a, verified
 that the host reads (the only device -> host copy of a round). With cuda_graph=True the engine
 captures round() once and replays it; otherwise (and on CPU) it runs round() eagerly, which is
 the same computation: the CPU tests check it against the general decoding loop token for token.
-The first round drafts from the whole prompt (its own shape, run eagerly); its verify half
-(`first_verify`: the verifier over bonus + K drafts, the acceptance, the next inputs) has the
-fixed shape and replays a graph of its own, so no eager verifier forward is left after prefill.
+The first round drafts from the whole prompt. Without padded prefill (below) the decoding loop
+runs the prefill and that draft eagerly, and the verify half (`first_verify`: the verifier over
+bonus + K drafts, the acceptance, the next inputs) replays a graph of its own.
 
 GreedyEngine is the same for plain greedy decoding (one token per step), so that the baseline
 decoding is timed with the same verifier forward and the same graph replay.
+
+With padded prefill (the default with CUDA graphs) the prefill, and for a RoundEngine the whole
+first round (prefill, the draft over the prompt, the first verify), runs on the prompt padded to
+a bucket length (`prefill_buckets`), one graph per bucket: eagerly, a prefill is some twenty ops
+a layer at a host cost per op whatever their size (SmolLM2 on the H200: 60 ms a prefill, 17 ms
+the first draft, against 3-4 ms a round), which weighs on both decodings of a short answer.
+Padding changes nothing that is read: the verifier's padding rows sit at positions after the
+prompt, which decoding overwrites before any query reaches them (the cache's invariant,
+static_verifier.py), and the drafter's are rejected rows of the parallel-drafting batch
+(num_rejected = bucket - prompt length), which write to the drafter's scratch slot and are never
+sampled.
 """
 
 from __future__ import annotations
@@ -29,6 +40,40 @@ from .drafter import PEagleDrafter
 from .static_verifier import StaticKV, StaticVerifier
 
 BLOCK_SIZE = 16
+SMALLEST_BUCKET = 32
+
+
+def prefill_buckets(capacity: int) -> list[int]:
+    """Padded prompt lengths of the prefill graphs: powers of two from SMALLEST_BUCKET below
+    `capacity`, then `capacity` itself (a prompt of length n runs at the smallest bucket >= n)."""
+    cap = int(capacity)
+    out, b = [], SMALLEST_BUCKET
+    while b < cap:
+        out.append(b)
+        b *= 2
+    return out + [cap]
+
+
+def _bucket(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"a prompt of {n} tokens exceeds the engine's capacity {buckets[-1]}")
+
+
+class _PrefillInputs:
+    """The padded prompt of one bucket: token ids [B] and the index of the last prompt row."""
+
+    def __init__(self, bucket: int, device):
+        self.ids = torch.zeros(bucket, dtype=torch.int64, device=device)
+        self.pos = torch.arange(bucket, dtype=torch.int64, device=device)
+        self.last = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def load(self, prompt: torch.Tensor):
+        n = prompt.shape[0]
+        self.ids[:n].copy_(prompt)
+        self.ids[n:].zero_()
+        self.last.fill_(n - 1)
 
 
 def _capture(fn, device):
@@ -49,8 +94,17 @@ class RoundEngine:
     """The speculative rounds after the first, for one verifier, drafter, K and capacity."""
 
     def __init__(
-        self, verifier: StaticVerifier, drafter: PEagleDrafter, num_spec_tokens: int, capacity: int, *, cuda_graph: bool
+        self,
+        verifier: StaticVerifier,
+        drafter: PEagleDrafter,
+        num_spec_tokens: int,
+        capacity: int,
+        *,
+        cuda_graph: bool,
+        padded_prefill: bool | None = None,
     ):
+        """padded_prefill (default: cuda_graph): first_round() on prompts padded to a bucket
+        (module docstring); else the decoding loop runs the prefill and first draft itself."""
         if not isinstance(verifier, StaticVerifier):
             raise TypeError("RoundEngine needs a StaticVerifier")
         if not isinstance(drafter, PEagleDrafter):
@@ -91,6 +145,23 @@ class RoundEngine:
         # would run past a small capacity)
         self.seq_len.fill_(k + 1)
         self.verify_graph = _capture(self.verify, dev) if cuda_graph else None
+        # the first round on a prompt padded to a bucket: its inputs, draft batch and graph
+        self.padded_prefill = cuda_graph if padded_prefill is None else bool(padded_prefill)
+        self.buckets = prefill_buckets(self.capacity) if self.padded_prefill else []
+        self._prefill = {}
+        for b in self.buckets:
+            inp = _PrefillInputs(b, dev)
+            qsl = torch.tensor([0, b], dtype=torch.int32, device=dev)
+            n_rej = torch.zeros(1, dtype=torch.int32, device=dev)
+            batch = DraftBatch.empty(b, 1, k, mh.shape[-1], dtype=mh.dtype, device=dev)
+            for t in batch.as_tuple():
+                t.zero_()
+            self._prefill[b] = [inp, qsl, n_rej, batch, None]
+            if cuda_graph:
+                # the capture's three runs verify from position 0 on (a prompt of b tokens could
+                # leave no room for K + 1 more); the cache's contents do not matter yet
+                self.seq_len.fill_(0)
+                self._prefill[b][4] = _capture(lambda b=b: self._first_round(b), dev)
 
     def check(self):
         """The drafter's KV cache must be the one this engine was built on (a larger reset()
@@ -141,6 +212,53 @@ class RoundEngine:
         self.n_rej.copy_(k - a)
         self.seq_len.add_(1 + a)
 
+    def _first_round(self, b: int):
+        """The first round over the padded prompt of bucket b: prefill (the bonus token and the
+        prompt's aux states), the draft over every prompt row, the verify (self.seq_len holds
+        the prompt length)."""
+        inp, qsl, n_rej, batch, _ = self._prefill[b]
+        k, v, dr = self.k, self.verifier, self.drafter
+        logits, aux = v.forward_static(inp.ids, inp.pos, self.cache, logit_rows=inp.last)
+        self.bonus.copy_(logits.argmax(-1))
+        hidden = dr.combine_hidden(aux).to(self._mask_hidden.dtype)
+        batch = prepare_parallel_draft_inputs(
+            inp.ids.to(torch.int32),
+            inp.pos,
+            self.bonus,
+            qsl,
+            n_rej,
+            hidden,
+            self._mask_hidden,
+            self.block_table,
+            num_spec_tokens=k,
+            mask_token_id=dr.mask_token_id,
+            block_size=BLOCK_SIZE,
+            max_model_len=self.capacity,
+            out=batch,
+        )
+        self.drafts.copy_(dr.propose_static(batch, k))
+        self.verify()
+
+    def first_round(self, prompt: torch.Tensor) -> list[int]:
+        """Prefill and first round of `prompt` (int64 [n] on the device) as one step on its
+        bucket; returns what step() returns, whose verified ids start with the prefill's greedy
+        token. Leaves the engine ready for step()."""
+        if not self.padded_prefill:
+            raise ValueError("this RoundEngine was built with padded_prefill=False")
+        n = int(prompt.shape[0])
+        if n + self.k + 1 > self.capacity:
+            raise ValueError(f"a prompt of {n} tokens and K + 1 more exceed the engine's capacity {self.capacity}")
+        b = _bucket(self.buckets, n)
+        inp, _, n_rej, _, graph = self._prefill[b]
+        inp.load(prompt)
+        n_rej.fill_(b - n)  # the padding rows are the batch's rejected rows
+        self.seq_len.fill_(n)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._first_round(b)
+        return self.out.tolist()
+
     def begin(self, verify_ids, seq_len: int, aux, bonus, n_rej: int):
         """Load the state after an eagerly run round: the tokens it verified (at positions
         seq_len..seq_len+K), their aux states, the new bonus token and the rejected count."""
@@ -176,7 +294,10 @@ class RoundEngine:
 class GreedyEngine:
     """Plain greedy decoding steps (one token per verifier forward) on static buffers."""
 
-    def __init__(self, verifier: StaticVerifier, capacity: int, *, cuda_graph: bool):
+    def __init__(
+        self, verifier: StaticVerifier, capacity: int, *, cuda_graph: bool, padded_prefill: bool | None = None
+    ):
+        """padded_prefill (default: cuda_graph): prefill() on prompts padded to a bucket."""
         if not isinstance(verifier, StaticVerifier):
             raise TypeError("GreedyEngine needs a StaticVerifier")
         dev = verifier.device
@@ -188,6 +309,35 @@ class GreedyEngine:
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
         self.graph = _capture(self.round, dev) if cuda_graph else None
+        self.padded_prefill = cuda_graph if padded_prefill is None else bool(padded_prefill)
+        self.buckets = prefill_buckets(self.capacity) if self.padded_prefill else []
+        self._prefill = {}
+        for b in self.buckets:
+            inp = _PrefillInputs(b, dev)
+            self._prefill[b] = [inp, None]
+            if cuda_graph:
+                self._prefill[b][1] = _capture(lambda b=b: self._prefill_step(b), dev)
+
+    def _prefill_step(self, b: int):
+        inp = self._prefill[b][0]
+        logits, _ = self.verifier.forward_static(inp.ids, inp.pos, self.cache, with_aux=False, logit_rows=inp.last)
+        self.tok.copy_(logits.argmax(-1))
+
+    def prefill(self, prompt: torch.Tensor) -> int:
+        """The prefill of `prompt` (int64 [n] on the device) on its bucket: the first greedy
+        token. Leaves the engine ready for step()."""
+        if not self.padded_prefill:
+            raise ValueError("this GreedyEngine was built with padded_prefill=False")
+        n = int(prompt.shape[0])
+        b = _bucket(self.buckets, n)
+        inp, graph = self._prefill[b]
+        inp.load(prompt)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._prefill_step(b)
+        self.pos.fill_(n)
+        return int(self.tok)
 
     def round(self):
         logits, _ = self.verifier.forward_static(self.tok, self.pos, self.cache, with_aux=False)

@@ -127,22 +127,33 @@ class StaticVerifier:
         if start + t > cache.capacity:
             raise ValueError(f"the KV cache holds {cache.capacity} positions, the forward needs {start + t}")
         pos = torch.arange(start, start + t, device=self.device)
-        logits, aux = self._run(ids.to(self.device), pos, cache, start + t, last_only, self._capturing)
+        rows = slice(t - 1, t) if last_only else None
+        logits, aux = self._run(ids.to(self.device), pos, cache, start + t, rows, self._capturing)
         cache.length = start + t
         return logits, aux
 
     # -- the fixed-shape form (CUDA graphs) -------------------------------------------------------
-    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache: StaticKV, *, with_aux: bool = True):
+    def forward_static(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        cache: StaticKV,
+        *,
+        with_aux: bool = True,
+        logit_rows: torch.Tensor | None = None,
+    ):
         """forward() of tokens `ids` [T] at positions `pos` [T] (a device tensor), attending the
-        whole capacity under the position mask: no shape or control flow depends on values."""
-        return self._run(ids, pos, cache, None, False, with_aux)
+        whole capacity under the position mask: no shape or control flow depends on values.
+        logit_rows: int64 [R] device tensor, the rows whose logits are computed (default all)."""
+        return self._run(ids, pos, cache, None, logit_rows, with_aux)
 
     def _rope(self, pos):
         freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat([freqs, freqs], -1)
         return (emb.cos() * self._rope_scale).to(self.dtype)[None], (emb.sin() * self._rope_scale).to(self.dtype)[None]
 
-    def _run(self, ids, pos, cache: StaticKV, ctx: int | None, last_only: bool, with_aux: bool):
+    def _run(self, ids, pos, cache: StaticKV, ctx: int | None, out_rows, with_aux: bool):
+        """out_rows: the rows whose logits are computed: None (all), a slice or an index tensor."""
         t = ids.shape[0]
         x = self._embed(ids.long())
         cos, sin = self._rope(pos)  # [1, T, D]
@@ -185,7 +196,11 @@ class StaticVerifier:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if aux_ids is not None and L in aux_ids:
             captured[L] = x
-        h = self._norm(x[-1:] if last_only else x)
+        if isinstance(out_rows, torch.Tensor):
+            x = x.index_select(0, out_rows)
+        elif out_rows is not None:
+            x = x[out_rows]
+        h = self._norm(x)
         logits = self._head(h)
         aux = torch.cat([captured[i] for i in aux_ids], dim=-1) if aux_ids is not None else None
         return logits, aux

@@ -166,6 +166,7 @@ def test_round_engine_equals_general_loop(vdir, k):
     for j in sorted({0, 1, k // 2, k}):
         dr = OracleDrafter(dm, dtype=torch.float32)
         eng = RoundEngine(st, dr, k, 96, cuda_graph=False)
+        padded = RoundEngine(st, dr, k, 96, cuda_graph=False, padded_prefill=True)
         for p in _prompts(40 + j, n=2):
             full = p.tolist() + greedy_generate(hf, p, m + k + 2).tokens
             dr.setup(full, j)
@@ -174,8 +175,11 @@ def test_round_engine_equals_general_loop(vdir, k):
             fast = speculative_generate(st, dr, p, k, m, engine=eng, profile=True)
             # unprofiled, the first round's verify half runs on the engine too (first_verify)
             fast2 = speculative_generate(st, dr, p, k, m, engine=eng)
-            assert ref.tokens == gen.tokens == fast.tokens == fast2.tokens == full[p.numel() : p.numel() + m]
-            assert ref.accepted == gen.accepted == fast.accepted == fast2.accepted == [j] * ref.rounds
+            # the prefill and the whole first round on the prompt padded to its bucket
+            fast3 = speculative_generate(st, dr, p, k, m, engine=padded)
+            for r in (gen, fast, fast2, fast3):
+                assert r.tokens == ref.tokens and r.accepted == ref.accepted
+            assert ref.tokens == full[p.numel() : p.numel() + m] and ref.accepted == [j] * ref.rounds
             prof = fast.profile
             assert prof["engine_rounds"] == fast.rounds - 1 and prof["engine_round"] > 0
     # the random drafter itself through the engine: lossless
@@ -186,6 +190,52 @@ def test_round_engine_equals_general_loop(vdir, k):
         a = speculative_generate(st, dr, p, k, m, engine=eng)
         b = speculative_generate(hf, dr, p, k, m)
         assert a.tokens == want and a.accepted == b.accepted
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_padded_prefill_at_bucket_edges(vdir, k):
+    """Prompts of 1 token, at and just past a bucket's length, and as long as the capacity allows:
+    the padded prefill (greedy) and first round (speculative) give the general loop's tokens and
+    rounds; the padding rows change nothing that is read (float64)."""
+    from peagle_ext.serving.graphs import prefill_buckets
+
+    assert prefill_buckets(96) == [32, 64, 96] and prefill_buckets(32) == [32] and prefill_buckets(20) == [20]
+    assert prefill_buckets(200) == [32, 64, 128, 200]
+    vm = _load(vdir, torch.float64)
+    dm = _drafter(vm, k=4, seed=11)
+    aux = dm.config.eagle_aux_hidden_state_layer_ids
+    st, hf = StaticVerifier(vm, aux), Verifier(vm, aux)
+    dr = PEagleDrafter(dm, dtype=torch.float32)
+    cap, m = 96, 12
+    eng = RoundEngine(st, dr, k, cap, cuda_graph=False, padded_prefill=True)
+    plain = RoundEngine(st, dr, k, cap, cuda_graph=False)
+    ge = GreedyEngine(st, cap, cuda_graph=False, padded_prefill=True)
+    assert eng.buckets == ge.buckets == [32, 64, 96]
+    g = torch.Generator().manual_seed(k)
+    for n in (1, 31, 32, 33, 64, cap - m - k):
+        p = torch.randint(3, VOCAB, (n,), generator=g)
+        # the first round's drafts and the drafter's K/V of the prompt rows, bonus and MASK rows
+        # (positions 0..n+K-2), padded against the loop's own first draft
+        firsts = []
+        for e in (plain, eng):
+            speculative_generate(st, dr, p, k, 2, engine=e)
+            firsts.append((e.drafts.clone(), [c[: n + k - 1].clone() for c in dr._k_cache + dr._v_cache]))
+        assert torch.equal(firsts[0][0], firsts[1][0])
+        for a, b in zip(firsts[0][1], firsts[1][1]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        want = greedy_generate(hf, p, m).tokens
+        assert greedy_generate(st, p, m, engine=ge).tokens == want
+        ref = speculative_generate(hf, dr, p, k, m)
+        got = speculative_generate(st, dr, p, k, m, engine=eng)
+        assert got.tokens == ref.tokens == want and got.accepted == ref.accepted
+        one = speculative_generate(st, dr, p, k, 1, engine=eng)  # the prefill's token alone
+        assert one.tokens == want[:1] and one.rounds == 0
+    with pytest.raises(ValueError, match="capacity 96"):
+        eng.first_round(torch.arange(3, 3 + cap - k))
+    with pytest.raises(ValueError, match="padded_prefill=False"):
+        RoundEngine(st, dr, k, cap, cuda_graph=False).first_round(torch.arange(3, 9))
+    with pytest.raises(ValueError, match="padded_prefill=False"):
+        GreedyEngine(st, cap, cuda_graph=False).prefill(torch.arange(3, 9))
 
 
 def test_engine_bad_input(vdir):
