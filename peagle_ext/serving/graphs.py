@@ -76,6 +76,19 @@ class _PrefillInputs:
         self.last.fill_(n - 1)
 
 
+def _capture_prefill(fn, device, bucket: int):
+    """_capture(fn) for a prefill bucket; where capturing fails the bucket runs the same
+    computation eagerly (slower, the same tokens), with a warning that says so."""
+    try:
+        return _capture(fn, device)
+    except RuntimeError as e:
+        import warnings
+
+        msg = f"the prefill of bucket {bucket} runs eagerly: CUDA graph capture failed ({e})"
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return None
+
+
 def _capture(fn, device):
     """A CUDA graph of fn() after two warm-up runs on a side stream (as torch.cuda.graphs asks)."""
     s = torch.cuda.Stream(device)
@@ -161,7 +174,7 @@ class RoundEngine:
                 # the capture's three runs verify from position 0 on (a prompt of b tokens could
                 # leave no room for K + 1 more); the cache's contents do not matter yet
                 self.seq_len.fill_(0)
-                self._prefill[b][4] = _capture(lambda b=b: self._first_round(b), dev)
+                self._prefill[b][4] = _capture_prefill(lambda b=b: self._first_round(b), dev, b)
 
     def check(self):
         """The drafter's KV cache must be the one this engine was built on (a larger reset()
@@ -316,7 +329,7 @@ class GreedyEngine:
             inp = _PrefillInputs(b, dev)
             self._prefill[b] = [inp, None]
             if cuda_graph:
-                self._prefill[b][1] = _capture(lambda b=b: self._prefill_step(b), dev)
+                self._prefill[b][1] = _capture_prefill(lambda b=b: self._prefill_step(b), dev, b)
 
     def _prefill_step(self, b: int):
         inp = self._prefill[b][0]

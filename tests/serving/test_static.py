@@ -238,6 +238,18 @@ def test_padded_prefill_at_bucket_edges(vdir, k):
         GreedyEngine(st, cap, cuda_graph=False).prefill(torch.arange(3, 9))
 
 
+def test_failed_prefill_capture_falls_back_to_eager(monkeypatch):
+    """A prefill bucket whose graph capture fails runs eagerly, with a warning naming the bucket."""
+    from peagle_ext.serving import graphs
+
+    def fail(fn, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", fail)
+    with pytest.warns(RuntimeWarning, match="bucket 64 runs eagerly"):
+        assert graphs._capture_prefill(lambda: None, "cpu", 64) is None
+
+
 def test_engine_bad_input(vdir):
     vm = _load(vdir, torch.float32)
     dm = _drafter(vm, k=3)
