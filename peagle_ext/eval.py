@@ -273,6 +273,9 @@ def evaluate(
         report["k_sweep"] = sweep
     report["verifier_impl"] = type(verifier).__name__
     report["cuda_graphs"] = any(e.graph is not None for e in engines.values())
+    eager_buckets = sorted({b for e in [*engines.values(), greedy_engine] if e for b in e.eager_prefill_buckets})
+    if eager_buckets:  # prefill buckets whose capture failed (a warning said so): eager, slower
+        report["eager_prefill_buckets"] = eager_buckets
     if profile_prompts:
         report["profile"] = profile_rounds(
             verifier,
@@ -354,17 +357,20 @@ def profile_rounds(
         )
         out["greedy_engine_step_ms"] = 1e3 * sec / max(tok, 1)
     if engine is not None and greedy_engine is not None and verifier.device.type == "cuda":
-        out["kernels"] = kernel_breakdown(engine, greedy_engine)
+        try:
+            out["kernels"] = kernel_breakdown(engine, greedy_engine)
+        except RuntimeError as e:  # the profiler (CUPTI) over graph replays: not worth the report
+            out["kernels_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
 # kernel classes of a decoding step, by a name fragment (lower case; the first class that matches)
 KERNEL_CLASSES = (
-    ("attention", ("flash", "fmha", "attention", "efficient")),  # before gemm: fmha_cutlass* is attention
+    ("attention", ("flash", "fmha", "attention", "efficient", "sdpa", "cudnn")),  # before gemm: fmha_cutlass*
     ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "splitk", "cublas")),
     ("parallel draft", ("parallel_draft",)),
     ("reduce", ("reduce", "norm", "argmax", "cumprod", "scan", "softmax")),
-    ("copy / index", ("copy", "cat", "index", "gather", "scatter", "fill", "where")),
+    ("copy / index", ("copy", "cat", "index", "gather", "scatter", "fill", "where", "memcpy", "memset")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
 )
 

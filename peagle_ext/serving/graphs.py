@@ -76,11 +76,14 @@ class _PrefillInputs:
         self.last.fill_(n - 1)
 
 
-def _capture_prefill(fn, device, bucket: int):
-    """_capture(fn) for a prefill bucket; where capturing fails the bucket runs the same
-    computation eagerly (slower, the same tokens), with a warning that says so."""
+def _capture_prefill(fn, device, bucket: int, pool):
+    """_capture(fn) for a prefill bucket into the engine's shared pool; where capturing fails
+    (other than for memory) the bucket runs the same computation eagerly (slower, the same
+    tokens), with a warning, and the engine lists it in eager_prefill_buckets."""
     try:
-        return _capture(fn, device)
+        return _capture(fn, device, pool)
+    except torch.cuda.OutOfMemoryError:
+        raise
     except RuntimeError as e:
         import warnings
 
@@ -89,17 +92,20 @@ def _capture_prefill(fn, device, bucket: int):
         return None
 
 
-def _capture(fn, device):
-    """A CUDA graph of fn() after two warm-up runs on a side stream (as torch.cuda.graphs asks)."""
+def _capture(fn, device, pool=None):
+    """A CUDA graph of fn() after two warm-up runs on a side stream (as torch.cuda.graphs asks).
+    pool: a memory pool shared with other graphs that are never replayed at the same time (every
+    graph here writes its results into buffers allocated outside it)."""
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        for _ in range(2):
+    with torch.no_grad():
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
             fn()
-    torch.cuda.current_stream(device).wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
     return g
 
 
@@ -162,6 +168,7 @@ class RoundEngine:
         self.padded_prefill = cuda_graph if padded_prefill is None else bool(padded_prefill)
         self.buckets = prefill_buckets(self.capacity) if self.padded_prefill else []
         self._prefill = {}
+        pool = torch.cuda.graph_pool_handle() if cuda_graph and self.buckets else None
         for b in self.buckets:
             inp = _PrefillInputs(b, dev)
             qsl = torch.tensor([0, b], dtype=torch.int32, device=dev)
@@ -171,10 +178,11 @@ class RoundEngine:
                 t.zero_()
             self._prefill[b] = [inp, qsl, n_rej, batch, None]
             if cuda_graph:
-                # the capture's three runs verify from position 0 on (a prompt of b tokens could
+                # the capture's warm-up runs verify from position 0 on (a prompt of b tokens could
                 # leave no room for K + 1 more); the cache's contents do not matter yet
                 self.seq_len.fill_(0)
-                self._prefill[b][4] = _capture_prefill(lambda b=b: self._first_round(b), dev, b)
+                self._prefill[b][4] = _capture_prefill(lambda b=b: self._first_round(b), dev, b, pool)
+        self.eager_prefill_buckets = [b for b in self.buckets if cuda_graph and self._prefill[b][4] is None]
 
     def check(self):
         """The drafter's KV cache must be the one this engine was built on (a larger reset()
@@ -325,11 +333,13 @@ class GreedyEngine:
         self.padded_prefill = cuda_graph if padded_prefill is None else bool(padded_prefill)
         self.buckets = prefill_buckets(self.capacity) if self.padded_prefill else []
         self._prefill = {}
+        pool = torch.cuda.graph_pool_handle() if cuda_graph and self.buckets else None
         for b in self.buckets:
             inp = _PrefillInputs(b, dev)
             self._prefill[b] = [inp, None]
             if cuda_graph:
-                self._prefill[b][1] = _capture_prefill(lambda b=b: self._prefill_step(b), dev, b)
+                self._prefill[b][1] = _capture_prefill(lambda b=b: self._prefill_step(b), dev, b, pool)
+        self.eager_prefill_buckets = [b for b in self.buckets if cuda_graph and self._prefill[b][1] is None]
 
     def _prefill_step(self, b: int):
         inp = self._prefill[b][0]
@@ -342,6 +352,8 @@ class GreedyEngine:
         if not self.padded_prefill:
             raise ValueError("this GreedyEngine was built with padded_prefill=False")
         n = int(prompt.shape[0])
+        if n >= self.capacity:
+            raise ValueError(f"a prompt of {n} tokens and one more exceed the engine's capacity {self.capacity}")
         b = _bucket(self.buckets, n)
         inp, graph = self._prefill[b]
         inp.load(prompt)

@@ -242,12 +242,19 @@ def test_failed_prefill_capture_falls_back_to_eager(monkeypatch):
     """A prefill bucket whose graph capture fails runs eagerly, with a warning naming the bucket."""
     from peagle_ext.serving import graphs
 
-    def fail(fn, device):
+    def fail(fn, device, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
+
+    def out_of_memory(fn, device, pool=None):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(graphs, "_capture", fail)
     with pytest.warns(RuntimeWarning, match="bucket 64 runs eagerly"):
-        assert graphs._capture_prefill(lambda: None, "cpu", 64) is None
+        assert graphs._capture_prefill(lambda: None, "cpu", 64, None) is None
+    # running out of memory is not a capture problem: it stays an error
+    monkeypatch.setattr(graphs, "_capture", out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        graphs._capture_prefill(lambda: None, "cpu", 64, None)
 
 
 def test_engine_bad_input(vdir):
@@ -275,20 +282,28 @@ def test_cuda_graph_engines_equal_eager(vdir):
     vm = _load(vdir, torch.bfloat16, "cuda")
     dm = _drafter(vm, k=8, seed=3)
     st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
+    # the same padded shapes eagerly and replayed: prompts in each prefill bucket (32, 64, 128)
+    ge = GreedyEngine(st, 128, cuda_graph=False, padded_prefill=True)
+    gg = GreedyEngine(st, 128, cuda_graph=True)
+    assert gg.padded_prefill and gg.buckets == [32, 64, 128] and not gg.eager_prefill_buckets
     for k in (1, 4, 8):
         dr = OracleDrafter(dm, device="cuda", dtype=torch.bfloat16)
         dr.setup([], 0)  # the oracle's buffers exist before the graph engine captures a round
-        eager = RoundEngine(st, dr, k, 128, cuda_graph=False)
+        eager = RoundEngine(st, dr, k, 128, cuda_graph=False, padded_prefill=True)
         graph = RoundEngine(st, dr, k, 128, cuda_graph=True)
-        for p in _prompts(60 + k):
-            full = p.tolist() + greedy_generate(st, p, 60).tokens
-            dr.setup(full, k // 2)
+        assert not graph.eager_prefill_buckets
+        g = torch.Generator().manual_seed(60 + k)
+        for n in (5, 33, 70):
+            p = torch.randint(3, VOCAB, (n,), generator=g)
+            want = greedy_generate(st, p, 50, engine=ge).tokens
+            dr.setup(p.tolist() + want, k // 2)
             a = speculative_generate(st, dr, p, k, 40, engine=eager)
             b = speculative_generate(st, dr, p, k, 40, engine=graph)
             assert a.tokens == b.tokens and a.accepted == b.accepted
-            assert a.tokens == greedy_generate(st, p, 40).tokens
-    ge, gg = GreedyEngine(st, 128, cuda_graph=False), GreedyEngine(st, 128, cuda_graph=True)
-    for p in _prompts(9):
+            assert a.tokens == want[:40]
+    g = torch.Generator().manual_seed(9)
+    for n in (5, 33, 70):
+        p = torch.randint(3, VOCAB, (n,), generator=g)
         assert greedy_generate(st, p, 50, engine=ge).tokens == greedy_generate(st, p, 50, engine=gg).tokens
 
 
@@ -330,6 +345,8 @@ def test_kernel_class_names():
     assert kernel_class("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "copy / index"
     assert kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert kernel_class("peagle_parallel_draft_kernel") == "parallel draft"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert kernel_class("Memcpy DtoD (Device -> Device)") == "copy / index"
     assert kernel_class("something_else") == "other"
 
 
@@ -382,7 +399,7 @@ def test_kernel_breakdown_of_graph_engines(vdir):
     dr.reset(128)
     eng, ge = RoundEngine(st, dr, 4, 128, cuda_graph=True), GreedyEngine(st, 128, cuda_graph=True)
     p = _prompts(3)[0]
-    want = greedy_generate(st, p, 40).tokens
+    want = greedy_generate(st, p, 40, engine=ge).tokens
     kb = kernel_breakdown(eng, ge, replays=6)
     assert kb["replays"] == {"round": 6, "greedy_step": 6}
     assert kb["round_us"] > kb["greedy_step_us"] > 0 and kb["round_kernels"] > 10
