@@ -93,9 +93,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    for name in ("num_conversations", "max_len", "gen_prompts", "gen_tokens"):
+    for name in ("num_conversations", "gen_prompts", "gen_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_len < 2:  # prompts keep the last max_len // 2 tokens
+        ap.error(f"--max-len must be >= 2, got {args.max_len}")
     if args.skip < 0:
         ap.error(f"--skip must be >= 0, got {args.skip}")
     torch.set_num_threads(1)

@@ -315,6 +315,10 @@ def test_head_norms_folded_into_rope_give_the_same_step(rng, monkeypatch, mode):
     from peagle_ext.model.layers import norm_rope_math
 
     m = make_model(rng, layer_type="qwen3", num_layers=2, k=4, options=PEagleOptions(attention=mode)).double()
+    with torch.no_grad():  # distinct head-norm weights: a q/k norm mix-up changes the values
+        for layer in m.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5, generator=rng)
     ex = make_example(rng, n=80, docs=(50, 30))
     ex = dataclasses.replace(ex, hidden=ex.hidden.double(), last_hidden=ex.last_hidden.double())
     lay = m.sample_layout(ex, seed=5)

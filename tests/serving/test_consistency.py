@@ -185,6 +185,7 @@ def test_teacher_forced_bad_input(trained):
         (["--num-conversations", "0"], "--num-conversations"),
         (["--gen-tokens", "-1"], "--gen-tokens"),
         (["--skip", "-3"], "--skip"),
+        (["--max-len", "1"], "--max-len"),
         (["--verifier-impl", "fast"], "--verifier-impl"),
     ],
 )
