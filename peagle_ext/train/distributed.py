@@ -43,8 +43,10 @@ What is global and what is per rank (N ranks, --batch-size B, --grad-accum G):
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -191,6 +193,15 @@ class DistContext:
         import torch.distributed as dist
 
         if self._owns_group and dist.is_initialized():
+            # The DDP reducer holds a reference to the process group: freed after the group, it
+            # would run the group's destructor itself, which joins gloo's worker threads while
+            # holding the GIL. A worker still freeing the last collective's work needs the GIL
+            # to drop its tensors, so that join can wait for good (seen on a loaded 2-core CPU).
+            # Free the wrapper first, and give the workers a moment without the GIL to finish.
+            self.unwrap()
+            gc.collect()
+            if dist.get_backend() == "gloo":
+                time.sleep(0.2)
             dist.destroy_process_group()
             self._owns_group = False
 
