@@ -195,14 +195,20 @@ class RoundEngine:
 
     def round(self):
         """One round on the engine's buffers (module docstring)."""
+        self._draft_and_verify(self.tgt_ids, self.tgt_pos, self.qsl, self.n_rej, self.aux, self.batch)
+
+    def _draft_and_verify(self, tgt_ids, tgt_pos, qsl, n_rej, aux, batch: DraftBatch):
+        """The parallel-drafting batch of the target rows (int32 ids, positions, verifier aux
+        states; the last n_rej rows rejected) and self.bonus, written into `batch`; the drafter
+        over it; then verify()."""
         k, dr = self.k, self.drafter
-        hidden = dr.combine_hidden(self.aux).to(self._mask_hidden.dtype)
+        hidden = dr.combine_hidden(aux).to(self._mask_hidden.dtype)
         batch = prepare_parallel_draft_inputs(
-            self.tgt_ids,
-            self.tgt_pos,
+            tgt_ids,
+            tgt_pos,
             self.bonus,
-            self.qsl,
-            self.n_rej,
+            qsl,
+            n_rej,
             hidden,
             self._mask_hidden,
             self.block_table,
@@ -210,7 +216,7 @@ class RoundEngine:
             mask_token_id=dr.mask_token_id,
             block_size=BLOCK_SIZE,
             max_model_len=self.capacity,
-            out=self.batch,
+            out=batch,
         )
         self.drafts.copy_(dr.propose_static(batch, k))
         self.verify()
@@ -238,27 +244,9 @@ class RoundEngine:
         prompt's aux states), the draft over every prompt row, the verify (self.seq_len holds
         the prompt length)."""
         inp, qsl, n_rej, batch, _ = self._prefill[b]
-        k, v, dr = self.k, self.verifier, self.drafter
-        logits, aux = v.forward_static(inp.ids, inp.pos, self.cache, logit_rows=inp.last)
+        logits, aux = self.verifier.forward_static(inp.ids, inp.pos, self.cache, logit_rows=inp.last)
         self.bonus.copy_(logits.argmax(-1))
-        hidden = dr.combine_hidden(aux).to(self._mask_hidden.dtype)
-        batch = prepare_parallel_draft_inputs(
-            inp.ids.to(torch.int32),
-            inp.pos,
-            self.bonus,
-            qsl,
-            n_rej,
-            hidden,
-            self._mask_hidden,
-            self.block_table,
-            num_spec_tokens=k,
-            mask_token_id=dr.mask_token_id,
-            block_size=BLOCK_SIZE,
-            max_model_len=self.capacity,
-            out=batch,
-        )
-        self.drafts.copy_(dr.propose_static(batch, k))
-        self.verify()
+        self._draft_and_verify(inp.ids.to(torch.int32), inp.pos, qsl, n_rej, aux, batch)
 
     def first_round(self, prompt: torch.Tensor) -> list[int]:
         """Prefill and first round of `prompt` (int64 [n] on the device) as one step on its
