@@ -76,6 +76,18 @@ class _PrefillInputs:
         self.last.fill_(n - 1)
 
 
+def _prefill_graphs(buckets: list[int], run, device, before=None) -> dict:
+    """{bucket: a CUDA graph of run(bucket), or None where capturing failed}, every graph in one
+    memory pool (an engine replays one at a time). before(): called before each capture."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    for b in buckets:
+        if before is not None:
+            before()
+        graphs[b] = _capture_prefill(lambda b=b: run(b), device, b, pool)
+    return graphs
+
+
 def _capture_prefill(fn, device, bucket: int, pool):
     """_capture(fn) for a prefill bucket into the engine's shared pool; where capturing fails
     (other than for memory) the bucket runs the same computation eagerly (slower, the same
@@ -168,21 +180,21 @@ class RoundEngine:
         self.padded_prefill = cuda_graph if padded_prefill is None else bool(padded_prefill)
         self.buckets = prefill_buckets(self.capacity) if self.padded_prefill else []
         self._prefill = {}
-        pool = torch.cuda.graph_pool_handle() if cuda_graph and self.buckets else None
         for b in self.buckets:
-            inp = _PrefillInputs(b, dev)
             qsl = torch.tensor([0, b], dtype=torch.int32, device=dev)
             n_rej = torch.zeros(1, dtype=torch.int32, device=dev)
             batch = DraftBatch.empty(b, 1, k, mh.shape[-1], dtype=mh.dtype, device=dev)
             for t in batch.as_tuple():
                 t.zero_()
-            self._prefill[b] = [inp, qsl, n_rej, batch, None]
-            if cuda_graph:
-                # the capture's warm-up runs verify from position 0 on (a prompt of b tokens could
-                # leave no room for K + 1 more); the cache's contents do not matter yet
-                self.seq_len.fill_(0)
-                self._prefill[b][4] = _capture_prefill(lambda b=b: self._first_round(b), dev, b, pool)
-        self.eager_prefill_buckets = [b for b in self.buckets if cuda_graph and self._prefill[b][4] is None]
+            self._prefill[b] = (_PrefillInputs(b, dev), qsl, n_rej, batch)
+        # the capture's warm-up runs verify from position 0 on (a prompt of b tokens could leave
+        # no room for K + 1 more); the cache's contents do not matter yet
+        self._prefill_graph = (
+            _prefill_graphs(self.buckets, self._first_round, dev, before=lambda: self.seq_len.fill_(0))
+            if cuda_graph
+            else {}
+        )
+        self.eager_prefill_buckets = [b for b, g in self._prefill_graph.items() if g is None]
 
     def check(self):
         """The drafter's KV cache must be the one this engine was built on (a larger reset()
@@ -243,7 +255,7 @@ class RoundEngine:
         """The first round over the padded prompt of bucket b: prefill (the bonus token and the
         prompt's aux states), the draft over every prompt row, the verify (self.seq_len holds
         the prompt length)."""
-        inp, qsl, n_rej, batch, _ = self._prefill[b]
+        inp, qsl, n_rej, batch = self._prefill[b]
         logits, aux = self.verifier.forward_static(inp.ids, inp.pos, self.cache, logit_rows=inp.last)
         self.bonus.copy_(logits.argmax(-1))
         self._draft_and_verify(inp.ids.to(torch.int32), inp.pos, qsl, n_rej, aux, batch)
@@ -258,7 +270,8 @@ class RoundEngine:
         if n + self.k + 1 > self.capacity:
             raise ValueError(f"a prompt of {n} tokens and K + 1 more exceed the engine's capacity {self.capacity}")
         b = _bucket(self.buckets, n)
-        inp, _, n_rej, _, graph = self._prefill[b]
+        inp, _, n_rej, _ = self._prefill[b]
+        graph = self._prefill_graph.get(b)
         inp.load(prompt)
         n_rej.fill_(b - n)  # the padding rows are the batch's rejected rows
         self.seq_len.fill_(n)
@@ -320,17 +333,12 @@ class GreedyEngine:
         self.graph = _capture(self.round, dev) if cuda_graph else None
         self.padded_prefill = cuda_graph if padded_prefill is None else bool(padded_prefill)
         self.buckets = prefill_buckets(self.capacity) if self.padded_prefill else []
-        self._prefill = {}
-        pool = torch.cuda.graph_pool_handle() if cuda_graph and self.buckets else None
-        for b in self.buckets:
-            inp = _PrefillInputs(b, dev)
-            self._prefill[b] = [inp, None]
-            if cuda_graph:
-                self._prefill[b][1] = _capture_prefill(lambda b=b: self._prefill_step(b), dev, b, pool)
-        self.eager_prefill_buckets = [b for b in self.buckets if cuda_graph and self._prefill[b][1] is None]
+        self._prefill = {b: _PrefillInputs(b, dev) for b in self.buckets}
+        self._prefill_graph = _prefill_graphs(self.buckets, self._prefill_step, dev) if cuda_graph else {}
+        self.eager_prefill_buckets = [b for b, g in self._prefill_graph.items() if g is None]
 
     def _prefill_step(self, b: int):
-        inp = self._prefill[b][0]
+        inp = self._prefill[b]
         logits, _ = self.verifier.forward_static(inp.ids, inp.pos, self.cache, with_aux=False, logit_rows=inp.last)
         self.tok.copy_(logits.argmax(-1))
 
@@ -343,7 +351,7 @@ class GreedyEngine:
         if n >= self.capacity:
             raise ValueError(f"a prompt of {n} tokens and one more exceed the engine's capacity {self.capacity}")
         b = _bucket(self.buckets, n)
-        inp, graph = self._prefill[b]
+        inp, graph = self._prefill[b], self._prefill_graph.get(b)
         inp.load(prompt)
         if graph is not None:
             graph.replay()
