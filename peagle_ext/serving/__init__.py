@@ -8,6 +8,8 @@ evaluation path of `peagle eval`) and the vLLM plugin.
   positions and contexts the trainer validates on).
 - `static_verifier`: StaticVerifier, the Llama-family verifier over a preallocated KV cache.
 - `graphs`: RoundEngine / GreedyEngine, fixed-shape decoding steps (CUDA graphs on a GPU).
+- `batch_generation`: BatchGenerator, many prompts generated at once over a preallocated KV
+  cache (the engine of `peagle datagen`).
 - `vllm_plugin`: routes vLLM's parallel-drafting input step through peagle_ext's op.
 """
 

@@ -147,16 +147,39 @@ class StaticVerifier:
         logit_rows: int64 [R] device tensor, the rows whose logits are computed (default all)."""
         return self._run(ids, pos, cache, None, logit_rows, with_aux)
 
-    def _rope(self, pos):
-        freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], -1)
-        return (emb.cos() * self._rope_scale).to(self.dtype)[None], (emb.sin() * self._rope_scale).to(self.dtype)[None]
+    def rope(self, pos):
+        """cos, sin [..., 1, T, D] of positions `pos` [..., T]: they broadcast over the heads of
+        q/k [..., heads, T, D]."""
+        freqs = pos.to(torch.float32)[..., None] * self._inv_freq
+        emb = torch.cat([freqs, freqs], -1).unsqueeze(-3)
+        return (emb.cos() * self._rope_scale).to(self.dtype), (emb.sin() * self._rope_scale).to(self.dtype)
+
+    def qkv(self, layer, x, cos, sin):
+        """q [..., heads, T, D] and k, v [..., kv heads, T, D] of hidden states x [..., T, H] in
+        decoder layer `layer`: its input norm, projections, Qwen3's q/k norms and RoPE."""
+        a = layer.self_attn
+        lead = x.shape[:-1]
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(*lead, self.num_heads, self.head_dim).transpose(-2, -3)
+        k = a.k_proj(h).view(*lead, self.kv_heads, self.head_dim).transpose(-2, -3)
+        v = a.v_proj(h).view(*lead, self.kv_heads, self.head_dim).transpose(-2, -3)
+        if getattr(a, "q_norm", None) is not None:
+            q = a.q_norm(q)
+        if getattr(a, "k_norm", None) is not None:
+            k = a.k_norm(k)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def layer_out(self, layer, x, o):
+        """The rest of decoder layer `layer` after attention: x [..., T, H] plus the output
+        projection of o [..., heads, T, D], then plus the MLP of that."""
+        lead = x.shape[:-1]
+        x = x + layer.self_attn.o_proj(o.transpose(-2, -3).reshape(*lead, self.num_heads * self.head_dim))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _run(self, ids, pos, cache: StaticKV, ctx: int | None, out_rows, with_aux: bool):
         """out_rows: the rows whose logits are computed: None (all), a slice or an index tensor."""
-        t = ids.shape[0]
         x = self._embed(ids.long())
-        cos, sin = self._rope(pos)  # [1, T, D]
+        cos, sin = self.rope(pos)  # [1, T, D]
         if ctx is None:
             key_pos = torch.arange(cache.capacity, device=self.device)
         else:
@@ -168,17 +191,7 @@ class StaticVerifier:
         for li, layer in enumerate(self._layers):
             if aux_ids is not None and li in aux_ids:
                 captured[li] = x
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(t, self.num_heads, self.head_dim).transpose(0, 1)
-            k = a.k_proj(h).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            v = a.v_proj(h).view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            if getattr(a, "q_norm", None) is not None:
-                q = a.q_norm(q)
-            if getattr(a, "k_norm", None) is not None:
-                k = a.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self.qkv(layer, x, cos, sin)
             kc, vc = cache.k[li], cache.v[li]
             kc.index_copy_(1, pos, k.to(kc.dtype))
             vc.index_copy_(1, pos, v.to(vc.dtype))
@@ -192,8 +205,7 @@ class StaticVerifier:
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.kv_heads,
             )[0]
-            x = x + a.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self.layer_out(layer, x, o)
         if aux_ids is not None and L in aux_ids:
             captured[L] = x
         if isinstance(out_rows, torch.Tensor):

@@ -1,0 +1,166 @@
+"""BatchGenerator (peagle_ext.serving.batch_generation): greedy answers equal one-at-a-time
+greedy decoding through transformers (float64, Llama and Qwen3, right-padded prompts of 1..30
+tokens, rows stopping at different steps and leaving the batch), sampling that stays inside
+the nucleus and follows the softmax, seeded determinism, and bad arguments."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from peagle_ext.serving import Verifier, greedy_generate
+from peagle_ext.serving import batch_generation as bg
+from peagle_ext.serving.batch_generation import BatchGenerator
+from peagle_ext.testing import make_tiny_verifier
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_verifier(tmp_path_factory.mktemp(request.param), model_type=request.param, kv_heads=1, heads=2)
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval().requires_grad_(False)
+
+
+def _prompts(model, n, seed, max_len=30):
+    rng = random.Random(seed)
+    v = model.config.vocab_size
+    return [[rng.randrange(3, v) for _ in range(rng.randrange(1, max_len + 1))] for _ in range(n)]
+
+
+def _one_at_a_time(model, prompts, max_new, eos):
+    res = []
+    for p in prompts:
+        toks = greedy_generate(Verifier(model), p, max_new, eos_token_id=sorted(eos) or None).tokens
+        stop = next((i for i, t in enumerate(toks) if t in eos), None)
+        res.append((toks, True) if stop is None else (toks[:stop], False))
+    return res
+
+
+def _eos_that_stops_rows_at_different_steps(free_runs, steps=(2, 9, 17, 26)):
+    """Tokens the unstopped runs produce at those steps: rows stop across several stop checks."""
+    return {row[s] for (row, _), s in zip(free_runs, steps) if s < len(row)}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_equals_one_at_a_time_decoding(model, seed, monkeypatch):
+    prompts = _prompts(model, 11, seed) + [[5]]  # a one-token prompt
+    gen = BatchGenerator(model)
+    free = gen.generate(prompts, max_new_tokens=40, eos=set())
+    assert all(hit and len(toks) == 40 for toks, hit in free)
+    assert free == _one_at_a_time(model, prompts, 40, set())
+    eos = _eos_that_stops_rows_at_different_steps(free)
+    sizes = []
+    decode = gen._decode
+
+    def counted(tok, *a):
+        sizes.append(tok.shape[0])
+        return decode(tok, *a)
+
+    monkeypatch.setattr(gen, "_decode", counted)
+    got = gen.generate(prompts, max_new_tokens=40, eos=eos)
+    assert got == _one_at_a_time(model, prompts, 40, eos)
+    assert any(not hit for _, hit in got) and any(hit for _, hit in got)
+    assert sizes[0] == len(prompts) and sizes[-1] < sizes[0]  # stopped rows left the batch
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_stop_checks_every_step_and_short_limits(model, monkeypatch):
+    prompts = _prompts(model, 6, 3)
+    gen = BatchGenerator(model)
+    free = gen.generate(prompts, max_new_tokens=12, eos=set())
+    eos = _eos_that_stops_rows_at_different_steps(free, steps=(1, 4, 7))
+    ref = _one_at_a_time(model, prompts, 12, eos)
+    monkeypatch.setattr(bg, "STOP_CHECK_EVERY", 1)
+    assert gen.generate(prompts, max_new_tokens=12, eos=eos) == ref
+    first = [(toks[:1], True) if toks[:1] and toks[0] not in eos else ([], False) for toks, _ in free]
+    assert gen.generate(prompts, max_new_tokens=1, eos=eos) == first
+    assert gen.generate([], max_new_tokens=4, eos=eos) == []
+
+
+def _first_token_probs(model, prompt):
+    logits = model(torch.tensor([prompt])).logits[0, -1]
+    return torch.softmax(logits.double(), -1)
+
+
+def test_sampling_follows_the_softmax_inside_the_nucleus(model):
+    gen = BatchGenerator(model)
+    prompt = _prompts(model, 1, 7)[0]
+    probs = _first_token_probs(model, prompt)
+    n = 4000
+    g = torch.Generator().manual_seed(0)
+    draws = gen.generate([prompt] * n, max_new_tokens=1, eos=set(), temperature=1.0, generator=g)
+    counts = torch.bincount(torch.tensor([t[0] for t, _ in draws]), minlength=probs.numel()).double()
+    top = probs.argsort(descending=True)[:5]
+    for t in top.tolist():  # the likeliest tokens within 5 standard errors
+        p = float(probs[t])
+        assert abs(counts[t] / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-9, (t, counts[t] / n, p)
+    # top_p: only the smallest set of likeliest tokens whose mass reaches top_p is ever drawn
+    sp, si = probs.sort(descending=True)
+    top_p = float(sp[:3].sum()) - 1e-6  # the first three tokens reach it, two do not
+    g = torch.Generator().manual_seed(1)
+    draws = gen.generate([prompt] * 600, max_new_tokens=1, eos=set(), temperature=1.0, top_p=top_p, generator=g)
+    assert {t[0] for t, _ in draws} == set(si[:3].tolist())
+    # a nucleus of one token is greedy
+    greedy = gen.generate([prompt], max_new_tokens=6, eos=set())
+    assert gen.generate([prompt], max_new_tokens=6, eos=set(), temperature=0.7, top_p=1e-12) == greedy
+
+
+def test_sampling_is_seeded(model):
+    gen = BatchGenerator(model)
+    prompts = _prompts(model, 5, 11)
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return gen.generate(prompts, max_new_tokens=10, eos=set(), temperature=1.5, generator=g)
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_bad_arguments(model):
+    gen = BatchGenerator(model)
+    for kw, match in (
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=True), "max_new_tokens"),
+        (dict(max_new_tokens=3, temperature=-1.0), "temperature"),
+        (dict(max_new_tokens=3, temperature=float("nan")), "temperature"),
+        (dict(max_new_tokens=3, top_p=0.0), "top_p"),
+        (dict(max_new_tokens=3, top_p=1.5), "top_p"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            gen.generate([[4, 5]], eos=set(), **kw)
+    with pytest.raises(ValueError, match="at least one token"):
+        gen.generate([[4, 5], []], max_new_tokens=3, eos=set())
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="positions"):
+        gen.generate([[4] * limit], max_new_tokens=3, eos=set())
+
+
+def test_unsupported_model_is_named(model, monkeypatch):
+    monkeypatch.setattr(model.config, "model_type", "gpt2")
+    with pytest.raises(ValueError, match="gpt2"):
+        BatchGenerator(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_greedy_and_sampling_match_the_cpu(model):
+    """float64 on the GPU: the same greedy answers as one-at-a-time decoding on the CPU, rows
+    leaving the batch included; a CUDA generator samples reproducibly."""
+    import copy
+
+    prompts = _prompts(model, 9, 5)
+    gpu = BatchGenerator(copy.deepcopy(model).cuda())
+    free = gpu.generate(prompts, max_new_tokens=30, eos=set())
+    assert free == _one_at_a_time(model, prompts, 30, set())
+    eos = _eos_that_stops_rows_at_different_steps(free)
+    assert gpu.generate(prompts, max_new_tokens=30, eos=eos) == _one_at_a_time(model, prompts, 30, eos)
+
+    def sample(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return gpu.generate(prompts, max_new_tokens=12, eos=eos, temperature=1.0, top_p=0.9, generator=g)
+
+    assert sample(0) == sample(0) and sample(0) != sample(1)
