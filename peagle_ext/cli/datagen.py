@@ -35,6 +35,13 @@ def add_arguments(p) -> None:
         default="first",
         help="regenerate the first assistant turn only (default; later turns dropped) or all, turn by turn",
     )
+    p.add_argument(
+        "--engine",
+        choices=["auto", "static", "hf"],
+        default="auto",
+        help="static: batched decoding over a preallocated KV cache (Llama/Qwen/Mistral families); hf: "
+        "transformers' generate(); auto (default): static where it runs the verifier, else hf",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0 (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -94,6 +101,7 @@ def run(args) -> int:
         batch_size=args.batch_size,
         batch_tokens=args.batch_tokens,
         turns=args.turns,
+        engine=args.engine,
         seed=args.seed,
         eos_token_ids=eos_ids(model, tok),
         time_budget_s=args.time_budget,
@@ -102,7 +110,7 @@ def run(args) -> int:
     rate = st.new_tokens / st.seconds if st.seconds > 0 else 0.0
     print(
         f"datagen: {st.written} conversations written this run ({st.already_done} were already in {out}), "
-        f"{st.turns} answers, {st.new_tokens} new tokens in {st.seconds:.0f} s ({rate:.0f} tok/s)"
+        f"{st.turns} answers, {st.new_tokens} new tokens in {st.seconds:.0f} s ({rate:.0f} tok/s, engine {st.engine})"
     )
     if st.truncated_turns:
         print(f"  {st.truncated_turns} answers hit --max-new-tokens {args.max_new_tokens} (cut there)")

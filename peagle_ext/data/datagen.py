@@ -16,6 +16,11 @@ conversation whose first prompt is already too long is written as {"index": i, "
 "skipped": reason}: data loaders skip a conversation with no exchange, and a resumed run knows it
 was handled.
 
+Engines: "static" (peagle_ext.serving.batch_generation: a preallocated KV cache written in place,
+stopped rows dropped from the batch) for the model families StaticVerifier runs, "hf"
+(transformers' generate() with left padding) for any causal LM; "auto" takes the first that runs
+the model. Both give the verifier's greedy continuations; in float64 the answers are identical.
+
 Batches: conversations sorted by prompt length, cut into groups of at most batch_size, every group
 generated together with left padding. With batch_tokens a group also holds at most that many
 tokens of KV cache: size x (its longest first prompt + max_new_tokens), or size x max_length with
@@ -41,6 +46,7 @@ import torch
 from .records import DataError
 
 TURN_MODES = ("first", "all")
+ENGINES = ("auto", "static", "hf")
 
 
 @dataclass
@@ -52,6 +58,7 @@ class DatagenStats:
     turns: int = 0  # answers generated
     truncated_turns: int = 0  # answers that hit max_new_tokens
     new_tokens: int = 0
+    engine: str = ""  # the engine that ran: "static" or "hf"
     seconds: float = 0.0
     stopped_by_budget: bool = False
     remaining: int = 0
@@ -106,10 +113,32 @@ def _split_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
     return system, users
 
 
+def pick_engine(model, engine: str):
+    """A BatchGenerator for `model` (engine "static", or "auto" where it runs the model), else
+    None: transformers' generate() (engine "hf")."""
+    from ..serving.batch_generation import BatchGenerator
+    from ..serving.static_verifier import static_verifier_support
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    why = None if engine == "hf" else static_verifier_support(model)
+    if engine == "static" and why is not None:
+        raise ValueError(f"engine 'static' does not run this verifier ({why}): use engine 'hf' or 'auto'")
+    return BatchGenerator(model) if engine != "hf" and why is None else None
+
+
 @torch.no_grad()
-def _generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens, temperature, top_p, eos, pad, seed):
-    """Left-padded batched generation; [(new token ids without the stop token, hit the limit)]."""
+def _generate(model, tokenizer, prompts, *, max_new_tokens, temperature, top_p, eos, pad, seed, engine):
+    """Batched generation; [(new token ids without the stop token, hit the limit)]. engine: a
+    BatchGenerator, or None for transformers' generate() with left padding."""
     dev = next(model.parameters()).device
+    if engine is not None:
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=dev).manual_seed(seed)
+        return engine.generate(
+            prompts, max_new_tokens=max_new_tokens, eos=eos, temperature=temperature, top_p=top_p, generator=gen
+        )
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     am = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -150,6 +179,7 @@ def regenerate(
     batch_size: int = 16,
     batch_tokens: int | None = None,
     turns: str = "first",
+    engine: str = "auto",
     seed: int = 0,
     eos_token_ids=None,
     time_budget_s: float | None = None,
@@ -158,7 +188,8 @@ def regenerate(
     """Write the conversations with regenerated assistant turns to `output` (module docstring),
     appending to what an earlier run wrote there. time_budget_s: start no new group after that
     many seconds (the rest is left for a resumed run). batch_tokens: the KV-cache tokens a group
-    may hold (module docstring; None = batch_size alone decides)."""
+    may hold (module docstring; None = batch_size alone decides). engine: "auto", "static" or
+    "hf" (module docstring)."""
     for name, v, lo in (("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1), ("seed", seed, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -175,12 +206,14 @@ def regenerate(
         raise ValueError(f"turns must be one of {TURN_MODES}, got {turns!r}")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the verifier's tokenizer has no chat template: prompts are rendered with it")
+    runner = pick_engine(model, engine)
     eos = {int(x) for x in (eos_token_ids or [])} or {int(tokenizer.eos_token_id)}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = read_done_indices(out)
     st = DatagenStats(conversations=len(conversations), already_done=len(done & set(range(len(conversations)))))
+    st.engine = "hf" if runner is None else "static"
 
     parts = [_split_turns(c) for c in conversations]
     first_len = [len(_render_ids(tokenizer, s + [{"role": "user", "content": u[0]}])) for s, u in parts]
@@ -210,6 +243,7 @@ def regenerate(
                 eos=eos,
                 pad=pad,
                 seed=seed * 1_000_003 + gi,
+                engine=runner,
                 all_turns=turns == "all",
             )
             new = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in lines if rec["index"] not in done]

@@ -16,6 +16,7 @@ import torch
 from peagle_ext.data import DataError, load_conversations
 from peagle_ext.data.datagen import make_groups, read_done_indices, regenerate
 from peagle_ext.serving import Verifier, greedy_generate
+from peagle_ext.serving.batch_generation import BatchGenerator
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
 from tests.helpers import ROOT, run_cli
 
@@ -51,12 +52,15 @@ def _greedy_answer(model, tok, messages, max_new):
     return tok.decode(toks, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("engine", ["static", "hf"])
 @pytest.mark.parametrize("turns", ["first", "all"])
-def test_answers_are_the_verifiers_greedy_continuations(setup, tmp_path, turns):
+def test_answers_are_the_verifiers_greedy_continuations(setup, tmp_path, turns, engine):
     _, data, tok, model = setup
     convs = load_conversations(str(data))
     out = tmp_path / "out.jsonl"
-    st = regenerate(model, tok, convs, out, max_new_tokens=9, max_length=400, batch_size=3, turns=turns, progress=False)
+    kw = dict(max_new_tokens=9, max_length=400, batch_size=3, turns=turns, progress=False)
+    st = regenerate(model, tok, convs, out, engine=engine, **kw)
+    assert st.engine == engine
     recs = _records(out)
     assert sorted(recs) == list(range(len(convs))) and st.written == len(convs) and st.remaining == 0
     for i, conv in enumerate(convs):
@@ -72,6 +76,22 @@ def test_answers_are_the_verifiers_greedy_continuations(setup, tmp_path, turns):
     # the file is training data as it stands
     loaded = load_conversations(str(out))
     assert len(loaded) == len(convs)
+    if engine == "static":  # float64: both engines write the same file
+        regenerate(model, tok, convs, tmp_path / "hf.jsonl", engine="hf", **kw)
+        assert (tmp_path / "hf.jsonl").read_text() == out.read_text()
+
+
+def test_auto_engine_falls_back_to_transformers(setup, tmp_path, monkeypatch):
+    _, data, tok, model = setup
+    convs = load_conversations(str(data))[:2]
+    kw = dict(max_new_tokens=3, max_length=400, progress=False)
+    assert regenerate(model, tok, convs, tmp_path / "a.jsonl", **kw).engine == "static"
+    monkeypatch.setattr(model.config, "model_type", "gpt2")
+    assert regenerate(model, tok, convs, tmp_path / "b.jsonl", engine="auto", **kw).engine == "hf"
+    with pytest.raises(ValueError, match="engine 'static' does not run this verifier.*gpt2"):
+        regenerate(model, tok, convs, tmp_path / "c.jsonl", engine="static", **kw)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        regenerate(model, tok, convs, tmp_path / "d.jsonl", engine="vllm", **kw)
 
 
 def _groups_by_hand(order, tokens, batch_size, batch_tokens):
@@ -108,11 +128,12 @@ def test_groups_hold_at_most_batch_size_rows_and_batch_tokens(seed):
     assert make_groups(list(range(5)), lambda i: 5, 4, 10) == [[0, 1], [2, 3], [4]]
 
 
+@pytest.mark.parametrize("engine", ["static", "hf"])
 @pytest.mark.parametrize("turns", ["first", "all"])
-def test_batch_tokens_cuts_groups_and_keeps_the_answers(setup, tmp_path, turns):
+def test_batch_tokens_cuts_groups_and_keeps_the_answers(setup, tmp_path, turns, engine, monkeypatch):
     _, data, tok, model = setup
     convs = load_conversations(str(data))
-    kw = dict(max_new_tokens=7, max_length=400, turns=turns, progress=False)
+    kw = dict(max_new_tokens=7, max_length=400, turns=turns, engine=engine, progress=False)
     ref = tmp_path / "ref.jsonl"
     regenerate(model, tok, convs, ref, batch_size=1, **kw)
     lens = sorted(
@@ -121,17 +142,23 @@ def test_batch_tokens_cuts_groups_and_keeps_the_answers(setup, tmp_path, turns):
     per_row = 400 if turns == "all" else lens[-1] + 7
     bounded = tmp_path / "bounded.jsonl"
     calls = []
-    real = model.generate
+    if engine == "hf":
+        real = model.generate
 
-    def counted(**a):
-        calls.append(a["input_ids"].shape[0])
-        return real(**a)
+        def counted(**a):
+            calls.append(a["input_ids"].shape[0])
+            return real(**a)
 
-    model.generate = counted
-    try:
-        regenerate(model, tok, convs, bounded, batch_size=len(convs), batch_tokens=3 * per_row, **kw)
-    finally:
-        del model.generate
+        monkeypatch.setattr(model, "generate", counted)
+    else:
+        real = BatchGenerator.generate
+
+        def counted(self, prompts, **a):
+            calls.append(len(prompts))
+            return real(self, prompts, **a)
+
+        monkeypatch.setattr(BatchGenerator, "generate", counted)
+    regenerate(model, tok, convs, bounded, batch_size=len(convs), batch_tokens=3 * per_row, **kw)
     assert _records(bounded) == _records(ref)  # float64: the grouping changes no answer
     assert max(calls) <= 3 and sum(calls[:3]) >= len(convs) // 2  # the bound, not batch_size, cut the groups
     with pytest.raises(ValueError, match="batch_tokens"):
@@ -230,3 +257,5 @@ def test_bad_input(setup, tmp_path):
         r = run_cli([*base, "--data", str(data), "--output", str(tmp_path / "o.jsonl"), flag, "0"])
         assert r.returncode == 2 and f"{flag} must be >= 1" in r.stderr and "Traceback" not in r.stderr
         assert not (tmp_path / "o.jsonl").exists()
+    r = run_cli([*base, "--data", str(data), "--output", str(tmp_path / "o.jsonl"), "--engine", "vllm"])
+    assert r.returncode == 2 and "--engine" in r.stderr and "Traceback" not in r.stderr
