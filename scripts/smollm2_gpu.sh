@@ -25,11 +25,13 @@
 #   setup        ~100 s  build of the extension (41-47 s measured with PEAGLE_CUDA_ARCHS=90-real)
 #                        + GGUF join and conversion (45-48 s measured)
 #   data         7-8 s   measured: decompress the bundle's ShareGPT (17,392 conversations), hold out 200
-#   datagen      DATAGEN_SECONDS + ~35 s of start: HF generate, <= 256 new tokens, first turn (and the
-#                        held-out conversations the same way, beside it); measured
-#                        at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new tokens/s alone
-#                        (14,336 conversations in 147 s; a 120 s budget left the 2,856 longest prompts),
-#                        9,006 at batch 512 (the file is usable at any point and a later call continues it)
+#   datagen      DATAGEN_SECONDS + ~35 s of start: <= 256 new tokens, first turn (and the held-out
+#                        conversations the same way, beside it). Measured with transformers' generate()
+#                        (DATAGEN_ENGINE=hf) at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new
+#                        tokens/s alone (14,336 conversations in 147 s; a 120 s budget left the 2,856
+#                        longest prompts), 9,006 at batch 512. The default engine (static KV cache,
+#                        bench/bench_datagen.py) is not yet measured here. The file is usable at any
+#                        point and a later call continues it
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
 #                        template, forked over the cores: 1.8 s for 14K conversations; three trainings
@@ -63,8 +65,8 @@ cd "$(dirname "$0")/.."
 K=${K:-8}
 SEQ=${SEQ:-2048}
 # layers:data; data = orig: every ShareGPT conversation, all turns, the original answers;
-# regen: the conversations `datagen` reached (shortest first prompts first), first turn, the verifier's
-# own answer; origfirst: the same conversations and first turns with their original answers (orig
+# regen: the conversations `datagen` reached (shortest first prompts first), the first turn (every turn
+# with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
 # against regen on the same prompts)
 SETTINGS=${SETTINGS:-"1:origfirst 1:regen 2:regen"}
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
@@ -97,6 +99,8 @@ DATAGEN_BATCH=${DATAGEN_BATCH:-2048}  # rows generated together: this small veri
 DATAGEN_BATCH_TOKENS=${DATAGEN_BATCH_TOKENS:-1048576}  # KV-cache tokens a batch holds at most (~23 GB
                                    # bf16 for SmolLM2-135M): fewer rows for long prompts
 DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}
+DATAGEN_TURNS=${DATAGEN_TURNS:-first}  # first | all: regenerate every turn, each on the regenerated history
+DATAGEN_ENGINE=${DATAGEN_ENGINE:-auto}  # auto (= static for SmolLM2) | static | hf (peagle datagen --engine)
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced
@@ -201,7 +205,7 @@ EOF
 datagen_args=()
 set_datagen_args() {
   datagen_args=(--verifier "$VERIFIER" --device "$DEVICE" --dtype "$DTYPE" --max-new-tokens "$DATAGEN_TOKENS"
-    --max-length "$SEQ" --turns first --batch-size "$DATAGEN_BATCH" --batch-tokens "$DATAGEN_BATCH_TOKENS" --no-progress)
+    --max-length "$SEQ" --turns "$DATAGEN_TURNS" --engine "$DATAGEN_ENGINE" --batch-size "$DATAGEN_BATCH" --batch-tokens "$DATAGEN_BATCH_TOKENS" --no-progress)
 }
 
 phase_datagen() {
@@ -269,7 +273,8 @@ with open(sys.argv[3] + ".tmp", "w", encoding="utf-8") as out:
         answer = next((m["content"] for m in src[rec["index"]] if m["role"] == "assistant"), None)
         if answer is None:
             continue
-        out.write(json.dumps({"messages": msgs[:-1] + [{"role": "assistant", "content": answer}]}, ensure_ascii=False) + "\n")
+        head = msgs[: next(i for i, m in enumerate(msgs) if m["role"] == "assistant")]  # up to the first answer
+        out.write(json.dumps({"messages": head + [{"role": "assistant", "content": answer}]}, ensure_ascii=False) + "\n")
         n += 1
 import os
 os.replace(sys.argv[3] + ".tmp", sys.argv[3])

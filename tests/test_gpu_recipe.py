@@ -116,7 +116,15 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     assert _run(bundle, work, "setup", "data").returncode == 0
     settings = "1:orig 1:origfirst 1:regen"
     r = _run(
-        bundle, work, "--detach", "study", DATAGEN_SECONDS="60", TRAIN_MINUTES="5", SETTINGS=settings, EVAL_SWEEP="1"
+        bundle,
+        work,
+        "--detach",
+        "study",
+        DATAGEN_SECONDS="60",
+        DATAGEN_TURNS="all",
+        TRAIN_MINUTES="5",
+        SETTINGS=settings,
+        EVAL_SWEEP="1",
     )
     assert r.returncode == 0 and "detached: study" in r.stdout, r.stderr[-2000:]
     again = _run(bundle, work, "--detach", "study")
@@ -129,7 +137,7 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     assert "| L1-regen | mtbench | 1 |" in md and "| L1-orig | mtbench | 2 |" in md
     assert "| L1-regen | mtbench | 2 |" not in md  # EVAL_SWEEP=1: the sweep of EVAL_FULL is K=1 alone
     assert "| L1-origfirst | mtbench | 2 |" in md
-    # origfirst: the regenerated conversations' prompts, each with its original first answer
+    # origfirst: the regenerated conversations' first prompts, each with its original first answer
     src = [json.loads(x)["messages"] for x in open(work / "data" / "train.jsonl")]
     regen = [json.loads(x) for x in open(work / "data" / "regen.jsonl")]
     regen = [r for r in regen if r["messages"]]
@@ -137,7 +145,10 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     assert len(first) == len(regen) > 10
     for r, f in zip(regen, first):
         want = next(m["content"] for m in src[r["index"]] if m["role"] == "assistant")
-        assert f[:-1] == r["messages"][:-1] and f[-1] == {"role": "assistant", "content": want}
+        answer = next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")
+        assert f[:-1] == r["messages"][:answer] and f[-1] == {"role": "assistant", "content": want}
+    # DATAGEN_TURNS=all: conversations of several turns, every answer regenerated
+    assert any(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in regen)
     assert (work / "eval" / "consistency_L1-regen.json").is_file()
     start = json.loads((work / "train" / "L1-regen" / "log.jsonl").read_text().splitlines()[0])
     assert start["settings"]["time_schedule"] and start["settings"]["max_minutes"] == 5

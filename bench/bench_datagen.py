@@ -1,0 +1,165 @@
+"""Benchmark: `peagle datagen`'s generation engines, new tokens per second at batch sizes.
+
+Engines (peagle_ext.data.datagen): "static" (peagle_ext.serving.batch_generation: one preallocated
+KV cache per layer written in place, stopped rows leave the batch) against "hf", transformers'
+generate() with left padding and its dynamic cache, the anchor, in the same run.
+
+Model: the SmolLM2-135M shape (Llama, hidden 576, 30 layers, 9 heads / 3 K/V heads, MLP 1536,
+vocab 49152) with random weights, bf16 on CUDA (fp32 on the CPU): the step cost depends on the
+shape, not the weights. Prompts: random tokens, lengths uniform in [64, 256] (ShareGPT's first
+prompts are mostly in that range), sorted by length as datagen groups them; every row generates
+--new-tokens tokens (no stop token is ever drawn: eos is a token id outside the vocabulary),
+so both engines do the same work.
+
+Measured per (engine, batch): wall time of one generate call after a warm-up call, new tokens/s,
+and the peak memory allocated on CUDA. Printed as a table with the static/hf ratio.
+
+Run: python bench/bench_datagen.py  (writes $OUT/bench_datagen.json or ./bench_out/; QUICK=1 for
+smaller batches), or pytest bench/bench_datagen.py --benchmark-only (pytest-benchmark; the CPU
+case is tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle_ext.data.datagen import _generate, pick_engine
+
+SMOLLM2 = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+def make_model(device, dtype, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**SMOLLM2, **overrides})
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def make_prompts(n, vocab, lo=64, hi=256, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return sorted(prompts, key=len)
+
+
+def generate(model, engine, prompts, new_tokens):
+    """One datagen generate call; eos is outside the vocabulary, so every row runs to the limit."""
+    eos = {model.config.vocab_size}
+    return _generate(
+        model,
+        None,
+        prompts,
+        max_new_tokens=new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        eos=eos,
+        pad=0,
+        seed=0,
+        engine=pick_engine(model, engine),
+    )
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(model, engine, batch, new_tokens):
+    dev = next(model.parameters()).device
+    prompts = make_prompts(batch, model.config.vocab_size)
+    generate(model, engine, prompts[:8], 4)  # warm-up: kernels, allocator
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    _sync(dev)
+    t0 = time.perf_counter()
+    res = generate(model, engine, prompts, new_tokens)
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    n = sum(len(toks) for toks, _ in res)
+    assert n == batch * new_tokens, (n, batch, new_tokens)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+    return {"engine": engine, "batch": batch, "new_tokens": new_tokens, "seconds": dt, "tok_s": n / dt, "peak_gb": peak}
+
+
+# ---- pytest-benchmark ------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["static", "hf"])
+def test_bench_datagen_cpu(benchmark, engine):
+    model = make_model(torch.device("cpu"), torch.float32, num_hidden_layers=2, vocab_size=4096)
+    prompts = make_prompts(8, model.config.vocab_size, lo=8, hi=32)
+    benchmark.group = "datagen generate cpu 2 layers, 8 rows x 16 tokens"
+    benchmark.pedantic(lambda: generate(model, engine, prompts, 16), rounds=3, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("engine", ["static", "hf"])
+def test_bench_datagen_cuda(benchmark, engine):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = make_model(torch.device("cuda"), torch.bfloat16)
+    prompts = make_prompts(512, model.config.vocab_size)
+
+    def fn():
+        generate(model, engine, prompts, 64)
+        torch.cuda.synchronize()
+
+    benchmark.group = "datagen generate SmolLM2 shape, 512 rows x 64 tokens"
+    benchmark.pedantic(fn, rounds=2, warmup_rounds=1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    quick = os.environ.get("QUICK", "0") == "1"
+    cuda = torch.cuda.is_available()
+    default_batches = "16" if not cuda else ("256,1024" if quick else "256,1024,2048")
+    ap.add_argument("--batches", default=default_batches, help="comma-separated batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=128 if cuda else 16)
+    ap.add_argument("--engines", default="static,hf")
+    args = ap.parse_args()
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches must be comma-separated ints, got {args.batches!r}")
+    engines = args.engines.split(",")
+    if not batches or min(batches) < 1 or args.new_tokens < 1 or not set(engines) <= {"static", "hf"}:
+        ap.error("--batches and --new-tokens must be >= 1, --engines a subset of static,hf")
+    out_dir = Path(os.environ.get("OUT") or "bench_out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if cuda else "cpu")
+    model = make_model(dev, torch.bfloat16 if cuda else torch.float32)
+    rows = []
+    for b in batches:
+        for e in engines:
+            r = measure(model, e, b, args.new_tokens)
+            rows.append(r)
+            peak = "" if r["peak_gb"] is None else f"  peak {r['peak_gb']:.1f} GB"
+            print(f"{e:>6} batch {b:>5}: {r['tok_s']:>9.0f} new tok/s ({r['seconds']:.2f} s){peak}", flush=True)
+    by = {(r["engine"], r["batch"]): r for r in rows}
+    print("\n| batch | static tok/s | hf tok/s | static / hf |\n|---:|---:|---:|---:|")
+    for b in batches:
+        s, h = by.get(("static", b)), by.get(("hf", b))
+        ratio = f"{s['tok_s'] / h['tok_s']:.2f}x" if s and h else ""
+        print(f"| {b} | {s['tok_s']:.0f} | {h['tok_s']:.0f} | {ratio} |" if s and h else f"| {b} | | | |")
+    info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    (out_dir / "bench_datagen.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
