@@ -1,7 +1,8 @@
 """Benchmark: `peagle datagen`'s generation engines, new tokens per second at batch sizes.
 
 Engines (peagle_ext.data.datagen): "static" (peagle_ext.serving.batch_generation: one preallocated
-KV cache per layer written in place, stopped rows leave the batch) against "hf", transformers'
+KV cache per layer written in place, stopped rows leave the batch; its decode steps replayed as
+CUDA graphs on a GPU), "static-eager" (the same with eager steps) against "hf", transformers'
 generate() with left padding and its dynamic cache, the anchor, in the same run.
 
 Model: the SmolLM2-135M shape (Llama, hidden 576, 30 layers, 9 heads / 3 K/V heads, MLP 1536,
@@ -33,6 +34,7 @@ import torch
 
 from peagle_ext.data.datagen import _generate, pick_engine
 
+ENGINES = ("static", "static-eager", "hf")
 SMOLLM2 = dict(
     hidden_size=576,
     num_hidden_layers=30,
@@ -60,6 +62,12 @@ def make_prompts(n, vocab, lo=64, hi=256, seed=0):
     return sorted(prompts, key=len)
 
 
+def runner(model, engine):
+    from peagle_ext.serving.batch_generation import BatchGenerator
+
+    return BatchGenerator(model, mode="eager") if engine == "static-eager" else pick_engine(model, engine)
+
+
 def generate(model, engine, prompts, new_tokens):
     """One datagen generate call; eos is outside the vocabulary, so every row runs to the limit."""
     eos = {model.config.vocab_size}
@@ -73,7 +81,7 @@ def generate(model, engine, prompts, new_tokens):
         eos=eos,
         pad=0,
         seed=0,
-        engine=pick_engine(model, engine),
+        engine=runner(model, engine),
     )
 
 
@@ -109,7 +117,7 @@ def test_bench_datagen_cpu(benchmark, engine):
     benchmark.pedantic(lambda: generate(model, engine, prompts, 16), rounds=3, warmup_rounds=1)
 
 
-@pytest.mark.parametrize("engine", ["static", "hf"])
+@pytest.mark.parametrize("engine", ["static", "static-eager", "hf"])
 def test_bench_datagen_cuda(benchmark, engine):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -131,15 +139,15 @@ def main():
     default_batches = "16" if not cuda else ("256,1024" if quick else "256,1024,2048")
     ap.add_argument("--batches", default=default_batches, help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128 if cuda else 16)
-    ap.add_argument("--engines", default="static,hf")
+    ap.add_argument("--engines", default="static,static-eager,hf" if cuda else "static,hf")
     args = ap.parse_args()
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         ap.error(f"--batches must be comma-separated ints, got {args.batches!r}")
     engines = args.engines.split(",")
-    if not batches or min(batches) < 1 or args.new_tokens < 1 or not set(engines) <= {"static", "hf"}:
-        ap.error("--batches and --new-tokens must be >= 1, --engines a subset of static,hf")
+    if not batches or min(batches) < 1 or args.new_tokens < 1 or not set(engines) <= set(ENGINES):
+        ap.error(f"--batches and --new-tokens must be >= 1, --engines a subset of {','.join(ENGINES)}")
     out_dir = Path(os.environ.get("OUT") or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if cuda else "cpu")
@@ -150,13 +158,14 @@ def main():
             r = measure(model, e, b, args.new_tokens)
             rows.append(r)
             peak = "" if r["peak_gb"] is None else f"  peak {r['peak_gb']:.1f} GB"
-            print(f"{e:>6} batch {b:>5}: {r['tok_s']:>9.0f} new tok/s ({r['seconds']:.2f} s){peak}", flush=True)
-    by = {(r["engine"], r["batch"]): r for r in rows}
-    print("\n| batch | static tok/s | hf tok/s | static / hf |\n|---:|---:|---:|---:|")
+            print(f"{e:>12} batch {b:>5}: {r['tok_s']:>9.0f} new tok/s ({r['seconds']:.2f} s){peak}", flush=True)
+    by = {(r["engine"], r["batch"]): r["tok_s"] for r in rows}
+    print("\n| batch | " + " | ".join(f"{e} tok/s" for e in engines) + " | vs hf |")
+    print("|---:|" + "---:|" * (len(engines) + 1))
     for b in batches:
-        s, h = by.get(("static", b)), by.get(("hf", b))
-        ratio = f"{s['tok_s'] / h['tok_s']:.2f}x" if s and h else ""
-        print(f"| {b} | {s['tok_s']:.0f} | {h['tok_s']:.0f} | {ratio} |" if s and h else f"| {b} | | | |")
+        rates = [by[(e, b)] for e in engines]
+        vs = " / ".join(f"{by[(e, b)] / by[('hf', b)]:.2f}x" for e in engines if e != "hf") if "hf" in engines else ""
+        print(f"| {b} | " + " | ".join(f"{r:.0f}" for r in rates) + f" | {vs} |")
     info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     (out_dir / "bench_datagen.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
 

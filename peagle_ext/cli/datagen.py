@@ -110,7 +110,8 @@ def run(args) -> int:
     rate = st.new_tokens / st.seconds if st.seconds > 0 else 0.0
     print(
         f"datagen: {st.written} conversations written this run ({st.already_done} were already in {out}), "
-        f"{st.turns} answers, {st.new_tokens} new tokens in {st.seconds:.0f} s ({rate:.0f} tok/s, engine {st.engine})"
+        f"{st.turns} answers, {st.new_tokens} new tokens in {st.seconds:.0f} s ({rate:.0f} tok/s, engine "
+        f"{st.engine}{', ' + st.step_mode + ' steps' if st.step_mode else ''})"
     )
     if st.truncated_turns:
         print(f"  {st.truncated_turns} answers hit --max-new-tokens {args.max_new_tokens} (cut there)")

@@ -59,6 +59,7 @@ class DatagenStats:
     truncated_turns: int = 0  # answers that hit max_new_tokens
     new_tokens: int = 0
     engine: str = ""  # the engine that ran: "static" or "hf"
+    step_mode: str = ""  # the static engine's decode steps: "graphs", "eager" (serving/batch_generation.py)
     seconds: float = 0.0
     stopped_by_budget: bool = False
     remaining: int = 0
@@ -214,6 +215,7 @@ def regenerate(
     done = read_done_indices(out)
     st = DatagenStats(conversations=len(conversations), already_done=len(done & set(range(len(conversations)))))
     st.engine = "hf" if runner is None else "static"
+    st.step_mode = "" if runner is None else runner.mode
 
     parts = [_split_turns(c) for c in conversations]
     first_len = [len(_render_ids(tokenizer, s + [{"role": "user", "content": u[0]}])) for s, u in parts]

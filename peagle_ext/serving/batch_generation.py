@@ -6,7 +6,8 @@ which copies each layer's whole cache every step, and it expands grouped K/V hea
 when rows are padded. At the batch sizes datagen runs (thousands of rows) those copies, not the
 model's arithmetic, decide the step time. Here each layer's K and V live in one [rows, kv heads,
 capacity, D] tensor written in place, a decode step reads each cached entry once, and rows that
-have stopped leave the batch as they accumulate.
+have stopped leave the batch as they accumulate (the live rows move to the front of the same
+buffers).
 
 Layout: prompts are right-padded, each row's tokens at positions 0..len-1, so its first new token
 sits at position len. Attention is causal by position alone. The K/V a short prompt's padding
@@ -15,11 +16,25 @@ reads them, since a query at position p reads positions <= p only. A decode step
 that share one K/V head enter attention as that head's query rows: all of them sit at the same
 position, so one mask serves them and no K/V head is repeated.
 
+Modes of the decode step:
+- eager: attention over the positions filled so far (the shapes grow every step);
+- fixed: attention over the whole capacity under the position mask, so that every step of a batch
+  has the same shapes and reads only device tensors (what a CUDA graph captures);
+- graphs: the fixed step captured as a CUDA graph and replayed (CUDA only). A step costs some
+  fifty small kernels a layer; eagerly the host's per-op cost, not the GPU, sets its time for a
+  model this small. A graph serves the batch until a compaction changes its row count; rows are
+  dropped only when half of them have stopped, so a group of n rows captures at most log2(n) + 1
+  graphs, all in one memory pool.
+- auto: graphs on a CUDA device, eager elsewhere.
+
 The model's own modules run through StaticVerifier's layer math (`qkv`, `layer_out`), so the
 model families are StaticVerifier's (`static_verifier_support`).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +43,24 @@ from .static_verifier import StaticVerifier
 
 # a stop check syncs with the device; between checks the host runs ahead of the GPU
 STOP_CHECK_EVERY = 8
+# with fixed shapes a compaction costs a capture: worth it only with this many steps left
+MIN_STEPS_AFTER_COMPACTION = 16
+MODES = ("auto", "eager", "fixed", "graphs")
 
 
 class BatchGenerator:
     """Greedy or sampled generation of a batch of prompts (module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, mode: str = "auto"):
         self.sv = StaticVerifier(model)  # ValueError naming what it does not run
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        on_cuda = self.sv.device.type == "cuda"
+        if mode == "graphs" and not on_cuda:
+            raise ValueError("mode 'graphs' needs the model on a CUDA device")
+        self.mode = ("graphs" if on_cuda else "eager") if mode == "auto" else mode
+        self.graphs_captured = 0
+        self.failed_captures = 0  # steps then ran the same fixed-shape computation eagerly
 
     @torch.no_grad()
     def generate(
@@ -81,36 +107,93 @@ class BatchGenerator:
         vs = [torch.zeros(shape, device=dev, dtype=sv.dtype) for _ in range(sv.num_layers)]
         len_t = torch.tensor(lens, dtype=torch.long, device=dev)
 
+        greedy = temperature == 0
         x = self._prefill(ids.to(dev), ks, vs)
         tok = self._choose(self._logits(x[torch.arange(n, device=dev), len_t - 1]), temperature, top_p, generator)
         out = torch.empty((n, max_new_tokens), dtype=torch.long, device=dev)
         out[:, 0] = tok
+        # the batch: its first b rows of these buffers are live (compaction moves rows forward)
+        tok_in = tok.clone()  # each row's newest token
+        pos_in = len_t.clone()  # its position
+        rows = torch.arange(n, device=dev)  # the prompt it generates for
         stopped = torch.isin(tok, eos_t)
-        rows = torch.arange(n, device=dev)  # the prompt each batch row generates for
-        pos = len_t.clone()  # the position of each row's `tok`
-        live = list(range(n))  # rows on the host, for the attention length
+        live_lens = list(lens)  # prompt lengths of the batch rows, on the host
+        b = n
+        fixed = self.mode != "eager"
+        # the fixed step's output buffer: next tokens (greedy) or logits
+        result = None
+        if fixed:
+            vocab = () if greedy else (sv.vocab_size,)
+            result = torch.empty((n, *vocab), device=dev, dtype=torch.long if greedy else sv.dtype)
+        graph = None
+        pool = torch.cuda.graph_pool_handle() if self.mode == "graphs" else None
         for step in range(1, max_new_tokens):
             if step % STOP_CHECK_EVERY == 0:
-                keep = (~stopped).nonzero().squeeze(1)
-                if keep.numel() == 0:
+                keep = (~stopped[:b]).nonzero().squeeze(1)
+                m = keep.numel()
+                if m == 0:
                     break
-                if 4 * (len(live) - keep.numel()) >= len(live):  # a quarter stopped: drop them
-                    ks = [k.index_select(0, keep) for k in ks]
-                    vs = [v.index_select(0, keep) for v in vs]
-                    tok, rows, pos, stopped = tok[keep], rows[keep], pos[keep], stopped[keep]
-                    live = [live[i] for i in keep.tolist()]
-            ctx = max(lens[r] for r in live) + step  # positions 0..ctx-1 hold every live row's context
-            x = self._decode(tok, pos, ks, vs, ctx)
-            tok = self._choose(self._logits(x), temperature, top_p, generator)
-            out[rows, step] = tok
-            stopped |= torch.isin(tok, eos_t)
-            pos += 1
+                if fixed:
+                    worth = 2 * m <= b and max_new_tokens - step >= MIN_STEPS_AFTER_COMPACTION
+                else:
+                    worth = 4 * m <= 3 * b
+                if m < b and worth:
+                    for buf in (*ks, *vs, tok_in, pos_in, rows, stopped):
+                        buf[:m] = buf[keep]
+                    live_lens = [live_lens[i] for i in keep.tolist()]
+                    b, graph = m, None
+            if not fixed:
+                keys = max(live_lens) + step  # positions 0..keys-1 hold every live row's context
+                logits = self._logits(self._decode(tok_in[:b], pos_in[:b], ks, vs, b, keys))
+                tok = self._choose(logits, temperature, top_p, generator)
+            else:
+                if graph is not None:
+                    graph.replay()
+                else:
+                    run = functools.partial(self._fixed_step, tok_in, pos_in, ks, vs, b, capacity, result)
+                    if self.mode == "graphs" and not self.failed_captures:
+                        graph = self._capture(run, pool)  # its warm-up run is this step
+                    else:
+                        run()
+                tok = result[:b].clone() if greedy else self._choose(result[:b], temperature, top_p, generator)
+            out[rows[:b], step] = tok
+            stopped[:b] |= torch.isin(tok, eos_t)
+            tok_in[:b] = tok
+            pos_in[:b] += 1
         res = []
         eos_set = set(eos_t.tolist())
         for row in out.tolist():
             stop = next((i for i, t in enumerate(row) if t in eos_set), None)
             res.append((row if stop is None else row[:stop], stop is None))
         return res
+
+    def _capture(self, fn, pool):
+        """A CUDA graph of fn() after its warm-up runs (fn is idempotent: its inputs do not change
+        until it has run; two warm-ups for the generator's first graph, which also meets the lazy
+        initialisations, one after), or None with a warning where capturing fails for a reason
+        other than memory; the generation then runs fn() eagerly."""
+        from .graphs import _capture
+
+        try:
+            g = _capture(fn, self.sv.device, pool, warmups=1 if self.graphs_captured else 2)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            self.failed_captures += 1
+            warnings.warn(
+                f"batched generation runs its steps eagerly: CUDA graph capture failed ({e})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        self.graphs_captured += 1
+        return g
+
+    def _fixed_step(self, tok_in, pos_in, ks, vs, b: int, capacity: int, result):
+        """One decode step of the first b rows over the whole capacity into result[:b]: the next
+        tokens (a long buffer: greedy) or the logits."""
+        logits = self._logits(self._decode(tok_in[:b], pos_in[:b], ks, vs, b, capacity))
+        result[:b] = logits.argmax(-1) if result.dtype == torch.long else logits
 
     def _prefill(self, ids, ks, vs):
         """Hidden states [rows, width, H] of the right-padded prompts; writes their K/V."""
@@ -128,24 +211,25 @@ class BatchGenerator:
             x = sv.layer_out(layer, x, o)
         return x
 
-    def _decode(self, tok, pos, ks, vs, ctx: int):
-        """Hidden states [rows, H] of one token per row, `tok` at positions `pos`; writes its K/V
-        and attends positions 0..ctx-1 up to each row's own."""
+    def _decode(self, tok, pos, ks, vs, b: int, keys: int):
+        """Hidden states [b, H] of one token per row for the first b rows of the cache, `tok` at
+        positions `pos`; writes its K/V and attends cache positions 0..keys-1 up to each row's
+        own. No shape or control flow depends on tensor values (a CUDA graph captures it)."""
         sv = self.sv
-        b = tok.shape[0]
         group = sv.num_heads // sv.kv_heads
-        x = sv._embed(tok)[:, None]  # [rows, 1, H]
-        cos, sin = sv.rope(pos[:, None])  # [rows, 1, 1, D]
-        mask = (torch.arange(ctx, device=tok.device) <= pos[:, None])[:, None, None, :]
+        x = sv._embed(tok)[:, None]  # [b, 1, H]
+        cos, sin = sv.rope(pos[:, None])  # [b, 1, 1, D]
+        mask = (torch.arange(keys, device=tok.device) <= pos[:, None])[:, None, None, :]
         ar = torch.arange(b, device=tok.device)
         for li, layer in enumerate(sv._layers):
-            q, k, v = sv.qkv(layer, x, cos, sin)  # q [rows, heads, 1, D], k/v [rows, kv heads, 1, D]
-            ks[li][ar, :, pos] = k[:, :, 0]
-            vs[li][ar, :, pos] = v[:, :, 0]
+            q, k, v = sv.qkv(layer, x, cos, sin)  # q [b, heads, 1, D], k/v [b, kv heads, 1, D]
+            kc, vc = ks[li][:b], vs[li][:b]
+            kc[ar, :, pos] = k[:, :, 0]
+            vc[ar, :, pos] = v[:, :, 0]
             o = F.scaled_dot_product_attention(
                 q.reshape(b, sv.kv_heads, group, sv.head_dim),
-                ks[li][:, :, :ctx],
-                vs[li][:, :, :ctx],
+                kc[:, :, :keys],
+                vc[:, :, :keys],
                 attn_mask=mask,
                 scale=sv.scale,
             )

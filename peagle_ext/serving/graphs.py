@@ -104,15 +104,15 @@ def _capture_prefill(fn, device, bucket: int, pool):
         return None
 
 
-def _capture(fn, device, pool=None):
-    """A CUDA graph of fn() after two warm-up runs on a side stream (as torch.cuda.graphs asks).
+def _capture(fn, device, pool=None, warmups: int = 2):
+    """A CUDA graph of fn() after `warmups` runs on a side stream (as torch.cuda.graphs asks).
     pool: a memory pool shared with other graphs that are never replayed at the same time (every
     graph here writes its results into buffers allocated outside it)."""
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.no_grad():
         with torch.cuda.stream(s):
-            for _ in range(2):
+            for _ in range(warmups):
                 fn()
         torch.cuda.current_stream(device).wait_stream(s)
         g = torch.cuda.CUDAGraph()

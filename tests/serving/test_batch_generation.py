@@ -45,14 +45,18 @@ def _eos_that_stops_rows_at_different_steps(free_runs, steps=(2, 9, 17, 26)):
     return {row[s] for (row, _), s in zip(free_runs, steps) if s < len(row)}
 
 
+@pytest.mark.parametrize("mode", ["eager", "fixed"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_greedy_equals_one_at_a_time_decoding(model, seed, monkeypatch):
+def test_greedy_equals_one_at_a_time_decoding(model, seed, mode, monkeypatch):
+    """Both step forms (eager: attention over the filled positions; fixed: over the capacity, the
+    step a CUDA graph captures); stop tokens that end most rows early, so rows leave the batch."""
     prompts = _prompts(model, 11, seed) + [[5]]  # a one-token prompt
-    gen = BatchGenerator(model)
+    gen = BatchGenerator(model, mode=mode)
+    assert gen.mode == mode
     free = gen.generate(prompts, max_new_tokens=40, eos=set())
     assert all(hit and len(toks) == 40 for toks, hit in free)
     assert free == _one_at_a_time(model, prompts, 40, set())
-    eos = _eos_that_stops_rows_at_different_steps(free)
+    eos = _eos_that_stops_rows_at_different_steps(free, steps=(2, 3, 5, 6, 9, 10, 17, 26))
     sizes = []
     decode = gen._decode
 
@@ -66,15 +70,19 @@ def test_greedy_equals_one_at_a_time_decoding(model, seed, monkeypatch):
     assert any(not hit for _, hit in got) and any(hit for _, hit in got)
     assert sizes[0] == len(prompts) and sizes[-1] < sizes[0]  # stopped rows left the batch
     assert sizes == sorted(sizes, reverse=True)
+    if mode == "fixed":  # a compaction costs a capture there: only when half the rows stopped
+        assert all(2 * b <= a for a, b in zip(sizes, sizes[1:]) if b < a)
 
 
-def test_stop_checks_every_step_and_short_limits(model, monkeypatch):
+@pytest.mark.parametrize("mode", ["eager", "fixed"])
+def test_stop_checks_every_step_and_short_limits(model, mode, monkeypatch):
     prompts = _prompts(model, 6, 3)
-    gen = BatchGenerator(model)
+    gen = BatchGenerator(model, mode=mode)
     free = gen.generate(prompts, max_new_tokens=12, eos=set())
     eos = _eos_that_stops_rows_at_different_steps(free, steps=(1, 4, 7))
     ref = _one_at_a_time(model, prompts, 12, eos)
     monkeypatch.setattr(bg, "STOP_CHECK_EVERY", 1)
+    monkeypatch.setattr(bg, "MIN_STEPS_AFTER_COMPACTION", 1)
     assert gen.generate(prompts, max_new_tokens=12, eos=eos) == ref
     first = [(toks[:1], True) if toks[:1] and toks[0] not in eos else ([], False) for toks, _ in free]
     assert gen.generate(prompts, max_new_tokens=1, eos=eos) == first
@@ -109,15 +117,15 @@ def test_sampling_follows_the_softmax_inside_the_nucleus(model):
     assert gen.generate([prompt], max_new_tokens=6, eos=set(), temperature=0.7, top_p=1e-12) == greedy
 
 
-def test_sampling_is_seeded(model):
-    gen = BatchGenerator(model)
+def test_sampling_is_seeded_and_the_same_in_both_step_forms(model):
     prompts = _prompts(model, 5, 11)
 
-    def run(seed):
+    def run(seed, mode="eager"):
         g = torch.Generator().manual_seed(seed)
-        return gen.generate(prompts, max_new_tokens=10, eos=set(), temperature=1.5, generator=g)
+        gen = BatchGenerator(model, mode=mode)
+        return gen.generate(prompts, max_new_tokens=10, eos=set(), temperature=1.5, top_p=0.95, generator=g)
 
-    assert run(3) == run(3)
+    assert run(3) == run(3) == run(3, "fixed")
     assert run(3) != run(4)
 
 
@@ -140,6 +148,14 @@ def test_bad_arguments(model):
         gen.generate([[4] * limit], max_new_tokens=3, eos=set())
 
 
+def test_modes(model):
+    assert BatchGenerator(model).mode == "eager"  # auto, on a CPU
+    with pytest.raises(ValueError, match="mode must be one of"):
+        BatchGenerator(model, mode="fast")
+    with pytest.raises(ValueError, match="needs the model on a CUDA device"):
+        BatchGenerator(model, mode="graphs")
+
+
 def test_unsupported_model_is_named(model, monkeypatch):
     monkeypatch.setattr(model.config, "model_type", "gpt2")
     with pytest.raises(ValueError, match="gpt2"):
@@ -153,11 +169,17 @@ def test_cuda_greedy_and_sampling_match_the_cpu(model):
     import copy
 
     prompts = _prompts(model, 9, 5)
-    gpu = BatchGenerator(copy.deepcopy(model).cuda())
-    free = gpu.generate(prompts, max_new_tokens=30, eos=set())
-    assert free == _one_at_a_time(model, prompts, 30, set())
-    eos = _eos_that_stops_rows_at_different_steps(free)
-    assert gpu.generate(prompts, max_new_tokens=30, eos=eos) == _one_at_a_time(model, prompts, 30, eos)
+    cuda_model = copy.deepcopy(model).cuda()
+    gpu = BatchGenerator(cuda_model)
+    assert gpu.mode == "graphs"
+    free = gpu.generate(prompts, max_new_tokens=40, eos=set())
+    assert free == _one_at_a_time(model, prompts, 40, set())
+    eos = _eos_that_stops_rows_at_different_steps(free, steps=(2, 3, 5, 6, 9, 26))
+    ref = _one_at_a_time(model, prompts, 40, eos)
+    captured = gpu.graphs_captured
+    assert gpu.generate(prompts, max_new_tokens=40, eos=eos) == ref
+    assert gpu.graphs_captured >= captured + 2 and gpu.failed_captures == 0  # a graph per batch size
+    assert BatchGenerator(cuda_model, mode="eager").generate(prompts, max_new_tokens=40, eos=eos) == ref
 
     def sample(seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
