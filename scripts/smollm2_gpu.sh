@@ -30,7 +30,7 @@
 #                        (DATAGEN_ENGINE=hf) at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new
 #                        tokens/s alone (14,336 conversations in 147 s; a 120 s budget left the 2,856
 #                        longest prompts), 9,006 at batch 512. The default engine (static KV cache,
-#                        bench/bench_datagen.py) is not yet measured here. The file is usable at any
+#                        CUDA-graph steps; bench/bench_datagen.py) is not yet measured here. The file is usable at any
 #                        point and a later call continues it
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
