@@ -150,6 +150,34 @@ def test_resume_refuses_changed_inputs_unless_accepted(tiny, tmp_path):
     assert any(x.get("event") == "inputs_changed" for x in log)
 
 
+def test_resume_refuses_another_revision_of_a_hub_verifier(tiny, tmp_path, monkeypatch):
+    """A hub verifier is fingerprinted by its cached snapshot: a resume after the cache's main
+    branch moved to another commit is refused, naming the verifier's files; a hub verifier not in
+    the cache has nothing to compare yet."""
+    from peagle_ext.testing import make_fake_hub_cache
+    from peagle_ext.train import TrainError, train
+    from peagle_ext.train.run_guard import check_inputs_unchanged, input_fingerprints
+
+    v, _ = tiny
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    hub = "tiny-org/tiny-llama"
+    make_fake_hub_cache(tmp_path / "hf", hub, v, commit="a" * 40)
+    train(train_settings(tiny, out, verifier=hub, max_steps=2))
+    ck = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["inputs"]["verifier"]
+    assert ck and all(f"snapshots/{'a' * 40}/" in name for name in ck)
+    assert train(train_settings(tiny, out, verifier=hub, max_steps=3, resume=True)).steps == 3
+    make_fake_hub_cache(tmp_path / "hf", hub, v, commit="b" * 40)  # refs/main now names another commit
+    with pytest.raises(TrainError, match=r"inputs changed since checkpoint-3 was written: verifier file .*aaaa"):
+        train(train_settings(tiny, out, verifier=hub, max_steps=4, resume=True))
+    absent = train_settings(tiny, out, verifier="tiny-org/not-cached")
+    fp = input_fingerprints(absent)
+    assert fp["verifier"] is None
+    assert check_inputs_unchanged({"verifier": ck}, fp, out / "checkpoint-3", False) is None
+
+
 def test_background_thread_is_stopped_on_every_exit(tiny, tmp_path, monkeypatch):
     from peagle_ext.train import TrainError, train
     from peagle_ext.train.distributed import DistContext

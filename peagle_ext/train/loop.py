@@ -46,7 +46,7 @@ from .hidden import HiddenStates
 from .metrics import Meter
 from .optim import lr_lambda, make_adamw
 from .plots import make_plots
-from .run_guard import OutputLock, check_inputs_unchanged, input_fingerprints
+from .run_guard import OutputLock, check_inputs_unchanged, input_fingerprints, verifier_fingerprints
 from .run_log import NullLog, RunLog, progress_bar
 from .settings import RESUME_FIXED, TrainError, TrainSettings
 from .tracking import Trackers, peak_memory_gib
@@ -211,6 +211,8 @@ def _train(
         )
 
     inp = load_inputs(s, device, amp, log)
+    if ctx.is_main and inputs.get("verifier") is None:  # a hub verifier downloaded just now
+        inputs["verifier"] = verifier_fingerprints(s)
     ds = inp.dataset
     if s.epochs is not None:  # --epochs: the step count that passes over the rows that often
         rows_per_step = s.batch_size * s.grad_accum * ctx.world

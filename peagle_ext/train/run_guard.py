@@ -80,16 +80,45 @@ def fingerprint_paths(paths: list[Path], suffixes: tuple[str, ...] | None = None
     return out
 
 
+def verifier_fingerprints(s) -> dict[str, str] | None:
+    """Fingerprints of the verifier's files: a local directory or GGUF file; the bundled
+    'smollm2' GGUF; a hub id's snapshot in the local Hugging Face cache (its path names the
+    commit, so another revision shows as other files). None for a hub id not in the cache yet:
+    the trainer fingerprints it once it has loaded it."""
+    from ..data.verifier import _HUB_PATTERNS, hub_cache_dir, looks_like_hub_id, smollm2_gguf_path
+
+    spec = str(s.verifier)
+    v = Path(spec).expanduser()
+    if v.exists():
+        return fingerprint_paths([v], _VERIFIER_SUFFIXES)
+    if spec.lower() == "smollm2":
+        try:
+            return fingerprint_paths([smollm2_gguf_path()])
+        except ValueError:  # not installed: the verifier's loader says so
+            return {}
+    if not looks_like_hub_id(spec):
+        return {}
+    from huggingface_hub import snapshot_download
+
+    try:
+        snap = snapshot_download(
+            spec,
+            revision=getattr(s, "verifier_revision", None),
+            cache_dir=str(hub_cache_dir()),
+            allow_patterns=_HUB_PATTERNS,
+            local_files_only=True,
+        )
+    except Exception:  # not (completely) in the cache: fingerprinted after the download
+        return None
+    return fingerprint_paths([Path(snap)], _VERIFIER_SUFFIXES)
+
+
 def input_fingerprints(s) -> dict:
-    """Fingerprints of the local inputs of run settings `s` (hub ids and the bundled names are
-    pinned by their revision and are not fingerprinted)."""
+    """Fingerprints of the inputs of run settings `s`: local data files (bundled data names are
+    the installed package's) and the verifier (verifier_fingerprints)."""
     data = s.data if isinstance(s.data, list) else [s.data]
     local = [Path(d) for d in data if Path(d).exists()]
-    v = Path(s.verifier)
-    return {
-        "data": fingerprint_paths(local),
-        "verifier": fingerprint_paths([v], _VERIFIER_SUFFIXES) if v.exists() else {},
-    }
+    return {"data": fingerprint_paths(local), "verifier": verifier_fingerprints(s)}
 
 
 def check_inputs_unchanged(old: dict | None, new: dict, ck: Path, accept: bool) -> str | None:
@@ -100,8 +129,10 @@ def check_inputs_unchanged(old: dict | None, new: dict, ck: Path, accept: bool) 
         return None  # a checkpoint from before fingerprints were recorded: nothing to compare
     changed = []
     for kind in ("data", "verifier"):
-        a, b = old.get(kind) or {}, new.get(kind) or {}
-        if not isinstance(a, dict):
+        a, b = old.get(kind), new.get(kind)
+        # nothing recorded then (a hub verifier before it was fingerprinted) or nothing to
+        # read yet (a hub verifier not in the cache now): no comparison
+        if not isinstance(a, dict) or not a or not isinstance(b, dict):
             continue
         for name in sorted(set(a) | set(b)):
             if a.get(name) != b.get(name):
