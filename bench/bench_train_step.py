@@ -57,8 +57,9 @@ T0 = float(os.environ.get("BENCH_T0", time.time()))  # children print the parent
 K8, K32 = 8192, 32768
 
 
-def case(name, impl, n, *, layers=1, vocab=None, max_anchors=None, est_s=20, profile=False):
-    """vocab: draft vocab size (None = the verifier's); est_s: expected seconds on an H200."""
+def case(name, impl, n, *, layers=1, vocab=None, max_anchors=None, est_s=20, profile=False, shape="qwen3-8b"):
+    """vocab: draft vocab size (None = the verifier's); est_s: expected seconds on an H200;
+    shape: the verifier's (SHAPES)."""
     return dict(
         name=name,
         impl=impl,
@@ -68,6 +69,7 @@ def case(name, impl, n, *, layers=1, vocab=None, max_anchors=None, est_s=20, pro
         max_anchors=max_anchors,
         est_s=est_s,
         with_profile=profile,
+        shape=shape,
     )
 
 
@@ -86,6 +88,9 @@ def default_cases():
         # speculators' model with peagle_ext's backend: its forward on our attention and loss
         case("specx-1L-8K", "specx", K8, est_s=25, profile=True),
         case("specx-1L-32K", "specx", 4 * K8, est_s=35),
+        # the SmolLM2 study's step: 16 rows x 2048 tokens, draft vocab 32K (scripts/smollm2_gpu.sh)
+        case("peagle-smollm2-1L-32K", "peagle", 4 * K8, vocab=K32, est_s=20, profile=True, shape="smollm2"),
+        case("spec-smollm2-1L-32K", "spec", 4 * K8, vocab=K32, est_s=60, profile=True, shape="smollm2"),
     ]
 
 
@@ -99,7 +104,52 @@ def tiny_cases():
         case("spec-1L-8K", "spec", 512, est_s=10, profile=True),
         case("spec-1L-8K-v32K", "spec", 512, vocab=256, est_s=5),
         case("specx-1L-8K", "specx", 512, est_s=5, profile=True),
+        case("peagle-smollm2-1L-32K", "peagle", 512, vocab=256, est_s=5, profile=True, shape="smollm2"),
+        case("spec-smollm2-1L-32K", "spec", 512, vocab=256, est_s=5, shape="smollm2"),
     ]
+
+
+# the verifier shapes of the cases: config, the MASK id, the ids synthetic text draws from,
+# document lengths of the synthetic packed row
+SHAPES = ("qwen3-8b", "smollm2")
+
+
+def shape_params(shape, tiny):
+    from transformers import LlamaConfig, Qwen3Config
+
+    import peagle_ext.testing as TT
+
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown verifier shape {shape!r} (one of {SHAPES})")
+    if tiny:
+        cls = Qwen3Config if shape == "qwen3-8b" else LlamaConfig
+        vcfg = cls(
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=1024,
+            rms_norm_eps=1e-6,
+        )
+        mask_id = 1000 if shape == "qwen3-8b" else 1024  # smollm2: a new id past the vocab, as its trainer
+        return dict(vcfg=vcfg, mask_id=mask_id, real_vocab=1000, doc_len=(64, 256))
+    if shape == "qwen3-8b":  # mask: an unused embedding row
+        return dict(vcfg=TT.qwen3_8b_config(), mask_id=151_669, real_vocab=151_643, doc_len=(512, 2048))
+    vcfg = LlamaConfig(  # SmolLM2-135M-Instruct
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    # every id is a token: MASK is a new id past the vocab (the trainer's choice); the study's
+    # rows hold conversations of a few hundred tokens
+    return dict(vcfg=vcfg, mask_id=49152, real_vocab=49152, doc_len=(128, 1024))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,37 +173,17 @@ class Result:
 
 
 def child_env(a):
+    """What every case of a child shares; run_case adds its verifier shape (shape_params)."""
     import torch
-    from transformers import Qwen3Config
-
-    import peagle_ext.testing as TT
 
     dev = torch.device(a.device)
     if dev.type == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = True
-    if a.tiny:
-        vcfg = Qwen3Config(
-            hidden_size=64,
-            intermediate_size=192,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=1024,
-            rms_norm_eps=1e-6,
-        )
-        mask_id, real_vocab, doc_len = 1000, 1000, (64, 256)
-    else:
-        vcfg = TT.qwen3_8b_config()
-        mask_id, real_vocab, doc_len = 151_669, 151_643, (512, 2048)  # mask: an unused embedding row
     return dict(
         torch=torch,
         dev=dev,
-        vcfg=vcfg,
-        mask_id=mask_id,
-        real_vocab=real_vocab,
-        doc_len=doc_len,
+        tiny=a.tiny,
         amp=torch.bfloat16 if dev.type == "cuda" else None,
         state_dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
         k=a.num_depths,
@@ -289,6 +319,7 @@ def run_case(c, env, path, deadline):
     from peagle_ext.cod import cod_sample
 
     res = Result(path, c)
+    env.update(shape_params(c.get("shape", "qwen3-8b"), env["tiny"]))
     vcfg = env["vcfg"]
     ex = TT.synthetic_example(
         c["n"],

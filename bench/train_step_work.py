@@ -9,11 +9,12 @@ import time
 
 def gemm_rates(env, vocab):
     """cuBLAS bf16 TF/s (fp32 on the CPU) on the step's two GEMM shapes: the head ([2048, H] x
-    [H, vocab]) and the MLP ([8192, H] x [H, I]); measured once per vocab in this run."""
+    [H, vocab]) and the MLP ([8192, H] x [H, I]); measured once per shape in this run."""
     torch, dev = env["torch"], env["dev"]
-    if vocab in env["rates"]:
-        return env["rates"][vocab]
     h, i_sz = env["vcfg"].hidden_size, env["vcfg"].intermediate_size
+    key = (h, i_sz, vocab)
+    if key in env["rates"]:
+        return env["rates"][key]
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out = {}
     for key, (m, nn) in {"head": (2048, vocab), "body": (8192, i_sz)}.items():
@@ -29,7 +30,7 @@ def gemm_rates(env, vocab):
         sync(env)
         out[key] = 2.0 * m * h * nn * reps / (time.perf_counter() - t) / 1e12
         del a, b
-    env["rates"][vocab] = out
+    env["rates"][key] = out
     return out
 
 
