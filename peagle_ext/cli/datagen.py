@@ -113,6 +113,8 @@ def run(args) -> int:
         f"{st.turns} answers, {st.new_tokens} new tokens in {st.seconds:.0f} s ({rate:.0f} tok/s, engine "
         f"{st.engine}{', ' + st.step_mode + ' steps' if st.step_mode else ''})"
     )
+    if st.failed_captures:
+        print(f"  {st.failed_captures} CUDA graph capture(s) failed: those groups ran their steps eagerly (slower)")
     if st.truncated_turns:
         print(f"  {st.truncated_turns} answers hit --max-new-tokens {args.max_new_tokens} (cut there)")
     if st.skipped:

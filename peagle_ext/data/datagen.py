@@ -22,7 +22,7 @@ stopped rows dropped from the batch) for the model families StaticVerifier runs,
 the model. Both give the verifier's greedy continuations; in float64 the answers are identical.
 
 Batches: conversations sorted by prompt length, cut into groups of at most batch_size, every group
-generated together with left padding. With batch_tokens a group also holds at most that many
+generated together (padded). With batch_tokens a group also holds at most that many
 tokens of KV cache: size x (its longest first prompt + max_new_tokens), or size x max_length with
 turns="all" (a later turn's prompt grows up to it). Generation of a small verifier is bound by the
 host's per-step launches more than by the GPU, so a step of four times the rows costs far less than
@@ -60,6 +60,7 @@ class DatagenStats:
     new_tokens: int = 0
     engine: str = ""  # the engine that ran: "static" or "hf"
     step_mode: str = ""  # the static engine's decode steps: "graphs", "eager" (serving/batch_generation.py)
+    failed_captures: int = 0  # graphs mode: captures that failed (their group went on eagerly)
     seconds: float = 0.0
     stopped_by_budget: bool = False
     remaining: int = 0
@@ -208,6 +209,12 @@ def regenerate(
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the verifier's tokenizer has no chat template: prompts are rendered with it")
     runner = pick_engine(model, engine)
+    limit = None if runner is None else runner.sv.max_positions
+    if limit and max_length - 1 > limit:  # a group's cache holds up to max_length - 1 positions
+        raise ValueError(
+            f"max_length {max_length}: a prompt and its answer run through up to max_length - 1 positions, "
+            f"the verifier has {limit} (max_position_embeddings)"
+        )
     eos = {int(x) for x in (eos_token_ids or [])} or {int(tokenizer.eos_token_id)}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     out = Path(output)
@@ -257,6 +264,7 @@ def regenerate(
             bar.update(len(new))
     bar.close()
     st.seconds = time.perf_counter() - t0
+    st.failed_captures = 0 if runner is None else runner.failed_captures
     return st
 
 

@@ -24,7 +24,10 @@ Modes of the decode step:
   fifty small kernels a layer; eagerly the host's per-op cost, not the GPU, sets its time for a
   model this small. A graph serves the batch until a compaction changes its row count; rows are
   dropped only when half of them have stopped, so a group of n rows captures at most log2(n) + 1
-  graphs, all in one memory pool.
+  graphs, each in a pool of its own (a dropped graph's pool can be pinned by blocks it does not
+  free, such as cuBLAS's workspace for the capture stream, and a pool is not recaptured into once
+  its last graph is gone). Where a capture fails (other than for memory) the rest of that
+  generate() call runs the same fixed step eagerly, with a warning.
 - auto: graphs on a CUDA device, eager elsewhere.
 
 The model's own modules run through StaticVerifier's layer math (`qkv`, `layer_out`), so the
@@ -60,7 +63,7 @@ class BatchGenerator:
             raise ValueError("mode 'graphs' needs the model on a CUDA device")
         self.mode = ("graphs" if on_cuda else "eager") if mode == "auto" else mode
         self.graphs_captured = 0
-        self.failed_captures = 0  # steps then ran the same fixed-shape computation eagerly
+        self.failed_captures = 0  # each left the rest of its generate() call on eager fixed steps
 
     @torch.no_grad()
     def generate(
@@ -123,10 +126,10 @@ class BatchGenerator:
         # the fixed step's output buffer: next tokens (greedy) or logits
         result = None
         if fixed:
-            vocab = () if greedy else (sv.vocab_size,)
+            vocab = () if greedy else (getattr(sv._head, "out_features", sv.vocab_size),)
             result = torch.empty((n, *vocab), device=dev, dtype=torch.long if greedy else sv.dtype)
         graph = None
-        pool = torch.cuda.graph_pool_handle() if self.mode == "graphs" else None
+        capture = self.mode == "graphs"  # until a capture fails
         for step in range(1, max_new_tokens):
             if step % STOP_CHECK_EVERY == 0:
                 keep = (~stopped[:b]).nonzero().squeeze(1)
@@ -151,9 +154,10 @@ class BatchGenerator:
                     graph.replay()
                 else:
                     run = functools.partial(self._fixed_step, tok_in, pos_in, ks, vs, b, capacity, result)
-                    if self.mode == "graphs" and not self.failed_captures:
-                        graph = self._capture(run, pool)  # its warm-up run is this step
-                    else:
+                    if capture:
+                        graph = self._capture(run)  # its warm-up run is this step
+                        capture = graph is not None
+                    if graph is None:  # eager fixed steps, also right after a failed capture
                         run()
                 tok = result[:b].clone() if greedy else self._choose(result[:b], temperature, top_p, generator)
             out[rows[:b], step] = tok
@@ -167,7 +171,7 @@ class BatchGenerator:
             res.append((row if stop is None else row[:stop], stop is None))
         return res
 
-    def _capture(self, fn, pool):
+    def _capture(self, fn):
         """A CUDA graph of fn() after its warm-up runs (fn is idempotent: its inputs do not change
         until it has run; two warm-ups for the generator's first graph, which also meets the lazy
         initialisations, one after), or None with a warning where capturing fails for a reason
@@ -175,7 +179,7 @@ class BatchGenerator:
         from .graphs import _capture
 
         try:
-            g = _capture(fn, self.sv.device, pool, warmups=1 if self.graphs_captured else 2)
+            g = _capture(fn, self.sv.device, None, warmups=1 if self.graphs_captured else 2)
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:

@@ -243,10 +243,13 @@ def test_bad_input(setup, tmp_path):
         regenerate(model, tok, convs, tmp_path / "a.jsonl", max_new_tokens=64, max_length=64, progress=False)
     with pytest.raises(ValueError, match="turns"):
         regenerate(model, tok, convs, tmp_path / "a.jsonl", turns="some", progress=False)
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_length {limit + 2}: .* the verifier has {limit}"):
+        regenerate(model, tok, convs, tmp_path / "a.jsonl", max_length=limit + 2, engine="static", progress=False)
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text('{"messages": []}\n')
     with pytest.raises(DataError, match="not a line of `peagle datagen`"):
-        regenerate(model, tok, convs, foreign, progress=False)
+        regenerate(model, tok, convs, foreign, max_new_tokens=8, max_length=400, progress=False)
     base = ["datagen", "--verifier", str(v), "--no-progress"]
     r = run_cli([*base, "--data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")])
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr

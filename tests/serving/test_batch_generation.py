@@ -17,11 +17,13 @@ from peagle_ext.testing import make_tiny_verifier
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# (family, query heads, K/V heads): groups of 2 and 4 query heads per K/V head
+@pytest.fixture(scope="module", params=[("llama", 4, 2), ("qwen3", 4, 1)], ids=["llama-gqa2", "qwen3-gqa4"])
 def model(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    d = make_tiny_verifier(tmp_path_factory.mktemp(request.param), model_type=request.param, kv_heads=1, heads=2)
+    family, heads, kv_heads = request.param
+    d = make_tiny_verifier(tmp_path_factory.mktemp(family), model_type=family, heads=heads, kv_heads=kv_heads)
     return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval().requires_grad_(False)
 
 
@@ -89,6 +91,55 @@ def test_stop_checks_every_step_and_short_limits(model, mode, monkeypatch):
     assert gen.generate([], max_new_tokens=4, eos=eos) == []
 
 
+class _ReplayedStep:
+    """A stand-in for a CUDA graph on the CPU: replay() runs the captured step again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def test_graph_mode_control_flow_with_a_stand_in_capture(model, monkeypatch):
+    """mode 'graphs' on the CPU with capture replaced by a stand-in: the warm-up run is the step's
+    result, replays follow, every compaction recaptures, and a failed capture leaves the rest of
+    that call on eager fixed steps (the same answers) and the next call capturing again."""
+    import peagle_ext.serving.graphs as G
+
+    prompts = _prompts(model, 12, 21) + [[7]]
+    free = BatchGenerator(model, mode="fixed").generate(prompts, max_new_tokens=40, eos=set())
+    eos = _eos_that_stops_rows_at_different_steps(free, steps=(2, 3, 5, 6, 9, 10, 11, 17, 26))
+    ref = _one_at_a_time(model, prompts, 40, eos)
+    captures = []
+
+    def stand_in(fn, device, pool=None, warmups=2):
+        assert pool is None  # a pool of its own per capture
+        for _ in range(warmups):
+            fn()
+        captures.append(warmups)
+        return _ReplayedStep(fn)
+
+    monkeypatch.setattr(G, "_capture", stand_in)
+    gen = BatchGenerator(model, mode="fixed")
+    gen.mode = "graphs"  # refused on a CPU at construction; the control flow is device-free
+    assert gen.generate(prompts, max_new_tokens=40, eos=eos) == ref
+    assert len(captures) >= 2 and captures[0] == 2 and set(captures[1:]) == {1}  # recaptured per batch size
+    assert gen.graphs_captured == len(captures) and gen.failed_captures == 0
+
+    def failing(fn, device, pool=None, warmups=2):
+        raise RuntimeError("capture refused (test)")
+
+    monkeypatch.setattr(G, "_capture", failing)
+    with pytest.warns(RuntimeWarning, match="capture refused"):
+        assert gen.generate(prompts, max_new_tokens=40, eos=eos) == ref
+    assert gen.failed_captures == 1  # once for the call, not once per compaction
+    monkeypatch.setattr(G, "_capture", stand_in)
+    before = len(captures)
+    assert gen.generate(prompts, max_new_tokens=40, eos=eos) == ref
+    assert len(captures) > before  # the next call captures again
+
+
 def _first_token_probs(model, prompt):
     logits = model(torch.tensor([prompt])).logits[0, -1]
     return torch.softmax(logits.double(), -1)
@@ -146,6 +197,9 @@ def test_bad_arguments(model):
     limit = model.config.max_position_embeddings
     with pytest.raises(ValueError, match="positions"):
         gen.generate([[4] * limit], max_new_tokens=3, eos=set())
+    # exactly the model's positions: the prompt's and all new tokens but the last
+    got = gen.generate([[4] * (limit - 2)], max_new_tokens=3, eos=set())
+    assert got[0][1] and len(got[0][0]) == 3
 
 
 def test_modes(model):
@@ -186,3 +240,29 @@ def test_cuda_greedy_and_sampling_match_the_cpu(model):
         return gpu.generate(prompts, max_new_tokens=12, eos=eos, temperature=1.0, top_p=0.9, generator=g)
 
     assert sample(0) == sample(0) and sample(0) != sample(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_graphs_replay_the_fixed_step(model):
+    """bf16, the datagen setting: the graphs replay exactly the fixed step's kernels (the same
+    tokens), rows leave the batch, and greedy answers agree with transformers' generate where no
+    near-tie of bf16 intervenes (most rows)."""
+    import copy
+
+    from peagle_ext.data.datagen import _generate
+
+    m = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    prompts = _prompts(model, 24, 9)
+    fixed = BatchGenerator(m, mode="fixed")
+    free = fixed.generate(prompts, max_new_tokens=40, eos=set())
+    eos = _eos_that_stops_rows_at_different_steps(free, steps=(2, 3, 5, 6, 9, 10, 11, 13, 17, 26))
+    want = fixed.generate(prompts, max_new_tokens=40, eos=eos)
+    gen = BatchGenerator(m)
+    assert gen.mode == "graphs"
+    assert gen.generate(prompts, max_new_tokens=40, eos=eos) == want
+    assert gen.graphs_captured >= 2 and gen.failed_captures == 0
+    hf = _generate(m, None, prompts, max_new_tokens=40, temperature=0, top_p=1, eos=eos, pad=0, seed=0, engine=None)
+    assert sum(a == b for a, b in zip(hf, want)) >= len(prompts) // 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sampled = gen.generate(prompts, max_new_tokens=20, eos=eos, temperature=0.8, top_p=0.9, generator=g)
+    assert all(all(0 <= t < m.config.vocab_size for t in toks) for toks, _ in sampled)
