@@ -2,8 +2,11 @@
 # One call on a GPU machine (the H200): build, GPU tests, benchmarks, sanitizers.
 # Results go under $OUT (or ./gpu_out): build.log, tests.log, junit xml, bench_*.json, a summary.
 #   bash bench/run_gpu.sh [build] [tests] [bench] [sanitize] [quick]   (default: build tests bench)
-# TEST_FILES / BENCH_FILES override the lists below; SANITIZE_TOOLS / SANITIZE_OPS pick a subset
-# of the sanitizer runs (tools/sanitize/sanitize_all.sh).
+# TEST_FILES / BENCH_FILES override the lists below, TEST_K selects tests by name (pytest -k, e.g.
+# "cuda"); TRAIN_STEP_CASES / TRAIN_STEP_BUDGET pick bench_train_step's cases and seconds; wheels
+# in .whl/ (speculators and its pure-Python dependencies, for bench_train_step's anchor) are
+# installed with --no-deps into /tmp/site for the benchmarks; SANITIZE_TOOLS / SANITIZE_OPS pick a
+# subset of the sanitizer runs (tools/sanitize/sanitize_all.sh).
 # `quick` shrinks the benchmark sizes. Every phase runs even if an earlier one failed; the exit
 # code is non-zero if any phase failed.
 set -uo pipefail
@@ -36,13 +39,19 @@ if have tests; then
   for f in ${TEST_FILES:-tests/ops/test_cod.py tests/ops/test_attention_cuda.py tests/ops/test_attention_safety.py tests/ops/test_attention.py tests/ops/test_loss.py tests/ops/test_parallel_draft.py tests/test_bad_inputs.py}; do
     [ -f "$f" ] || continue
     t0=$(date +%s); name=$(basename "$f" .py)
-    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -ra --timeout=180 $f > "$OUT/$name.log" 2>&1
+    kargs=(); [ -n "${TEST_K:-}" ] && kargs=(-k "$TEST_K")
+    python3 -c "import pytest_timeout" 2> /dev/null && kargs+=(--timeout=180)  # per test, where the plugin is
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -ra "${kargs[@]}" $f > "$OUT/$name.log" 2>&1
     rc=$?; note "$name: rc=$rc in $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/$name.log")"; [ $rc -eq 0 ] || status=1
     grep -E "^(FAILED|ERROR)|Fatal Python error|File .*tests/" "$OUT/$name.log" | head -20 | tee -a "$summary"
   done
 fi
 
 if have bench; then
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || note "bench: installing .whl/ into /tmp/site failed"
+  fi
   for b in ${BENCH_FILES:-bench/bench_cod.py bench/bench_attention.py bench/bench_loss.py bench/bench_parallel_draft.py}; do
     [ -f "$b" ] || continue
     t0=$(date +%s)
@@ -51,6 +60,7 @@ if have bench; then
     # bench_train_step (it stops launching cases when its budget is spent)
     quick=$([[ " $phases " == *" quick "* && " ${FULL_BENCHES:-} " != *" $name "* ]] && echo 1 || echo 0)
     extra=(); [ "$name" = bench_train_step ] && extra=(--budget-s "${TRAIN_STEP_BUDGET:-170}")
+    [ "$name" = bench_train_step ] && [ -n "${TRAIN_STEP_CASES:-}" ] && extra+=(--cases "$TRAIN_STEP_CASES")
     QUICK=$quick OUT="$OUT" timeout ${BENCH_TIMEOUT:-240} python3 "$b" "${extra[@]}" > "$OUT/$name.log" 2>&1
     rc=$?; note "$name: rc=$rc in $(( $(date +%s) - t0 ))s"; [ $rc -eq 0 ] || status=1
     tail -25 "$OUT/$name.log" >> "$summary"
