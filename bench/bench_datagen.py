@@ -35,24 +35,15 @@ import torch
 from peagle_ext.data.datagen import _generate, pick_engine
 
 ENGINES = ("static", "static-eager", "hf")
-SMOLLM2 = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    intermediate_size=1536,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
 
 
 def make_model(device, dtype, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from peagle_ext.testing import smollm2_config
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{**SMOLLM2, **overrides})
+    cfg = smollm2_config(**overrides)
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

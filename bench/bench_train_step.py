@@ -137,16 +137,7 @@ def shape_params(shape, tiny):
         return dict(vcfg=vcfg, mask_id=mask_id, real_vocab=1000, doc_len=(64, 256))
     if shape == "qwen3-8b":  # mask: an unused embedding row
         return dict(vcfg=TT.qwen3_8b_config(), mask_id=151_669, real_vocab=151_643, doc_len=(512, 2048))
-    vcfg = LlamaConfig(  # SmolLM2-135M-Instruct
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
+    vcfg = TT.smollm2_config()
     # every id is a token: MASK is a new id past the vocab (the trainer's choice); the study's
     # rows hold conversations of a few hundred tokens
     return dict(vcfg=vcfg, mask_id=49152, real_vocab=49152, doc_len=(128, 1024))

@@ -142,6 +142,25 @@ def qwen3_8b_config(vocab_size: int = 151_936):
     )
 
 
+def smollm2_config(**overrides):
+    """SmolLM2-135M-Instruct's shape (the bundled verifier): Llama, hidden 576, 30 layers, 9/3
+    heads of 64, intermediate 1536, vocab 49152, tied embeddings. overrides: any config field."""
+    from transformers import LlamaConfig
+
+    shape = dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    return LlamaConfig(**{**shape, **overrides})
+
+
 def make_peagle(
     verifier_config,
     *,
