@@ -92,7 +92,7 @@ TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the sta
 EVAL_TIMEOUT=${EVAL_TIMEOUT:-1200}  # s, the same for one `peagle eval`
 KILL_AFTER=${KILL_AFTER:-60}
 VAL_FRACTION=${VAL_FRACTION:-0.02}  # of the training conversations: the validation split
-HOLDOUT=${HOLDOUT:-200}            # last conversations kept out of training (consistency phase)
+HOLDOUT=${HOLDOUT:-200}            # conversations kept out of training, prompts and all (consistency phase)
 DATAGEN_TOKENS=${DATAGEN_TOKENS:-256}
 DATAGEN_BATCH=${DATAGEN_BATCH:-2048}  # rows generated together: this small verifier's steps are bound
                                    # by host launches (2048 rows: 2.1x the rate of 512; 512: 2x 256)
@@ -188,17 +188,21 @@ phase_data() {
   mkdir -p "$DATA"
   timed python3 - "$DATA" "$HOLDOUT" "${BUNDLE:+$BUNDLE/sharegpt.jsonl.xz}" <<'EOF'
 import json, sys
-from peagle_ext.data import load_conversations
+from peagle_ext.data import disjoint_held_out, drop_duplicates, load_conversations
 out, hold, src = sys.argv[1], int(sys.argv[2]), sys.argv[3] or None
 if src:  # {"messages"} lines, xz-compressed
     import lzma
     convs = [json.loads(x)["messages"] for x in lzma.open(src, "rt", encoding="utf-8") if x.strip()]
 else:
     convs = load_conversations("sharegpt")
-for name, part in (("train", convs[:-hold]), ("heldout", convs[-hold:])):
+# the held-out prompts appear nowhere in training, as in the trainer's validation split
+convs, dropped = drop_duplicates(convs)
+held = disjoint_held_out(convs, hold, seed=0)
+parts = {"train": [c for i, c in enumerate(convs) if i not in held], "heldout": [convs[i] for i in sorted(held)]}
+for name, part in parts.items():
     with open(f"{out}/{name}.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in part)
-print(f"data: {len(convs) - hold} train, {hold} held-out conversations")
+print(f"data: {len(parts['train'])} train, {len(held)} held-out conversations ({dropped} exact duplicates dropped)")
 EOF
 }
 

@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 
+from .train import _bool
+
 HELP = "precompute verifier hidden states into a cache for peagle train --hidden-cache-dir"
 
 
@@ -41,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template-kwargs", type=_json_object)
     g.add_argument("--num-conversations", type=_opt_int, help=f"Default {d.num_conversations}")
     g.add_argument("--val-fraction", type=float, help=f"Default {d.val_fraction}")
+    g.add_argument("--dedup", type=_bool, help=f"Default {str(d.dedup).lower()}")
     g.add_argument("--seq-len", type=int, help=f"Default {d.seq_len}")
     g.add_argument("--seed", type=int, help=f"Default {d.seed}")
     g.add_argument("--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")])

@@ -78,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--val-fraction", type=float, help=f"held-out fraction of conversations. Default {d.val_fraction}")
     g.add_argument(
+        "--dedup",
+        type=_bool,
+        help="drop exact duplicate conversations and keep the validation split's prompts out of training "
+        f"(false: a plain random split of every conversation). Default {str(d.dedup).lower()}",
+    )
+    g.add_argument(
         "--seq-len", type=int, help=f"packed row length; longer conversations are truncated. Default {d.seq_len}"
     )
     g = p.add_argument_group("the drafter")

@@ -12,7 +12,8 @@
 
 Modules: `records` (PackedSequence, TrainingExample), `conversations` (sources), `chat`
 (chat-template tokenization with loss masks), `packing`, `verifier` (locate / convert / load),
-`hidden_states`, `shift` (the EAGLE shift), `cache` (the on-disk hidden-state cache).
+`hidden_states`, `shift` (the EAGLE shift), `cache` (the on-disk hidden-state cache), `dedup`
+(duplicate conversations, a held-out split that shares no prompt with training).
 
 Conventions (those of vLLM / speculators, so a drafter trained here serves in vLLM):
 - aux layer id k = residual stream entering decoder layer k (HF hidden_states[k]); the default
@@ -38,6 +39,7 @@ from .conversations import (
     normalize_messages,
     sharegpt_path,
 )
+from .dedup import conversation_key, disjoint_held_out, drop_duplicates, prompt_key
 from .gguf import convert_gguf_to_hf
 from .hidden_states import verifier_hidden_states, verifier_hidden_states_many
 from .packing import pack_conversations
@@ -73,6 +75,10 @@ __all__ = [
     "tokenize_many",
     "tokenize_workers",
     "Conversation",
+    "conversation_key",
+    "disjoint_held_out",
+    "drop_duplicates",
+    "prompt_key",
     "iter_sharegpt_records",
     "load_conversations",
     "load_eval_prompts",

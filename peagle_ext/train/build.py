@@ -49,6 +49,7 @@ def cache_meta(s: TrainSettings, aux_ids: list[int]) -> dict:
         "chat_template_kwargs": s.chat_template_kwargs,
         "num_conversations": s.num_conversations,
         "val_fraction": s.val_fraction,
+        "dedup": s.dedup,
         "seed": s.seed,
     }
 

@@ -29,10 +29,21 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
     convs = D.load_conversations(s.data, limit=s.num_conversations, split=s.data_split)
     if not convs:
         raise TrainError(f"--data {s.data}: empty dataset (no conversations)")
-    order = list(range(len(convs)))
-    random.Random(s.seed).shuffle(order)
+    if s.dedup:
+        convs, n_dup = D.drop_duplicates(convs)
+        if n_dup:
+            log.event(
+                "duplicates",
+                f"{n_dup} conversation(s) identical to an earlier one were skipped (--dedup false keeps them)",
+                count=n_dup,
+            )
     n_val = int(round(len(convs) * s.val_fraction)) if len(convs) > 1 else 0
-    val_idx = set(order[:n_val])
+    if s.dedup:  # no validation conversation opens with a prompt that training also has
+        val_idx = D.disjoint_held_out(convs, n_val, s.seed)
+    else:
+        order = list(range(len(convs)))
+        random.Random(s.seed).shuffle(order)
+        val_idx = set(order[:n_val])
     tok_train, tok_val = [], []
     truncated = dropped = unrenderable = 0
     counts = torch.zeros(vocab_size, dtype=torch.long)

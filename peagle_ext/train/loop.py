@@ -48,7 +48,7 @@ from .optim import lr_lambda, make_adamw
 from .plots import make_plots
 from .run_guard import OutputLock, check_inputs_unchanged, input_fingerprints, verifier_fingerprints
 from .run_log import NullLog, RunLog, progress_bar
-from .settings import RESUME_FIXED, TrainError, TrainSettings
+from .settings import RESUME_ABSENT, RESUME_FIXED, TrainError, TrainSettings
 from .tracking import Trackers, peak_memory_gib
 
 
@@ -125,11 +125,12 @@ def _train_locked(s: TrainSettings, ctx, stop_after, out: Path, t_start: float) 
                 remove_path(p)
         ck_state = read_checkpoint_state(resume_from)
         old = ck_state["settings"]
-        diff = [k for k in RESUME_FIXED if old.get(k) != getattr(s, k)]
+        old = {k: old.get(k, RESUME_ABSENT.get(k)) for k in RESUME_FIXED} | old
+        diff = [k for k in RESUME_FIXED if old[k] != getattr(s, k)]
         if diff:
             raise TrainError(
                 "--resume with settings that differ from the checkpoint's: "
-                + ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old.get(k)!r})" for k in diff)
+                + ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old[k]!r})" for k in diff)
             )
         old_world = int(ck_state.get("world_size", 1))
         old_micro = int(old.get("grad_accum", 1)) * old_world

@@ -29,6 +29,9 @@ class TrainSettings:
     output: str = "runs/peagle"
     num_conversations: int | None = 400
     val_fraction: float = 0.05
+    # exact duplicate conversations dropped, and no validation conversation opens with a prompt
+    # that a training one has (data/dedup.py); false: every conversation, a plain random split
+    dedup: bool = True
     seq_len: int = 512
     # the drafter
     num_layers: int = 1
@@ -232,6 +235,7 @@ RESUME_FIXED = (
     "chat_template_kwargs",
     "num_conversations",
     "val_fraction",
+    "dedup",
     "seq_len",
     "num_layers",
     "num_depths",
@@ -247,6 +251,8 @@ RESUME_FIXED = (
     "norm_before_residual",
 )
 
+# what a checkpoint written before one of RESUME_FIXED existed ran with
+RESUME_ABSENT = {"dedup": False}
 
 # the type of every setting, read from the annotations: "int", "float | None", ...
 _TYPES = {f.name: f.type for f in dataclasses.fields(TrainSettings)}
