@@ -51,7 +51,9 @@ import subprocess
 import sys
 import time
 
-from train_step_work import KERNEL_CLASSES, gemm_rates, profile_step, step_flops_floor, sync
+from train_step_work import gemm_rates, profile_step, step_flops_floor, sync
+
+from peagle_ext.train.profiling import KERNEL_CLASSES
 
 T0 = float(os.environ.get("BENCH_T0", time.time()))  # children print the parent's clock
 K8, K32 = 8192, 32768

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from peagle_ext.train.profiling import time_by_class
+
 
 def gemm_rates(env, vocab):
     """cuBLAS bf16 TF/s (fp32 on the CPU) on the step's two GEMM shapes: the head ([2048, H] x
@@ -39,29 +41,6 @@ def sync(env):
         env["torch"].cuda.synchronize()
 
 
-KERNEL_CLASSES = ("gemm", "index", "copy", "optimizer", "elementwise", "loss", "attention")
-
-
-def kernel_class(name: str, device_type: str) -> str:
-    """The class of one profiled kernel (CUDA) or leaf op (CPU smoke test) by its name."""
-    n = name.lower()
-    if any(s in n for s in ("cod_attn", "flex", "triton_tem", "cod_attention", "scaled_dot_product")):
-        return "attention"
-    if any(s in n for s in ("draft_rows", "target_stats", "loss_forward_kernel", "loss_backward_kernel")):
-        return "loss"
-    if device_type == "cpu" and "fused_linear_kl" in n:
-        return "loss"
-    if any(s in n for s in ("adam", "multi_tensor_apply")):
-        return "optimizer"
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "aten::mm", "aten::addmm")):
-        return "gemm"
-    if any(s in n for s in ("index", "gather", "scatter", "embedding", "sort", "segment", "unique", "nonzero")):
-        return "index"
-    if any(s in n for s in ("copy", "cat", "memcpy", "memset", "fill", "aten::to", "zero_", "contiguous")):
-        return "copy"
-    return "elementwise"
-
-
 def profile_step(env, step):
     """Kernel ms per class of one step (CPU smoke test: self time of the leaf ops)."""
     dev = env["dev"]
@@ -73,24 +52,12 @@ def profile_step(env, step):
         step(10_000)
         sync(env)
         wall = time.perf_counter() - t
-    by = dict.fromkeys(KERNEL_CLASSES, 0.0)
-    top = {}
-    for e in prof.key_averages():
-        if dev.type == "cuda":
-            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        else:
-            us = e.self_cpu_time_total if not e.key.startswith(("ProfilerStep", "[")) else 0
-        if us <= 0:
-            continue
-        cls = kernel_class(e.key, dev.type)
-        by[cls] += us / 1e3
-        top[e.key[:120]] = (cls, round(us / 1e3, 3))
-    heavy = sorted(top.items(), key=lambda kv: -kv[1][1])[:25]
+    by = time_by_class(prof, dev.type, 1)
     return {
-        "classes_ms": {k: round(v, 2) for k, v in by.items()},
-        "kernel_ms": round(sum(by.values()), 2),
+        "classes_ms": {k: round(v, 2) for k, v in by["classes_ms"].items()},
+        "kernel_ms": round(by["total_ms"], 2),
         "wall_ms": round(wall * 1e3, 2),
-        "top": [[k, c, ms] for k, (c, ms) in heavy],
+        "top": by["top"],
     }
 
 

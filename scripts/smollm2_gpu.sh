@@ -82,6 +82,8 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
 STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-90}  # s at most that the next side-by-side training waits for the one before
+PROFILE_STEPS=${PROFILE_STEPS:-5}  # train --profile-steps: where a step's time goes (train/<setting>/profile/),
+PROFILE_WARMUP=${PROFILE_WARMUP:-50}  # after this many steps of each training (0 steps: off)
 HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-32}  # host memory per training for the verifier's states (cached: no
                                    # verifier pass per step; the H200 host has 128 GB)
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
@@ -255,7 +257,8 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
     --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
-    --hidden-cache-gb "$HIDDEN_CACHE_GB" --no-progress "${resume[@]}" \
+    --hidden-cache-gb "$HIDDEN_CACHE_GB" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
+    --no-progress "${resume[@]}" \
     > "$WORK/logs/train_L${layers}-${data}.log" 2>&1 || rc=$?
   tail -12 "$WORK/logs/train_L${layers}-${data}.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"
   return $rc
@@ -394,6 +397,8 @@ for f in sorted((work / "eval").glob("L*_*.json")):
                      f"{s['num_lossless']}/{r['num_prompts']} |")
 for f in sorted(work.glob("train/*/log.jsonl")):
     recs = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    for p in (r for r in recs if r.get("event") == "profile"):
+        lines.append(f"\n{f.parent.name} profile: {p['message']}")
     val = [r for r in recs if r.get("split") == "val"]
     done = [r for r in recs if r.get("event") == "done"]
     v = val[-1] if val else (done[-1]["train"] if done else None)
@@ -405,7 +410,7 @@ for f in sorted(work.glob("train/*/log.jsonl")):
 (out / "results.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
-  (cd "$WORK" && tar czf "$OUT/results.tgz" eval logs train/*/log.jsonl train/*/*.png 2>/dev/null || true)
+  (cd "$WORK" && tar czf "$OUT/results.tgz" eval logs train/*/log.jsonl train/*/*.png train/*/profile 2>/dev/null || true)
 }
 
 phase_study() {
@@ -440,7 +445,7 @@ phase_wait() {
   kill -0 "$(cat "$pid_file")" 2> /dev/null && note "wait: the detached run goes on" || note "wait: the detached run has ended"
   if [ "$(cd "$OUT" && pwd)" != "$(cd "$WORK/out" 2> /dev/null && pwd)" ]; then
     cp -r "$WORK/out/." "$OUT/" 2> /dev/null || true
-    (cd "$WORK" && tar czf "$OUT/results_so_far.tgz" detached.log eval logs train/*/log.jsonl train/*/*.png 2> /dev/null || true)
+    (cd "$WORK" && tar czf "$OUT/results_so_far.tgz" detached.log eval logs train/*/log.jsonl train/*/*.png train/*/profile 2> /dev/null || true)
   fi
   tail -40 "$WORK/detached.log"
 }

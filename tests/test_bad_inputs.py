@@ -672,6 +672,9 @@ def test_train_settings_out_of_range_are_named():
         (dict(schedule="step"), "--schedule"),
         (dict(loss="mse"), "--loss"),
         (dict(keep_checkpoints=0), "--keep-checkpoints"),
+        (dict(profile_steps=-1), "--profile-steps"),
+        (dict(profile_warmup=-1), "--profile-warmup"),
+        (dict(dedup=1), "--dedup"),
     ]
     if not torch.cuda.is_available():
         cases.append((dict(device="cuda"), "no CUDA GPU"))

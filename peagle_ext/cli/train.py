@@ -202,6 +202,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-progress", dest="progress", action="store_const", const=False, help="no tqdm bars")
     g.add_argument(
+        "--profile-steps",
+        type=int,
+        help="torch.profiler over N steps after --profile-warmup: DIR/profile/summary.json (wall, host phases, "
+        "device time by kernel class) and trace.json.gz. Default 0 (off)",
+    )
+    g.add_argument("--profile-warmup", type=int, help=f"steps before the profiled ones. Default {d.profile_warmup}")
+    g.add_argument(
         "--dist",
         choices=["ddp", "fsdp"],
         help="under torchrun (WORLD_SIZE > 1): DDP (default) or FSDP2 "

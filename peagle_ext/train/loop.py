@@ -46,6 +46,7 @@ from .hidden import HiddenStates
 from .metrics import Meter
 from .optim import lr_lambda, make_adamw
 from .plots import make_plots
+from .profiling import StepProfiler
 from .run_guard import OutputLock, check_inputs_unchanged, input_fingerprints, verifier_fingerprints
 from .run_log import NullLog, RunLog, progress_bar
 from .settings import RESUME_ABSENT, RESUME_FIXED, TrainError, TrainSettings
@@ -290,6 +291,7 @@ def _train(
             range(step, s.max_steps), desc="train", unit="step", initial=step, total=s.max_steps, disable=not s.progress
         )
         t_tok, n_tok_window = time.time(), 0
+        profiler = StepProfiler(out / "profile", s.profile_steps if ctx.is_main else 0, s.profile_warmup, device, log)
         autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else _null
         steps_here = 0
         model.train()
@@ -297,7 +299,8 @@ def _train(
         if s.max_minutes is not None:
             train_clock["span"] = max(1e-3, s.max_minutes * 60.0 - (train_clock["t0"] - t_start))
         for _ in bar:
-            # rows of this step
+            profiler.before_step(steps_here, step)
+            profiler.enter("data")  # rows of this step
             picked = []
             for _r in range(rows_per_step):
                 if cursor >= n_rows:
@@ -308,12 +311,14 @@ def _train(
             micro = [picked[i * s.batch_size : (i + 1) * s.batch_size] for i in range(n_units)]
             mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
             examples = [concat_examples(train_h.get_many(micro[g])).to(device) for g in mine]
+            profiler.enter("layout")
             layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
             weights = [
                 float(ex.loss_mask[(lay.anchor.long() + lay.depth.long()).to(ex.loss_mask.device)].sum())
                 for ex, lay in zip(examples, layouts)
             ]
             wtot = ctx.sum_scalar(sum(weights))  # the GLOBAL loss-token count: every rank divides by it
+            profiler.enter("forward_backward")
             step_meter = Meter(s.num_depths)
             opt.zero_grad(set_to_none=True)
             unit_metrics = {}
@@ -331,6 +336,7 @@ def _train(
             per_unit = ctx.ordered_metrics(n_units, unit_metrics, s.num_depths)  # all units, in unit order
             for m in per_unit:
                 step_meter.add(m)
+            profiler.enter("optimizer")
             gnorm = ctx.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
             loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
             ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
@@ -349,6 +355,7 @@ def _train(
                 )
             lr_now = sched.get_last_lr()[0]
             sched.step()
+            profiler.enter("bookkeeping")
             step += 1
             steps_here += 1
             ntoks = sum(m["num_tokens"] for m in per_unit)
@@ -428,6 +435,7 @@ def _train(
                     },
                     s.keep_checkpoints,
                 )
+            profiler.after_step()
             test_pause("step", step)
             if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
                 stopped = True
@@ -436,6 +444,7 @@ def _train(
                 log.event("stop", f"stopping at step {step}: {stop_reason}", step=step)
                 break
         bar.close()
+        profiler.close()
         train_summary = meter.summary()
         result = TrainResult(
             out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start, stop_reason

@@ -94,6 +94,9 @@ class TrainSettings:
     # --resume after a data file or the verifier changed in place: continue (logged) instead of refusing
     accept_changed_inputs: bool = False
     progress: bool = True
+    # torch.profiler over steps W+1 .. W+N of this process (DIR/profile/; train/profiling.py)
+    profile_steps: int = 0
+    profile_warmup: int = 5
     report_to: str | list[str] = "none"  # none | tensorboard | wandb, several allowed
     # under torchrun (WORLD_SIZE > 1): ddp | fsdp (peagle_ext.distributed); ignored by one process
     dist: str = "ddp"
@@ -163,6 +166,8 @@ class TrainSettings:
             "--checkpoint-every, --val-every and --log-every must be >= 1",
         )
         need(self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1")
+        need(self.profile_steps >= 0, f"--profile-steps must be >= 0 (0 = off), got {self.profile_steps}")
+        need(self.profile_warmup >= 0, f"--profile-warmup must be >= 0, got {self.profile_warmup}")
         need(self.threads >= 0, "--threads must be >= 0 (0 = torch's default)")
         need(self.loss in ("kl", "ce"), f"--loss must be kl or ce, got {self.loss!r}")
         need(self.dist in ("ddp", "fsdp"), f"--dist must be ddp or fsdp, got {self.dist!r}")

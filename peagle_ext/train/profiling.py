@@ -1,0 +1,183 @@
+"""Where a training run's time goes: torch.profiler over a window of real steps of `peagle train`
+(`--profile-steps N` after `--profile-warmup W` steps), with the loop's host phases as named ranges.
+
+A step's kernels say what the device computes; the loop around them (reading cached states,
+concatenating and copying them to the device, COD sampling, host syncs for metrics, logging)
+says whether the device waits for the host. The summary gives both per step: the wall time, the
+host time of each phase, the device time by kernel class and how much of the wall the device
+was busy. Files: DIR/profile/summary.json and DIR/profile/trace.json.gz (chrome://tracing or
+Perfetto)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# the loop's host phases, in step order (record_function names "peagle.<phase>")
+PHASES = ("data", "layout", "forward_backward", "optimizer", "bookkeeping")
+
+KERNEL_CLASSES = ("gemm", "index", "copy", "optimizer", "elementwise", "loss", "attention")
+
+
+def kernel_class(name: str, device_type: str) -> str:
+    """The class of one profiled kernel (CUDA) or leaf op (CPU) of a training step, by its name."""
+    n = name.lower()
+    if any(s in n for s in ("cod_attn", "flex", "triton_tem", "cod_attention", "scaled_dot_product")):
+        return "attention"
+    if any(s in n for s in ("draft_rows", "target_stats", "loss_forward_kernel", "loss_backward_kernel")):
+        return "loss"
+    if device_type == "cpu" and "fused_linear_kl" in n:
+        return "loss"
+    if any(s in n for s in ("adam", "multi_tensor_apply")):
+        return "optimizer"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "aten::mm", "aten::addmm")):
+        return "gemm"
+    if any(s in n for s in ("index", "gather", "scatter", "embedding", "sort", "segment", "unique", "nonzero")):
+        return "index"
+    if any(s in n for s in ("copy", "cat", "memcpy", "memset", "fill", "aten::to", "zero_", "contiguous")):
+        return "copy"
+    return "elementwise"
+
+
+def _device_us(e) -> float:
+    t = getattr(e, "self_device_time_total", None)
+    return float(t if t is not None else getattr(e, "self_cuda_time_total", 0.0))
+
+
+def time_by_class(prof, device_type: str, steps: int, top: int = 25) -> dict:
+    """ms per step by KERNEL_CLASSES of a finished profile: device kernels' self time on CUDA,
+    leaf ops' self CPU time on the CPU (record_function ranges and profiler rows left out); and
+    the `top` heaviest names as [name, class, ms per step]."""
+    by = dict.fromkeys(KERNEL_CLASSES, 0.0)
+    names = {}
+    for e in prof.key_averages():
+        if e.key.startswith(("ProfilerStep", "[", "peagle.")):
+            continue
+        us = _device_us(e) if device_type == "cuda" else float(e.self_cpu_time_total)
+        if us <= 0:
+            continue
+        cls = kernel_class(e.key, device_type)
+        by[cls] += us / 1e3 / steps
+        names[e.key[:120]] = (cls, us / 1e3 / steps)
+    heavy = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "classes_ms": {k: round(v, 3) for k, v in by.items()},
+        "total_ms": round(sum(by.values()), 3),
+        "top": [[k, c, round(ms, 3)] for k, (c, ms) in heavy],
+    }
+
+
+class StepProfiler:
+    """Profiles steps warmup+1 .. warmup+n of this process's run. The loop calls before_step and
+    after_step around each step (steps_here counts this process's steps, so a resumed run warms up
+    again) and enter(phase) where each of its phases begins: a phase lasts until the next one or
+    the step's end. close() at the end writes what a run that ended inside the window has. Off
+    (n = 0) it does nothing."""
+
+    def __init__(self, out_dir: Path, n: int, warmup: int, device: torch.device, log=None):
+        self.dir = Path(out_dir)
+        self.n, self.warmup = int(n), int(warmup)
+        self.device = device
+        self.log = log
+        self._prof = None
+        self._t0 = 0.0
+        self._first = 0
+        self._done = 0
+        self._range = None
+        self.summary: dict | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def enter(self, phase: str) -> None:
+        self._end_phase()
+        if self._prof is not None:
+            self._range = torch.profiler.record_function("peagle." + phase)
+            self._range.__enter__()
+
+    def _end_phase(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+
+    def before_step(self, steps_here: int, step: int) -> None:
+        if self.n <= 0 or self.summary is not None or self._prof is not None or steps_here != self.warmup:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._sync()
+        self._prof = profile(activities=acts)
+        self._prof.__enter__()
+        self._first, self._done = step + 1, 0
+        self._t0 = time.perf_counter()
+
+    def after_step(self) -> None:
+        self._end_phase()
+        if self._prof is None:
+            return
+        self._done += 1
+        if self._done >= self.n:
+            self._finish()
+
+    def close(self) -> None:
+        if self._prof is not None:
+            self._finish()
+        elif self.n > 0 and self.summary is None and self.log is not None:
+            self.log.event(
+                "profile",
+                f"nothing profiled: the run ended before step {self.warmup + 1} of this process (--profile-warmup)",
+            )
+
+    def _finish(self) -> None:
+        self._end_phase()
+        self._sync()
+        wall = time.perf_counter() - self._t0
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        n = max(self._done, 1)
+        host = dict.fromkeys(PHASES, 0.0)
+        for e in prof.key_averages():
+            if e.key.startswith("peagle.") and e.key[len("peagle.") :] in host:
+                host[e.key[len("peagle.") :]] += e.cpu_time_total / 1e3 / n
+        kernels = time_by_class(prof, self.device.type, n)
+        wall_ms = wall * 1e3 / n
+        summary = {
+            "steps": [self._first, self._first + self._done - 1],
+            "device": str(self.device),
+            "wall_ms_per_step": round(wall_ms, 3),
+            "host_ms_per_step": {k: round(v, 3) for k, v in host.items()},
+            ("device_ms_per_step" if self.device.type == "cuda" else "cpu_op_ms_per_step"): kernels,
+        }
+        if self.device.type == "cuda":
+            busy = kernels["total_ms"]
+            summary["device_busy_fraction"] = round(min(busy / wall_ms, 1.0), 4) if wall_ms > 0 else 0.0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        trace = self.dir / "trace.json.gz"
+        try:
+            prof.export_chrome_trace(str(trace))
+            summary["trace"] = str(trace)
+        except Exception as e:  # noqa: BLE001 - the trace is a convenience; the summary is the result
+            summary["trace_error"] = f"{type(e).__name__}: {e}"
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        self.summary = summary
+        if self.log is not None:
+            self.log.event("profile", describe(summary), **{"summary": str(self.dir / "summary.json")})
+
+
+def describe(summary: dict) -> str:
+    """One line: the window, wall per step, host phases, and device time by class (CUDA)."""
+    a, b = summary["steps"]
+    host = ", ".join(f"{k} {v:.1f}" for k, v in summary["host_ms_per_step"].items())
+    text = f"steps {a}-{b}: {summary['wall_ms_per_step']:.1f} ms a step; host ms: {host}"
+    dev = summary.get("device_ms_per_step")
+    if dev:
+        cls = ", ".join(f"{k} {v:.1f}" for k, v in dev["classes_ms"].items() if v >= 0.05)
+        text += (
+            f"; device busy {dev['total_ms']:.1f} ms ({100 * summary['device_busy_fraction']:.0f}% of the wall): {cls}"
+        )
+    return text

@@ -1,0 +1,112 @@
+"""`peagle train --profile-steps`: torch.profiler over a window of real training steps
+(peagle_ext/train/profiling.py)."""
+
+import functools
+import gzip
+import json
+
+import pytest
+import torch
+
+from peagle_ext.train.profiling import KERNEL_CLASSES, PHASES, describe, kernel_class
+from tests.helpers import run_cli, train_settings
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+settings = functools.partial(train_settings, checkpoint_every=100, val_every=100, num_depths=3)
+
+
+def _events(out):
+    return [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_profile_window_summary_and_trace(tiny, tmp_path):
+    from peagle_ext.train import train
+
+    out = tmp_path / "run"
+    train(settings(tiny, out, max_steps=7, profile_steps=3, profile_warmup=2))
+    summary = json.loads((out / "profile" / "summary.json").read_text())
+    assert summary["steps"] == [3, 5] and summary["device"] == "cpu"
+    host = summary["host_ms_per_step"]
+    assert list(host) == list(PHASES) and all(v >= 0 for v in host.values())
+    assert host["forward_backward"] > 0 and host["optimizer"] > 0
+    # the phases follow one another inside the step: together most of its wall, never more
+    assert 0.5 * summary["wall_ms_per_step"] <= sum(host.values()) <= 1.05 * summary["wall_ms_per_step"]
+    ops = summary["cpu_op_ms_per_step"]
+    assert set(ops["classes_ms"]) == set(KERNEL_CLASSES) and ops["classes_ms"]["gemm"] > 0
+    assert ops["top"] and all(c in KERNEL_CLASSES for _, c, _ in ops["top"])
+    with gzip.open(out / "profile" / "trace.json.gz", "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {f"peagle.{p}" for p in PHASES} <= names
+    profiled = [e for e in _events(out) if e.get("event") == "profile"]
+    assert len(profiled) == 1 and profiled[0]["message"] == describe(summary)
+
+
+def test_profiling_leaves_the_training_bitwise_unchanged(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from peagle_ext.train import train
+
+    a = train(settings(tiny, tmp_path / "a", max_steps=4))
+    b = train(settings(tiny, tmp_path / "b", max_steps=4, profile_steps=2, profile_warmup=1))
+    wa, wb = load_file(str(a.final_dir / "model.safetensors")), load_file(str(b.final_dir / "model.safetensors"))
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not (tmp_path / "a" / "profile").exists()
+
+
+def test_a_run_that_ends_inside_the_window_keeps_what_it_profiled(tiny, tmp_path):
+    from peagle_ext.train import train
+
+    out = tmp_path / "run"
+    train(settings(tiny, out, max_steps=4, profile_steps=5, profile_warmup=2))
+    assert json.loads((out / "profile" / "summary.json").read_text())["steps"] == [3, 4]
+
+
+def test_a_run_that_ends_before_the_window_says_so(tiny, tmp_path):
+    from peagle_ext.train import train
+
+    out = tmp_path / "run"
+    train(settings(tiny, out, max_steps=2, profile_steps=2, profile_warmup=5))
+    assert not (out / "profile").exists()
+    (msg,) = [e["message"] for e in _events(out) if e.get("event") == "profile"]
+    assert "nothing profiled" in msg and "--profile-warmup" in msg
+
+
+def test_describe_names_the_device_classes():
+    s = {
+        "steps": [6, 10],
+        "wall_ms_per_step": 100.0,
+        "host_ms_per_step": dict.fromkeys(PHASES, 1.0),
+        "device_ms_per_step": {"classes_ms": {"gemm": 30.0, "copy": 0.01}, "total_ms": 40.0},
+        "device_busy_fraction": 0.4,
+    }
+    text = describe(s)
+    assert text.startswith("steps 6-10: 100.0 ms a step") and "device busy 40.0 ms (40% of the wall)" in text
+    assert "gemm 30.0" in text and "copy" not in text.split("wall):")[1]
+
+
+@pytest.mark.parametrize(
+    "name, device, cls",
+    [
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", "cuda", "gemm"),
+        ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu>", "cuda", "gemm"),
+        ("void peagle::cod_attn_dq_wgmma_kernel<128>(CodAttnParams, TileMap)", "cuda", "attention"),
+        ("void peagle::draft_rows_kernel<__nv_bfloat16>(...)", "cuda", "loss"),
+        ("void peagle::target_stats_kernel<__nv_bfloat16>(...)", "cuda", "loss"),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "cuda", "optimizer"),
+        ("void at::native::indexSelectLargeIndex<float>", "cuda", "index"),
+        ("Memcpy HtoD (Pageable -> Device)", "cuda", "copy"),
+        ("void at::native::vectorized_elementwise_kernel<4, silu>", "cuda", "elementwise"),
+        ("peagle_ext::fused_linear_kl", "cpu", "loss"),
+        ("aten::addmm", "cpu", "gemm"),
+    ],
+)
+def test_kernel_class(name, device, cls):
+    assert kernel_class(name, device) == cls
+
+
+@pytest.mark.parametrize("flag, value", [("--profile-steps", "-1"), ("--profile-warmup", "-2")])
+def test_cli_rejects_negative_profile_counts(tmp_path, flag, value):
+    r = run_cli(["train", flag, value, "--output", str(tmp_path / "o")])
+    assert r.returncode == 2 and flag in r.stderr
+    assert not (tmp_path / "o").exists()
