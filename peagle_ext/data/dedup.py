@@ -1,7 +1,7 @@
 """Duplicate conversations and a held-out split that shares no prompt with the rest.
 
-Chat dumps repeat themselves: ShareGPT's 17.4K usable conversations hold 1.8K whose first prompt
-(system message and first user turn) another one already has ("continue" opens 247 of them), and
+Chat dumps repeat themselves: 1,815 of ShareGPT's 17,392 usable conversations open with a prompt
+(system message and first user turn) that an earlier one already has ("continue" opens 247), and
 a dataset whose answers were regenerated greedily by the verifier turns every repeated prompt into
 an identical conversation. An identical conversation teaches nothing new, and one that lands on
 both sides of a random split makes validation accuracy measure recall, not drafting: in the first
