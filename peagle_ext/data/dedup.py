@@ -14,6 +14,7 @@ training side also has.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -45,13 +46,17 @@ def prompt_key(conv) -> str:
     return "\n".join(parts)
 
 
+def _digest(key: str) -> bytes:  # 16 bytes per conversation held, not its whole text
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def drop_duplicates(convs: list) -> tuple[list, int]:
     """The conversations without exact copies of an earlier one (order kept), and how many were
     dropped."""
-    seen: set[str] = set()
+    seen: set[bytes] = set()
     kept = []
     for c in convs:
-        k = conversation_key(c)
+        k = _digest(conversation_key(c))
         if k not in seen:
             seen.add(k)
             kept.append(c)
@@ -65,9 +70,9 @@ def disjoint_held_out(convs: list, n_held: int, seed: int) -> set[int]:
     up the rest (then fewer: a group never straddles the split)."""
     if n_held <= 0:
         return set()
-    groups: dict[str, list[int]] = {}
+    groups: dict[bytes, list[int]] = {}
     for i, c in enumerate(convs):
-        groups.setdefault(prompt_key(c), []).append(i)
+        groups.setdefault(_digest(prompt_key(c)), []).append(i)
     order = list(groups.values())  # first-appearance order: deterministic before the shuffle
     random.Random(seed).shuffle(order)
     held: set[int] = set()
