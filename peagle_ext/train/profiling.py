@@ -134,6 +134,16 @@ class StepProfiler:
             )
 
     def _finish(self) -> None:
+        # a diagnostic: whatever goes wrong in it is logged, never ends the training
+        try:
+            self._summarize()
+        except Exception as e:  # noqa: BLE001
+            self._prof = None
+            self.summary = {"error": f"{type(e).__name__}: {e}"}
+            if self.log is not None:
+                self.log.event("profile", f"profiling failed ({type(e).__name__}: {e}); training goes on")
+
+    def _summarize(self) -> None:
         self._end_phase()
         self._sync()
         wall = time.perf_counter() - self._t0

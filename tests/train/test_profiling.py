@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peagle_ext.train.profiling import KERNEL_CLASSES, PHASES, describe, kernel_class
-from tests.helpers import run_cli, train_settings
+from tests.helpers import requires_cuda, run_cli, train_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,3 +110,32 @@ def test_cli_rejects_negative_profile_counts(tmp_path, flag, value):
     r = run_cli(["train", flag, value, "--output", str(tmp_path / "o")])
     assert r.returncode == 2 and flag in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_failing_profile_is_logged_and_training_goes_on(tiny, tmp_path, monkeypatch):
+    from peagle_ext.train import profiling, train
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernels")
+
+    monkeypatch.setattr(profiling, "time_by_class", broken)
+    out = tmp_path / "run"
+    r = train(settings(tiny, out, max_steps=4, profile_steps=1, profile_warmup=1))
+    assert r.steps == 4 and r.final_dir is not None
+    (msg,) = [e["message"] for e in _events(out) if e.get("event") == "profile"]
+    assert "profiling failed (RuntimeError: no kernels)" in msg
+
+
+@requires_cuda
+def test_profile_on_cuda_gives_device_time_by_class(tiny, tmp_path):
+    from peagle_ext.testing import make_tiny_verifier
+    from peagle_ext.train import train
+
+    v = make_tiny_verifier(tmp_path / "v128", hidden=128, heads=2)  # head dim 64, as the CUDA attention needs
+    out = tmp_path / "run"
+    train(settings((v, tiny[1]), out, max_steps=5, profile_steps=2, profile_warmup=2, device="cuda"))
+    summary = json.loads((out / "profile" / "summary.json").read_text())
+    dev = summary["device_ms_per_step"]
+    assert summary["device"].startswith("cuda") and dev["total_ms"] > 0 and dev["classes_ms"]["gemm"] > 0
+    assert 0 < summary["device_busy_fraction"] <= 1
+    assert "device busy" in [e for e in _events(out) if e.get("event") == "profile"][0]["message"]
