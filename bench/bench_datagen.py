@@ -81,9 +81,9 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure(model, engine, batch, new_tokens):
+def measure(model, engine, batch, new_tokens, prompt_range=(64, 256)):
     dev = next(model.parameters()).device
-    prompts = make_prompts(batch, model.config.vocab_size)
+    prompts = make_prompts(batch, model.config.vocab_size, *prompt_range)
     generate(model, engine, prompts[:8], 4)  # warm-up: kernels, allocator
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -96,7 +96,15 @@ def measure(model, engine, batch, new_tokens):
     n = sum(len(toks) for toks, _ in res)
     assert n == batch * new_tokens, (n, batch, new_tokens)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-    return {"engine": engine, "batch": batch, "new_tokens": new_tokens, "seconds": dt, "tok_s": n / dt, "peak_gb": peak}
+    return {
+        "engine": engine,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "prompt_tokens": list(prompt_range),
+        "seconds": dt,
+        "tok_s": n / dt,
+        "peak_gb": peak,
+    }
 
 
 # ---- pytest-benchmark ------------------------------------------------------------------------
@@ -131,11 +139,22 @@ def main():
     ap.add_argument("--batches", default=default_batches, help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128 if cuda else 16)
     ap.add_argument("--engines", default="static,static-eager,hf" if cuda else "static,hf")
+    ap.add_argument(
+        "--prompt-tokens",
+        default="64,256",
+        help="MIN,MAX prompt length (uniform); later turns of a conversation: e.g. 1024,1792",
+    )
     args = ap.parse_args()
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         ap.error(f"--batches must be comma-separated ints, got {args.batches!r}")
+    try:
+        lo, hi = (int(x) for x in args.prompt_tokens.split(","))
+    except ValueError:
+        ap.error(f"--prompt-tokens must be MIN,MAX, got {args.prompt_tokens!r}")
+    if not 1 <= lo <= hi:
+        ap.error(f"--prompt-tokens needs 1 <= MIN <= MAX, got {args.prompt_tokens!r}")
     engines = args.engines.split(",")
     if not batches or min(batches) < 1 or args.new_tokens < 1 or not set(engines) <= set(ENGINES):
         ap.error(f"--batches and --new-tokens must be >= 1, --engines a subset of {','.join(ENGINES)}")
@@ -146,7 +165,7 @@ def main():
     rows = []
     for b in batches:
         for e in engines:
-            r = measure(model, e, b, args.new_tokens)
+            r = measure(model, e, b, args.new_tokens, (lo, hi))
             rows.append(r)
             peak = "" if r["peak_gb"] is None else f"  peak {r['peak_gb']:.1f} GB"
             print(f"{e:>12} batch {b:>5}: {r['tok_s']:>9.0f} new tok/s ({r['seconds']:.2f} s){peak}", flush=True)
@@ -158,7 +177,8 @@ def main():
         vs = " / ".join(f"{by[(e, b)] / by[('hf', b)]:.2f}x" for e in engines if e != "hf") if "hf" in engines else ""
         print(f"| {b} | " + " | ".join(f"{r:.0f}" for r in rates) + f" | {vs} |")
     info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
-    (out_dir / "bench_datagen.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    name = "bench_datagen.json" if (lo, hi) == (64, 256) else f"bench_datagen_prompts{lo}-{hi}.json"
+    (out_dir / name).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
