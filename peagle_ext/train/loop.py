@@ -126,12 +126,12 @@ def _train_locked(s: TrainSettings, ctx, stop_after, out: Path, t_start: float) 
                 remove_path(p)
         ck_state = read_checkpoint_state(resume_from)
         old = ck_state["settings"]
-        old = {k: old.get(k, RESUME_ABSENT.get(k)) for k in RESUME_FIXED} | old
-        diff = [k for k in RESUME_FIXED if old[k] != getattr(s, k)]
+        was = {k: old.get(k, RESUME_ABSENT.get(k)) for k in RESUME_FIXED}
+        diff = [k for k in RESUME_FIXED if was[k] != getattr(s, k)]
         if diff:
             raise TrainError(
                 "--resume with settings that differ from the checkpoint's: "
-                + ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {old[k]!r})" for k in diff)
+                + ", ".join(f"{k}={getattr(s, k)!r} (checkpoint: {was[k]!r})" for k in diff)
             )
         old_world = int(ck_state.get("world_size", 1))
         old_micro = int(old.get("grad_accum", 1)) * old_world

@@ -176,7 +176,7 @@ class StepProfiler:
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.summary = summary
         if self.log is not None:
-            self.log.event("profile", describe(summary), **{"summary": str(self.dir / "summary.json")})
+            self.log.event("profile", describe(summary), summary=str(self.dir / "summary.json"))
 
 
 def describe(summary: dict) -> str:
