@@ -91,11 +91,15 @@ class PEagleDrafter(Drafter):
         cap = int(capacity)
         if not self._k_cache or self._k_cache[0].shape[0] < cap + 1:
             shape = (cap + 1, *self._kv_shape)
-            self._k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
-            self._v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
-            # key positions of the cache slots; the scratch slot (the last) is never attended
-            self._key_pos = torch.arange(cap + 1, device=self.device)
-            self._key_pos[cap] = torch.iinfo(torch.int64).max
+            # normal tensors even when reset() runs under inference_mode (as teacher-forced rounds
+            # and decoding do): an engine built later writes them in place outside that mode, and
+            # in-place writes to inference tensors are refused there
+            with torch.inference_mode(False):
+                self._k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
+                self._v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
+                # key positions of the cache slots; the scratch slot (the last) is never attended
+                self._key_pos = torch.arange(cap + 1, device=self.device)
+                self._key_pos[cap] = torch.iinfo(torch.int64).max
         self.capacity = cap
 
     @property

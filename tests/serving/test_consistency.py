@@ -203,3 +203,30 @@ def test_consistency_tool_bad_arguments_exit_2(args, named):
         timeout=120,
     )
     assert p.returncode == 2 and named in p.stderr, p.stderr[-500:]
+
+
+def test_consistency_tool_runs_end_to_end(trained, tmp_path):
+    """tools/consistency.py on a trained drafter: every measure in its report, the validation and
+    teacher-forced accuracies equal (the tool's own check of this module's first test)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    vdir, ddir, held = trained
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "consistency.json"
+    args = ["--draft", str(ddir), "--verifier", str(vdir), "--data", str(held), "--skip", "0"]
+    args += ["--num-conversations", "3", "--max-len", "64", "--gen-prompts", "2", "--gen-tokens", "12"]
+    p = subprocess.run(
+        [sys.executable, str(root / "tools" / "consistency.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["num_spec_tokens"] == K and len(rep["decode"]) == K
+    assert rep["scored"][0] > 0
+    for a, b in zip(rep["val_fp32"], rep["tf_full"]):
+        assert a is None and b is None or abs(a - b) < 1e-6
+    assert rep["decode_acceptance_length"] >= 1.0

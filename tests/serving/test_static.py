@@ -192,6 +192,25 @@ def test_round_engine_equals_general_loop(vdir, k):
         assert a.tokens == want and a.accepted == b.accepted
 
 
+def test_engine_on_a_cache_allocated_under_inference_mode(vdir):
+    """Teacher-forced rounds and decoding reset() the drafter under inference_mode; an engine built
+    afterwards on that cache runs its round outside it (a CUDA graph capture runs under no_grad)
+    and writes the cache in place, which torch refuses for inference tensors."""
+    vm = _load(vdir, torch.float32)
+    dm = _drafter(vm, k=3)
+    st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids)
+    dr = PEagleDrafter(dm, dtype=torch.float32)
+    with torch.inference_mode():
+        dr.reset(128)
+    eng = RoundEngine(st, dr, 3, 96, cuda_graph=False)  # keeps the larger cache
+    assert not dr._k_cache[0].is_inference()
+    with torch.no_grad():
+        eng.round()
+    p = _prompts(5, n=1)[0]
+    want = greedy_generate(Verifier(vm, st.aux_layer_ids), p, 12).tokens
+    assert speculative_generate(st, dr, p, 3, 12, engine=eng).tokens == want
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_padded_prefill_at_bucket_edges(vdir, k):
     """Prompts of 1 token, at and just past a bucket's length, and as long as the capacity allows:
