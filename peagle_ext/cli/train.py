@@ -189,6 +189,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU: compute verifier hidden states on a second thread while training runs (default true)",
     )
     g.add_argument(
+        "--prefetch",
+        type=_bool,
+        help="with every row's hidden states cached: concatenate the next step's rows and copy them to the "
+        "device (pinned memory, a side stream) while this step runs. Same numbers either way (default true)",
+    )
+    g.add_argument(
         "--hidden-timeout-s",
         type=float,
         help="under torchrun: fail when no rank added a shard to --hidden-cache-dir for this long. "

@@ -97,9 +97,10 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
     return Dataset(train_rows, val_rows, counts, truncated, dropped, len(tok_train), len(tok_val))
 
 
-def concat_examples(examples):
-    """Packed rows side by side as one sequence; document ids offset so rows never mix."""
-    if len(examples) == 1:
+def concat_examples(examples, pin: bool = False):
+    """Packed rows side by side as one sequence; document ids offset so rows never mix.
+    pin: the result's tensors in pinned host memory (for asynchronous copies to a GPU)."""
+    if len(examples) == 1 and not pin:
         return examples[0]
     docs, off = [], 0
     for ex in examples:
@@ -107,18 +108,39 @@ def concat_examples(examples):
         docs.append(torch.where(d >= 0, d + off, d))
         if bool((d >= 0).any()):
             off += int(d.max()) + 1
+
+    def cat(parts):
+        if not pin:
+            return torch.cat(parts)
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
+
     return D.TrainingExample(
-        input_ids=torch.cat([e.input_ids for e in examples]),
-        document_ids=torch.cat(docs),
-        loss_mask=torch.cat([e.loss_mask for e in examples]),
-        hidden=torch.cat([e.hidden for e in examples]),
-        last_hidden=torch.cat([e.last_hidden for e in examples]),
+        input_ids=cat([e.input_ids for e in examples]),
+        document_ids=cat(docs),
+        loss_mask=cat([e.loss_mask for e in examples]),
+        hidden=cat([e.hidden for e in examples]),
+        last_hidden=cat([e.last_hidden for e in examples]),
     )
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
+
+
+def take_rows(order: list[int], cursor: int, epoch: int, n: int, n_rows: int, seed: int):
+    """The next n row indices of the data order, crossing into the next epoch's order when this
+    one runs out. Returns (rows, order, cursor, epoch) after them; the arguments are unchanged, so
+    a caller can also look one step ahead."""
+    rows = []
+    for _ in range(n):
+        if cursor >= n_rows:
+            epoch, cursor = epoch + 1, 0
+            order = epoch_order(seed, epoch, n_rows)
+        rows.append(order[cursor])
+        cursor += 1
+    return rows, order, cursor, epoch
 
 
 def cod_seed(seed: int, step: int, micro: int) -> int:

@@ -39,13 +39,14 @@ from .checkpoint import (
     set_rng_state,
     test_pause,
 )
-from .dataset import cod_seed, concat_examples, epoch_order
+from .dataset import cod_seed, concat_examples, epoch_order, take_rows
 from .distributed import DistContext
 from .early_stop import StopRule
 from .hidden import HiddenStates
 from .metrics import Meter
 from .optim import lr_lambda, make_adamw
 from .plots import make_plots
+from .prefetch import BatchPrefetcher
 from .profiling import StepProfiler
 from .run_guard import OutputLock, check_inputs_unchanged, input_fingerprints, verifier_fingerprints
 from .run_log import NullLog, RunLog, progress_bar
@@ -271,6 +272,7 @@ def _train(
     n_rows = len(ds.train_rows)
     order = epoch_order(s.seed, epoch, n_rows)
     train_h, val_h = build_hidden_states(s, inp, device, amp, ctx, log, order=order, step=step, cursor=cursor)
+    prefetcher = None
     # every way out (an error, a refused checkpoint, Ctrl-C) stops the background thread first
     try:
         del inp  # the verifier goes when the hidden states no longer need it
@@ -280,6 +282,16 @@ def _train(
         n_units = s.grad_accum * ctx.world
         rows_per_step = s.batch_size * n_units
         row_tokens = [int((r.document_ids >= 0).sum()) for r in ds.train_rows]
+
+        def my_units(picked: list[int]) -> tuple[list[int], list[list[int]]]:
+            """The units this rank computes among a step's rows: their numbers and row indices."""
+            micro = [picked[i * s.batch_size : (i + 1) * s.batch_size] for i in range(n_units)]
+            mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
+            return mine, [micro[g] for g in mine]
+
+        # with every row's states cached, the next step's rows are concatenated and copied to the
+        # device while this step runs (train/prefetch.py)
+        prefetcher = BatchPrefetcher(train_h, device) if s.prefetch and train_h.verifier is None else None
         meter = Meter(s.num_depths)
         window_meter = Meter(s.num_depths)
         skipped = history_skipped
@@ -301,16 +313,15 @@ def _train(
         for _ in bar:
             profiler.before_step(steps_here, step)
             profiler.enter("data")  # rows of this step
-            picked = []
-            for _r in range(rows_per_step):
-                if cursor >= n_rows:
-                    epoch, cursor = epoch + 1, 0
-                    order = epoch_order(s.seed, epoch, n_rows)
-                picked.append(order[cursor])
-                cursor += 1
-            micro = [picked[i * s.batch_size : (i + 1) * s.batch_size] for i in range(n_units)]
-            mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
-            examples = [concat_examples(train_h.get_many(micro[g])).to(device) for g in mine]
+            picked, order, cursor, epoch = take_rows(order, cursor, epoch, rows_per_step, n_rows, s.seed)
+            mine, my_rows = my_units(picked)
+            if prefetcher is not None:
+                examples = prefetcher.get(my_rows)
+                if step + 1 < s.max_steps:  # the next step's rows, read while this one runs
+                    ahead = take_rows(order, cursor, epoch, rows_per_step, n_rows, s.seed)[0]
+                    prefetcher.schedule(my_units(ahead)[1])
+            else:
+                examples = [concat_examples(train_h.get_many(mb)).to(device) for mb in my_rows]
             profiler.enter("layout")
             layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
             weights = [
@@ -473,6 +484,8 @@ def _train(
         )
         return result
     finally:
+        if prefetcher is not None:
+            prefetcher.close()
         train_h.stop_background()
 
 

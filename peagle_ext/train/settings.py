@@ -88,6 +88,8 @@ class TrainSettings:
     hidden_cache_gb: float = 6.0
     hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
     background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
+    # cached states: build the next step's batch (pinned, side-stream copy on CUDA) during this step
+    prefetch: bool = True
     # torchrun: give up when no shard of the shared --hidden-cache-dir appeared for this long
     hidden_timeout_s: float = 1800.0
     resume: bool = False
