@@ -10,6 +10,9 @@
 #           study: datagen (beside the full-data training, if a setting has one), then the
 #                  settings on its output side by side, then MT-Bench, consistency, HumanEval, report
 #           wait:  follow a --detach run for up to WAIT_SECONDS and copy its results to $OUT
+#           keep:  the regenerated data as files of <= 15 MiB in $OUT (regen.tar.xz.partNN, regen.json),
+#                  for a later session: carried into the bundle, `data` puts them back and datagen
+#                  continues where this session stopped
 #   --detach: run the phases in their own session and return at once (they outlast the command)
 #
 # Every phase is resumable: run the same command again and it continues where it stopped (a
@@ -30,8 +33,10 @@
 #                        (DATAGEN_ENGINE=hf) at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new
 #                        tokens/s alone (14,336 conversations in 147 s; a 120 s budget left the 2,856
 #                        longest prompts), 9,006 at batch 512. The default engine (static KV cache,
-#                        CUDA-graph steps; bench/bench_datagen.py) is not yet measured here. The file is usable at any
-#                        point and a later call continues it
+#                        CUDA-graph steps) with DATAGEN_TURNS=all: 9,190-11,217 new tokens/s, 6,656 of
+#                        the 16,441 conversations (every turn) in 445 s of budget; all of them would take
+#                        ~1,000 s, more than one session leaves (keep + a later session). The file is
+#                        usable at any point and a later call continues it
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
 #                        template, forked over the cores: 1.8 s for 14K conversations; three trainings
@@ -58,6 +63,9 @@
 #      DATAGEN_SECONDS=120 TRAIN_MINUTES=7 SETTINGS="1:regen 2:regen" EVAL_K=3 EVAL_HE_SWEEP=
 #      `... --detach study` and `... wait`
 #   3. and later calls, back to back: `... wait` until it says the detached run has ended
+#   4. `... keep` brings the regenerated data back; the next session carries those files into the
+#      bundle in a call of their own after call 2's `setup data` (they do not fit beside its parts),
+#      runs `... data` there (which puts them back) and starts the study from that call
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -126,8 +134,8 @@ while [ $# -gt 0 ]; do
     --work) WORK=$2; shift 2 ;;
     --detach) DETACH=1; shift ;;
     all) phases+=(setup data datagen train eval consistency report); shift ;;
-    setup|data|datagen|train|eval|consistency|report|study|wait) phases+=("$1"); shift ;;
-    *) echo "smollm2_gpu.sh: unknown argument $1 (phases: setup data datagen train eval consistency report study wait all)" >&2; exit 2 ;;
+    setup|data|datagen|train|eval|consistency|report|study|wait|keep) phases+=("$1"); shift ;;
+    *) echo "smollm2_gpu.sh: unknown argument $1 (phases: setup data datagen train eval consistency report study wait keep all)" >&2; exit 2 ;;
   esac
 done
 [ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE... | all" >&2; exit 2; }
@@ -186,7 +194,24 @@ phase_setup() {
 
 phase_data() {
   if [ -n "$BUNDLE" ] && [ ! -f "$VERIFIER/model.safetensors" ]; then timed python3 tools/device_bundle.py join "$BUNDLE"; fi
-  [ -f "$DATA/train.jsonl" ] && { note "data: $DATA/train.jsonl exists"; return; }
+  if [ -f "$DATA/train.jsonl" ]; then note "data: $DATA/train.jsonl exists"; else make_data; fi
+  # regenerated data an earlier session kept (the keep phase), carried into the bundle: datagen
+  # continues it instead of starting again
+  if [ -n "$BUNDLE" ] && [ -f "$BUNDLE/regen.json" ]; then
+    timed python3 tools/device_bundle.py seed-regen "$BUNDLE" "$DATA" "${regen_settings[@]}" | tee -a "$SUMMARY" ||
+      note "data: the carried regenerated data could not be read; datagen starts from nothing"
+  fi
+}
+
+regen_settings=(--turns "$DATAGEN_TURNS" --max-new-tokens "$DATAGEN_TOKENS" --max-length "$SEQ")
+
+phase_keep() {
+  # the regenerated data, for a later session on a fresh machine: at most 15 MiB a file, as a
+  # device call returns them ($OUT/regen.tar.xz.partNN + regen.json; carry them in the bundle)
+  timed python3 tools/device_bundle.py save-regen "$DATA" "$OUT" "${regen_settings[@]}" | tee -a "$SUMMARY"
+}
+
+make_data() {
   mkdir -p "$DATA"
   timed python3 - "$DATA" "$HOLDOUT" "${BUNDLE:+$BUNDLE/sharegpt.jsonl.xz}" <<'EOF'
 import json, sys
@@ -376,7 +401,8 @@ phase_consistency() {
     if [ "${s##*:}" = regen ] && [ -s "$DATA/heldout_regen.jsonl" ]; then held=$DATA/heldout_regen.jsonl gen=$DATAGEN_TOKENS; fi
     timed python3 tools/consistency.py --draft "$dir/final" --verifier "$VERIFIER" --data "$held" \
       --skip 0 --num-conversations "$CONSISTENCY_CONVERSATIONS" --gen-prompts "$CONSISTENCY_PROMPTS" --gen-tokens "$gen" --max-len 1024 --device "$DEVICE" --amp \
-      --json "$WORK/eval/consistency_$name.json" | tail -12 | tee -a "$SUMMARY"
+      --json "$WORK/eval/consistency_$name.json" | tail -12 | tee -a "$SUMMARY" ||
+      note "consistency: $name failed (its output above); the phases after it go on"
   done
 }
 

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import lzma
 import os
+import shutil
 import subprocess
 import tarfile
 
@@ -100,6 +101,19 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train 1:orig: done" in r.stdout and "eval L1-orig_mtbench: done" in r.stdout
     assert "0 conversations written this run (21 were already" in r.stdout
+    # keep: the regenerated data back as files; carried into a bundle, a fresh work dir's data phase
+    # puts them back and datagen has nothing left to do
+    r = _run(bundle, work, "keep", OUT=str(tmp_path / "kept"))
+    assert r.returncode == 0 and "save-regen: 21 regenerated conversations" in r.stdout, r.stderr[-3000:]
+    b2 = tmp_path / "bundle2"
+    shutil.copytree(bundle, b2)
+    for f in (tmp_path / "kept").glob("regen*"):
+        shutil.copy(f, b2 / f.name)
+    r = _run(b2, tmp_path / "work2", "data", "datagen")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "seed-regen: 21 regenerated conversations put back" in r.stdout
+    assert "0 conversations written this run (21 were already" in r.stdout
+    assert (tmp_path / "work2" / "data" / "regen.jsonl").read_text() == (work / "data" / "regen.jsonl").read_text()
     # bad phase: exit 2 and one line
     r = _run(bundle, work, "nope")
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
@@ -218,3 +232,51 @@ def test_bundle_join_checks_parts(tmp_path):
     with pytest.raises(SystemExit, match="sha256"):
         join(tmp_path)
     assert not (tmp_path / "verifier.gguf").exists() and not (tmp_path / "verifier.tmp").exists()
+
+
+def test_kept_regenerated_data_goes_back_only_where_it_belongs(tmp_path, capsys):
+    """save-regen / seed-regen: parts checked one by one, used only for the same train.jsonl and
+    datagen settings, never over a file that holds as many conversations."""
+    db = _device_bundle()
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(f'{{"messages": [{{"role": "user", "content": "q{i}"}}]}}\n' for i in range(50)))
+    (data / "heldout.jsonl").write_text('{"messages": []}\n')
+    body = "".join(json.dumps({"index": i, "messages": [{"role": "assistant", "content": os.urandom(300).hex()}]}) + "\n" for i in range(40))
+    (data / "regen.jsonl").write_text(body)
+    (data / "heldout_regen.jsonl").write_text('{"index": 0, "messages": []}\n')
+    st = {"turns": "all", "max_new_tokens": 256, "max_length": 2048}
+    meta = db.save_regen(data, out, st, part_mib=0.01)
+    assert len(meta["parts"]) >= 2 and meta["conversations"] == 40
+    assert sorted(p.name for p in out.iterdir()) == ["regen.json"] + [p["name"] for p in meta["parts"]]
+
+    def fresh(name, regen_lines=0):
+        d = tmp_path / name
+        d.mkdir()
+        for n in ("train.jsonl", "heldout.jsonl"):
+            shutil.copy(data / n, d / n)
+        if regen_lines:
+            (d / "regen.jsonl").write_text("".join(body.splitlines(True)[:regen_lines]))
+        return d
+
+    def said():
+        return capsys.readouterr().out
+
+    d = fresh("ok", regen_lines=7)  # fewer conversations than carried: replaced
+    assert db.seed_regen(out, d, st) and "40 regenerated conversations put back" in said()
+    assert (d / "regen.jsonl").read_text() == body and (d / "heldout_regen.jsonl").is_file()
+    assert not db.seed_regen(out, d, st) and "already holds 40 conversations" in said()
+    assert not db.seed_regen(out, fresh("turns"), {**st, "turns": "first"}) and "this run asks for" in said()
+    other = fresh("other")
+    (other / "train.jsonl").write_text('{"messages": []}\n')
+    assert not db.seed_regen(out, other, st) and "answers another train.jsonl" in said()
+    bad = tmp_path / "bad_bundle"
+    shutil.copytree(out, bad)
+    last = meta["parts"][-1]["name"]
+    (bad / last).write_bytes((bad / last).read_bytes()[:-1] + b"x")
+    d = fresh("damaged")
+    assert not db.seed_regen(bad, d, st) and f"{last} does not match its sha256" in said()
+    assert not (d / "regen.jsonl").exists()
+    (bad / last).unlink()
+    assert not db.seed_regen(bad, d, st) and f"{last} not carried" in said()
+    assert not db.seed_regen(tmp_path / "nothing", d, st) and "datagen starts from nothing" in said()

@@ -17,6 +17,16 @@ a limit on the files each run may carry: written here, joined there.
         joins the parts into BUNDLE/verifier.gguf (checking the sha256) and converts it into the
         transformers directory BUNDLE/verifier/ (peagle_ext.data.convert_gguf_to_hf)
 
+    python tools/device_bundle.py save-regen DATA OUT --turns T --max-new-tokens N --max-length L
+        the study's regenerated data (DATA/regen.jsonl, DATA/heldout_regen.jsonl) as one xz tar cut in
+        parts of at most --part-mib MiB (OUT/regen.tar.xz.part00, ...) and OUT/regen.json (their
+        sha256, the sha256 of the DATA/train.jsonl and heldout.jsonl it answers, the datagen settings)
+    python tools/device_bundle.py seed-regen BUNDLE DATA --turns T --max-new-tokens N --max-length L
+        with those files carried into BUNDLE: puts them back into DATA when they answer the same
+        train.jsonl with the same settings and hold more conversations than DATA has, so `peagle
+        datagen` continues a later session where an earlier one stopped (exit 0 either way; it says
+        which)
+
 The parts exist because one run carries at most 64 MiB: the runs that carry the parts must follow
 each other on one machine (files written there outside $OUT survive between runs only while the
 machine is held); the manifest's "runs" says which files go with which run.
@@ -206,6 +216,95 @@ def join(bundle: Path, if_complete: bool = False):
     print(f"verifier: {bundle / 'verifier'}")
 
 
+REGEN_FILES = ("regen.jsonl", "heldout_regen.jsonl")
+REGEN_ANSWERS = ("train.jsonl", "heldout.jsonl")
+
+
+def _lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def save_regen(data: Path, out: Path, settings: dict, part_mib: float = 15.0) -> dict:
+    """DATA's regenerated files as OUT/regen.tar.xz.partNN + OUT/regen.json (module docstring)."""
+    import io
+    import tarfile
+
+    missing = [n for n in REGEN_FILES[:1] + REGEN_ANSWERS if not (data / n).is_file()]
+    if missing:
+        raise SystemExit(f"device_bundle save-regen: {data} has no {', '.join(missing)}")
+    buf = io.BytesIO()
+    with lzma.open(buf, "wb", preset=6) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        for n in REGEN_FILES:
+            if (data / n).is_file():
+                tar.add(data / n, arcname=n)
+    blob, step = buf.getvalue(), int(part_mib * 2**20)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for i in range(0, len(blob), step):
+        name = f"regen.tar.xz.part{len(parts):02d}"
+        (out / name).write_bytes(blob[i : i + step])
+        parts.append({"name": name, "sha256": hashlib.sha256(blob[i : i + step]).hexdigest()})
+    meta = {
+        "parts": parts,
+        "answers": {n: _sha256(data / n) for n in REGEN_ANSWERS},
+        "settings": settings,
+        "conversations": _lines(data / "regen.jsonl"),
+    }
+    (out / "regen.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(
+        f"save-regen: {meta['conversations']} regenerated conversations in {len(parts)} part(s), "
+        f"{len(blob) / 2**20:.1f} MiB, in {out}"
+    )
+    return meta
+
+
+def seed_regen(bundle: Path, data: Path, settings: dict) -> bool:
+    """Put a carried save-regen back into DATA (module docstring). True when it did."""
+    import io
+    import tarfile
+
+    mf = bundle / "regen.json"
+    if not mf.is_file():
+        print(f"seed-regen: no {mf}; datagen starts from nothing")
+        return False
+    meta = json.loads(mf.read_text())
+    why = None
+    missing = [p["name"] for p in meta["parts"] if not (bundle / p["name"]).is_file()]
+    if missing:
+        why = f"{', '.join(missing)} not carried"
+    elif meta["settings"] != settings:
+        why = f"it was generated with {meta['settings']}, this run asks for {settings}"
+    else:
+        for n, h in meta["answers"].items():
+            if not (data / n).is_file() or _sha256(data / n) != h:
+                why = f"it answers another {n} than {data / n}"
+                break
+    have = _lines(data / "regen.jsonl") if (data / "regen.jsonl").is_file() else 0
+    if why is None and have >= meta["conversations"]:
+        why = f"{data / 'regen.jsonl'} already holds {have} conversations"
+    if why is None:
+        blob = b""
+        for p in meta["parts"]:
+            b = (bundle / p["name"]).read_bytes()
+            if hashlib.sha256(b).hexdigest() != p["sha256"]:
+                why = f"{p['name']} does not match its sha256"
+                break
+            blob += b
+    if why is not None:
+        print(f"seed-regen: not used ({why})")
+        return False
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(blob)), mode="r") as tar:
+        for m in tar.getmembers():
+            if m.name not in REGEN_FILES or not m.isfile():
+                raise SystemExit(f"seed-regen: unexpected member {m.name!r} in the carried tar")
+            tmp = data / (m.name + ".seed.tmp")
+            tmp.write_bytes(tar.extractfile(m).read())
+            tmp.replace(data / m.name)
+    print(f"seed-regen: {meta['conversations']} regenerated conversations put back into {data}")
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -218,11 +317,32 @@ def main(argv=None) -> int:
     j = sub.add_parser("join")
     j.add_argument("bundle")
     j.add_argument("--if-complete", action="store_true", help="exit 0 without joining while parts are missing")
+    sv = sub.add_parser("save-regen")
+    sv.add_argument("data")
+    sv.add_argument("out")
+    sv.add_argument("--part-mib", type=float, default=15.0)
+    sd = sub.add_parser("seed-regen")
+    sd.add_argument("bundle")
+    sd.add_argument("data")
+    for q in (sv, sd):  # what makes regenerated answers the same: datagen's settings
+        q.add_argument("--turns", required=True, choices=["first", "all"])
+        q.add_argument("--max-new-tokens", type=int, required=True)
+        q.add_argument("--max-length", type=int, required=True)
     a = ap.parse_args(argv)
+    if a.cmd in ("save-regen", "seed-regen"):
+        if a.max_new_tokens < 1 or a.max_length < 2:
+            ap.error("--max-new-tokens must be >= 1 and --max-length >= 2")
+        st = {"turns": a.turns, "max_new_tokens": a.max_new_tokens, "max_length": a.max_length}
     if a.cmd == "pack":
         pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit, a.keep_data)
-    else:
+    elif a.cmd == "join":
         join(Path(a.bundle), a.if_complete)
+    elif a.cmd == "save-regen":
+        if not 0 < a.part_mib <= 16:
+            ap.error(f"--part-mib must be in (0, 16] (a device run returns files of at most 16 MiB), got {a.part_mib}")
+        save_regen(Path(a.data), Path(a.out), st, a.part_mib)
+    else:
+        seed_regen(Path(a.bundle), Path(a.data), st)
     return 0
 
 
