@@ -534,6 +534,11 @@ def print_tables(meta, res):
             p = r["profile"]
             cl = " | ".join(f"{p['classes_ms'][k]:.1f}" for k in KERNEL_CLASSES)
             print(f"| {r['name']} | {cl} | {p['kernel_ms']:.1f} | {p['wall_ms']:.1f} |")
+        for r in prof:
+            p = r["profile"]
+            if p.get("device_idle_ms") is not None:
+                ops = ", ".join(f"{k} {v:.1f}" for k, v in p["idle_by_host_op"][:5])
+                print(f"{r['name']}: device idle {p['device_idle_ms']:.1f} ms of the profiled step; host then in {ops}")
     by = {r["name"]: r for r in res}
     for r in res:
         pre = r["impl"] + "-"  # ours and the backend, each against speculators alone on the same case

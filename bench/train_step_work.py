@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from peagle_ext.train.profiling import time_by_class
+from peagle_ext.train.profiling import idle_by_host, time_by_class
 
 
 def gemm_rates(env, vocab):
@@ -42,23 +42,31 @@ def sync(env):
 
 
 def profile_step(env, step):
-    """Kernel ms per class of one step (CPU smoke test: self time of the leaf ops)."""
+    """Kernel ms per class of one step (CPU smoke test: self time of the leaf ops); on CUDA also
+    where the device waits for the host (host activity is recorded too, which slows the host a
+    little: the idle time is an upper bound)."""
     dev = env["dev"]
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    act = ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[act]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
         t = time.perf_counter()
-        step(10_000)
-        sync(env)
+        with record_function("peagle.step"):
+            step(10_000)
+            sync(env)
         wall = time.perf_counter() - t
     by = time_by_class(prof, dev.type, 1)
-    return {
+    out = {
         "classes_ms": {k: round(v, 2) for k, v in by["classes_ms"].items()},
         "kernel_ms": round(by["total_ms"], 2),
         "wall_ms": round(wall * 1e3, 2),
         "top": by["top"],
     }
+    if dev.type == "cuda":
+        idle = idle_by_host(prof.events(), 1)
+        out["device_idle_ms"] = idle["idle_ms"]
+        out["idle_by_host_op"] = idle["by_host_op"]
+    return out
 
 
 def step_flops_floor(layout, weight, cfg, num_layers: int, vocab: int) -> dict:

@@ -47,14 +47,24 @@ def _device_us(e) -> float:
     return float(t if t is not None else getattr(e, "self_cuda_time_total", 0.0))
 
 
+def _on_device(e) -> bool:
+    """A kernel, copy or memset that ran on the device (not a host op that launched one)."""
+    from torch.autograd import DeviceType
+
+    return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
+
+
 def time_by_class(prof, device_type: str, steps: int, top: int = 25) -> dict:
     """ms per step by KERNEL_CLASSES of a finished profile: device kernels' self time on CUDA,
     leaf ops' self CPU time on the CPU (record_function ranges and profiler rows left out); and
-    the `top` heaviest names as [name, class, ms per step]."""
+    the `top` heaviest names as [name, class, ms per step]. On CUDA only device events count: a
+    host op's "self device time" is its kernels' time again (with CPU activity recorded)."""
     by = dict.fromkeys(KERNEL_CLASSES, 0.0)
     names = {}
     for e in prof.key_averages():
         if e.key.startswith(("ProfilerStep", "[", "peagle.")):
+            continue
+        if device_type == "cuda" and not _on_device(e):
             continue
         us = _device_us(e) if device_type == "cuda" else float(e.self_cpu_time_total)
         if us <= 0:
@@ -67,6 +77,84 @@ def time_by_class(prof, device_type: str, steps: int, top: int = 25) -> dict:
         "classes_ms": {k: round(v, 3) for k, v in by.items()},
         "total_ms": round(sum(by.values()), 3),
         "top": [[k, c, round(ms, 3)] for k, (c, ms) in heavy],
+    }
+
+
+def merge_intervals(spans) -> list[tuple[float, float]]:
+    """The union of [start, end) spans, as sorted disjoint spans."""
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def gaps(busy, lo: float, hi: float) -> list[tuple[float, float]]:
+    """[lo, hi) minus the merged spans `busy`."""
+    out, t = [], lo
+    for a, b in busy:
+        if b <= lo or a >= hi:
+            continue
+        if a > t:
+            out.append((t, min(a, hi)))
+        t = max(t, b)
+    if t < hi:
+        out.append((t, hi))
+    return out
+
+
+def overlap(spans, starts, a: float, b: float) -> float:
+    """Length of [a, b) inside the sorted disjoint `spans` (starts: their start points)."""
+    import bisect
+
+    i = max(bisect.bisect_right(starts, a) - 1, 0)
+    total = 0.0
+    while i < len(spans) and spans[i][0] < b:
+        total += max(0.0, min(b, spans[i][1]) - max(a, spans[i][0]))
+        i += 1
+    return total
+
+
+def idle_by_host(events, steps: int, top: int = 12) -> dict:
+    """Where the device waits for the host, from a profile's events (CPU and CUDA activity): the
+    device-idle time inside the loop's phases (the main thread's peagle.* ranges), per phase, and
+    per host op by the idle time spent in its own code (its children's subtracted), so a slow
+    host op or a gap between ops (the phase's own self time) shows up where it happens. ms per
+    step."""
+    phases = [e for e in events if e.name.startswith("peagle.") and not _on_device(e)]
+    if not phases:
+        return {"idle_ms": 0.0, "by_phase": {}, "by_host_op": []}
+    main = phases[0].thread
+    lo = min(e.time_range.start for e in phases)
+    hi = max(e.time_range.end for e in phases)
+    busy = merge_intervals((e.time_range.start, e.time_range.end) for e in events if _on_device(e))
+    idle = gaps(busy, lo, hi)
+    starts = [a for a, _ in idle]
+    by_phase: dict[str, float] = {}
+    for e in phases:
+        k = e.name[len("peagle.") :]
+        by_phase[k] = by_phase.get(k, 0.0) + overlap(idle, starts, e.time_range.start, e.time_range.end)
+    by_op: dict[str, float] = {}
+    for e in events:
+        if _on_device(e) or e.thread != main or e.name.startswith("ProfilerStep"):
+            continue
+        own = overlap(idle, starts, e.time_range.start, e.time_range.end)
+        if own <= 0:
+            continue
+        for c in getattr(e, "cpu_children", []) or []:
+            own -= overlap(idle, starts, c.time_range.start, c.time_range.end)
+        if own > 0:
+            by_op[e.name[:120]] = by_op.get(e.name[:120], 0.0) + own
+    n = max(steps, 1)
+    heavy = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "idle_ms": round(sum(b - a for a, b in idle) / 1e3 / n, 3),
+        "by_phase": {k: round(v / 1e3 / n, 3) for k, v in by_phase.items()},
+        "by_host_op": [[k, round(v / 1e3 / n, 3)] for k, v in heavy],
     }
 
 
@@ -164,7 +252,9 @@ class StepProfiler:
             ("device_ms_per_step" if self.device.type == "cuda" else "cpu_op_ms_per_step"): kernels,
         }
         if self.device.type == "cuda":
-            busy = kernels["total_ms"]
+            idle = idle_by_host(prof.events(), n)
+            summary["device_idle_ms_per_step"] = idle
+            busy = max(wall_ms - idle["idle_ms"], 0.0)
             summary["device_busy_fraction"] = round(min(busy / wall_ms, 1.0), 4) if wall_ms > 0 else 0.0
         self.dir.mkdir(parents=True, exist_ok=True)
         trace = self.dir / "trace.json.gz"
@@ -188,6 +278,11 @@ def describe(summary: dict) -> str:
     if dev:
         cls = ", ".join(f"{k} {v:.1f}" for k, v in dev["classes_ms"].items() if v >= 0.05)
         text += (
-            f"; device busy {dev['total_ms']:.1f} ms ({100 * summary['device_busy_fraction']:.0f}% of the wall): {cls}"
+            f"; device kernels {dev['total_ms']:.1f} ms, busy {100 * summary['device_busy_fraction']:.0f}% of the wall: {cls}"
         )
+        idle = summary.get("device_idle_ms_per_step")
+        if idle and idle["idle_ms"] >= 0.05:
+            where = ", ".join(f"{k} {v:.1f}" for k, v in idle["by_phase"].items() if v >= 0.05)
+            ops = ", ".join(f"{k} {v:.1f}" for k, v in idle["by_host_op"][:3])
+            text += f"; device idle {idle['idle_ms']:.1f} ms in {where} (host: {ops})"
     return text

@@ -8,7 +8,16 @@ import json
 import pytest
 import torch
 
-from peagle_ext.train.profiling import KERNEL_CLASSES, PHASES, describe, kernel_class
+from peagle_ext.train.profiling import (
+    KERNEL_CLASSES,
+    PHASES,
+    describe,
+    gaps,
+    idle_by_host,
+    kernel_class,
+    merge_intervals,
+    overlap,
+)
 from tests.helpers import requires_cuda, run_cli, train_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,10 +88,60 @@ def test_describe_names_the_device_classes():
         "host_ms_per_step": dict.fromkeys(PHASES, 1.0),
         "device_ms_per_step": {"classes_ms": {"gemm": 30.0, "copy": 0.01}, "total_ms": 40.0},
         "device_busy_fraction": 0.4,
+        "device_idle_ms_per_step": {
+            "idle_ms": 60.0,
+            "by_phase": {"data": 45.0, "layout": 0.01, "forward_backward": 15.0},
+            "by_host_op": [["aten::cat", 20.0], ["peagle.data", 9.0], ["aten::item", 3.0], ["aten::add", 1.0]],
+        },
     }
     text = describe(s)
-    assert text.startswith("steps 6-10: 100.0 ms a step") and "device busy 40.0 ms (40% of the wall)" in text
-    assert "gemm 30.0" in text and "copy" not in text.split("wall):")[1]
+    assert text.startswith("steps 6-10: 100.0 ms a step") and "device kernels 40.0 ms, busy 40% of the wall" in text
+    assert "gemm 30.0" in text and "copy" not in text.split("wall:")[1].split(";")[0]
+    assert "device idle 60.0 ms in data 45.0, forward_backward 15.0 (host: aten::cat 20.0, peagle.data 9.0" in text
+    assert "layout" not in text.split("device idle")[1] and "aten::add" not in text
+
+
+def test_interval_helpers():
+    assert merge_intervals([(5, 7), (0, 2), (1, 3), (6, 9), (4, 4)]) == [(0, 3), (5, 9)]
+    busy = [(0, 3), (5, 9)]
+    assert gaps(busy, -1, 12) == [(-1, 0), (3, 5), (9, 12)] and gaps(busy, 1, 8) == [(3, 5)] and gaps([], 2, 4) == [(2, 4)]
+    idle = gaps(busy, 0, 12)
+    starts = [a for a, _ in idle]
+    assert overlap(idle, starts, 0, 12) == 5 and overlap(idle, starts, 4, 10) == 2 and overlap(idle, starts, 5, 9) == 0
+
+
+def test_idle_by_host_attributes_device_gaps_to_phases_and_host_code():
+    """Synthetic events: the device runs 0-10 and 30-35 us; the data phase (0-20) holds a host op
+    aten::cat (12-18) with a child aten::empty (12-13); forward_backward is 20-40."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(name, a, b, dev=DeviceType.CPU, thread=1, children=()):
+        return NS(name=name, time_range=NS(start=a, end=b), thread=thread, device_type=dev, cpu_children=list(children))
+
+    empty = ev("aten::empty", 12, 13)
+    cat = ev("aten::cat", 12, 18, children=[empty])
+    item = ev("aten::item", 36, 40)
+    events = [
+        ev("peagle.data", 0, 20, children=[cat]),
+        cat,
+        empty,
+        ev("peagle.forward_backward", 20, 40, children=[item]),
+        item,
+        ev("aten::cat", 25, 28, thread=2),  # another thread: not the loop's
+        ev("gemm_kernel", 0, 10, dev=DeviceType.CUDA),
+        ev("gemm_kernel", 30, 35, dev=DeviceType.CUDA),
+    ]
+    r = idle_by_host(events, steps=1)
+    # idle: 10-30 and 35-40 = 25 us
+    assert r["idle_ms"] == 0.025
+    assert r["by_phase"] == {"data": 0.01, "forward_backward": 0.015}
+    ops = dict(r["by_host_op"])
+    assert ops["aten::cat"] == 0.005 and ops["aten::empty"] == 0.001 and ops["aten::item"] == 0.004
+    # the ranges' own code (between their ops): data 10-12 and 18-20, forward_backward 20-30 and 35-36
+    assert ops["peagle.data"] == 0.004 and ops["peagle.forward_backward"] == 0.011
+    assert idle_by_host([ev("gemm_kernel", 0, 1, dev=DeviceType.CUDA)], 1)["idle_ms"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -138,4 +197,8 @@ def test_profile_on_cuda_gives_device_time_by_class(tiny, tmp_path):
     dev = summary["device_ms_per_step"]
     assert summary["device"].startswith("cuda") and dev["total_ms"] > 0 and dev["classes_ms"]["gemm"] > 0
     assert 0 < summary["device_busy_fraction"] <= 1
-    assert "device busy" in [e for e in _events(out) if e.get("event") == "profile"][0]["message"]
+    assert "device kernels" in [e for e in _events(out) if e.get("event") == "profile"][0]["message"]
+    idle = summary["device_idle_ms_per_step"]
+    assert 0 <= idle["idle_ms"] <= summary["wall_ms_per_step"] and set(idle["by_phase"]) <= set(PHASES)
+    # the kernel classes count device events once: never more than the wall of the window
+    assert dev["total_ms"] <= summary["wall_ms_per_step"] * 1.01
