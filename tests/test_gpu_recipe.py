@@ -240,9 +240,11 @@ def test_kept_regenerated_data_goes_back_only_where_it_belongs(tmp_path, capsys)
     db = _device_bundle()
     data, out = tmp_path / "data", tmp_path / "out"
     data.mkdir()
-    (data / "train.jsonl").write_text("".join(f'{{"messages": [{{"role": "user", "content": "q{i}"}}]}}\n' for i in range(50)))
+    prompts = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(50)]
+    (data / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     (data / "heldout.jsonl").write_text('{"messages": []}\n')
-    body = "".join(json.dumps({"index": i, "messages": [{"role": "assistant", "content": os.urandom(300).hex()}]}) + "\n" for i in range(40))
+    answers = [{"index": i, "messages": [{"role": "assistant", "content": os.urandom(300).hex()}]} for i in range(40)]
+    body = "".join(json.dumps(a) + "\n" for a in answers)
     (data / "regen.jsonl").write_text(body)
     (data / "heldout_regen.jsonl").write_text('{"index": 0, "messages": []}\n')
     st = {"turns": "all", "max_new_tokens": 256, "max_length": 2048}

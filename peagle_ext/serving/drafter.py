@@ -95,8 +95,9 @@ class PEagleDrafter(Drafter):
             # and decoding do): an engine built later writes them in place outside that mode, and
             # in-place writes to inference tensors are refused there
             with torch.inference_mode(False):
-                self._k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
-                self._v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self._num_layers)]
+                layers = range(self._num_layers)
+                self._k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in layers]
+                self._v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in layers]
                 # key positions of the cache slots; the scratch slot (the last) is never attended
                 self._key_pos = torch.arange(cap + 1, device=self.device)
                 self._key_pos[cap] = torch.iinfo(torch.int64).max

@@ -277,9 +277,8 @@ def describe(summary: dict) -> str:
     dev = summary.get("device_ms_per_step")
     if dev:
         cls = ", ".join(f"{k} {v:.1f}" for k, v in dev["classes_ms"].items() if v >= 0.05)
-        text += (
-            f"; device kernels {dev['total_ms']:.1f} ms, busy {100 * summary['device_busy_fraction']:.0f}% of the wall: {cls}"
-        )
+        busy = 100 * summary["device_busy_fraction"]
+        text += f"; device kernels {dev['total_ms']:.1f} ms, busy {busy:.0f}% of the wall: {cls}"
         idle = summary.get("device_idle_ms_per_step")
         if idle and idle["idle_ms"] >= 0.05:
             where = ", ".join(f"{k} {v:.1f}" for k, v in idle["by_phase"].items() if v >= 0.05)

@@ -104,7 +104,8 @@ def test_describe_names_the_device_classes():
 def test_interval_helpers():
     assert merge_intervals([(5, 7), (0, 2), (1, 3), (6, 9), (4, 4)]) == [(0, 3), (5, 9)]
     busy = [(0, 3), (5, 9)]
-    assert gaps(busy, -1, 12) == [(-1, 0), (3, 5), (9, 12)] and gaps(busy, 1, 8) == [(3, 5)] and gaps([], 2, 4) == [(2, 4)]
+    assert gaps(busy, -1, 12) == [(-1, 0), (3, 5), (9, 12)]
+    assert gaps(busy, 1, 8) == [(3, 5)] and gaps([], 2, 4) == [(2, 4)]
     idle = gaps(busy, 0, 12)
     starts = [a for a, _ in idle]
     assert overlap(idle, starts, 0, 12) == 5 and overlap(idle, starts, 4, 10) == 2 and overlap(idle, starts, 5, 9) == 0
