@@ -120,6 +120,7 @@ EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
+KEEP_REGEN=${KEEP_REGEN:-1}        # study: the keep phase after datagen (its files reach $OUT with `wait`)
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
 # ---------------------------------------------------------------------------------------------
@@ -448,9 +449,12 @@ phase_study() {
   for s in $SETTINGS; do if [ "${s##*:}" = orig ]; then orig+=" $s"; else regen+=" $s"; fi; done
   local extra
   extra=$(python3 -c "print($TRAIN_MINUTES + $DATAGEN_SECONDS / 60)")
-  # a datagen that fails part-way (out of memory, say) leaves whole conversations: train on those
-  ( { phase_datagen || note "study: datagen failed (logs/); training on the conversations it wrote"; } &&
-    SETTINGS=$regen TRAIN_PARALLEL=1 phase_train ) &
+  # a datagen that fails part-way (out of memory, say) leaves whole conversations: train on those;
+  # its output is kept for a later session (KEEP_REGEN) while the trainings run
+  ( { phase_datagen || note "study: datagen failed (logs/); training on the conversations it wrote"; }
+    if [ "$KEEP_REGEN" = 1 ]; then { phase_keep || note "study: keeping the regenerated data failed"; } & fi
+    SETTINGS=$regen TRAIN_PARALLEL=1 phase_train
+    wait ) &
   local gen=$!
   if [ -n "$orig" ]; then
     SETTINGS=$orig TRAIN_PARALLEL=1 TRAIN_MINUTES=$extra phase_train || note "study: training on$orig failed (logs/)"

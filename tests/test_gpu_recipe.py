@@ -151,6 +151,11 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     assert "| L1-regen | mtbench | 1 |" in md and "| L1-orig | mtbench | 2 |" in md
     assert "| L1-regen | mtbench | 2 |" not in md  # EVAL_SWEEP=1: the sweep of EVAL_FULL is K=1 alone
     assert "| L1-origfirst | mtbench | 2 |" in md
+    # the regenerated data kept for a later session, brought back with the results
+    kept = json.loads((out / "regen.json").read_text())
+    assert all((out / p["name"]).is_file() for p in kept["parts"])
+    n_regen = sum(1 for _ in open(work / "data" / "regen.jsonl"))
+    assert kept["settings"]["turns"] == "all" and kept["conversations"] == n_regen
     # origfirst: the regenerated conversations' first prompts, each with its original first answer
     src = [json.loads(x)["messages"] for x in open(work / "data" / "train.jsonl")]
     regen = [json.loads(x) for x in open(work / "data" / "regen.jsonl")]
