@@ -63,7 +63,8 @@
 #      DATAGEN_SECONDS=120 TRAIN_MINUTES=7 SETTINGS="1:regen 2:regen" EVAL_K=3 EVAL_HE_SWEEP=
 #      `... --detach study` and `... wait`
 #   3. and later calls, back to back: `... wait` until it says the detached run has ended
-#   4. `... keep` brings the regenerated data back; the next session carries those files into the
+#   4. the study keeps the regenerated data once datagen ends (KEEP_REGEN=1; or run `... keep`) and
+#      `wait` brings those files back with the results; the next session carries them into the
 #      bundle in a call of their own after call 2's `setup data` (they do not fit beside its parts),
 #      runs `... data` there (which puts them back) and starts the study from that call
 set -euo pipefail
