@@ -408,14 +408,15 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run(n)
             torch.cuda.synchronize(dev)
-        times = {}
+        times, calls = {}, {}
         for e in prof.key_averages():
             t = getattr(e, "self_device_time_total", None)
             if t is None:
                 t = getattr(e, "self_cuda_time_total", 0.0)
             if t > 0 and not e.key.startswith(_NOT_KERNELS):
                 times[e.key] = times.get(e.key, 0.0) + t / n  # us per replay
-        return times
+                calls[e.key] = calls.get(e.key, 0.0) + e.count / n
+        return times, calls
 
     def rounds(n):
         engine.begin(zeros, 0, torch.zeros_like(engine.aux), zeros[:1], 0)
@@ -437,7 +438,7 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         torch.cuda.synchronize(dev)
         return 1e6 * (time.perf_counter() - t) / n
 
-    rnd, stp = by_name(rounds, r_round), by_name(steps, r_greedy)
+    (rnd, rnd_calls), (stp, stp_calls) = by_name(rounds, r_round), by_name(steps, r_greedy)
     round_wall, greedy_wall = wall_us(rounds, r_round), wall_us(steps, r_greedy)
 
     def classes(times):
@@ -448,6 +449,7 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         return {c: round(t, 2) for c, t in sorted(out.items(), key=lambda x: -x[1])}
 
     diff = {n: rnd.get(n, 0.0) - stp.get(n, 0.0) for n in set(rnd) | set(stp)}
+    heavy = [n for n, t in sorted(diff.items(), key=lambda x: -x[1])[:top] if t > 0]
     return {
         "replays": {"round": r_round, "greedy_step": r_greedy},
         "round_us": round(sum(rnd.values()), 2),
@@ -457,9 +459,13 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         "round_kernels": len(rnd),
         "round_us_by_class": classes(rnd),
         "greedy_step_us_by_class": classes(stp),
-        "round_minus_greedy_top_us": {
-            n[:120]: round(t, 2) for n, t in sorted(diff.items(), key=lambda x: -x[1])[:top] if t > 0
+        "round_minus_greedy_top_us": {n[:120]: round(diff[n], 2) for n in heavy},
+        # launches per replay of those kernels, [round, greedy step]: more launches or slower ones
+        "round_minus_greedy_top_calls": {
+            n[:120]: [round(rnd_calls.get(n, 0.0), 2), round(stp_calls.get(n, 0.0), 2)] for n in heavy
         },
+        "round_launches": round(sum(rnd_calls.values()), 1),
+        "greedy_step_launches": round(sum(stp_calls.values()), 1),
     }
 
 

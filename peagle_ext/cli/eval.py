@@ -236,6 +236,11 @@ def print_profile(p: dict, device: str):
             + ", ".join(f"{c} {t:.0f}" for c, t in kern["greedy_step_us_by_class"].items())
             + f"); host wall per replay: round {kern['round_wall_us']:.0f} us, greedy step"
             + f" {kern['greedy_step_wall_us']:.0f} us"
+            + (
+                f"; kernel launches: round {kern['round_launches']:.0f}, greedy step {kern['greedy_step_launches']:.0f}"
+                if "round_launches" in kern
+                else ""
+            )
         )
     step = p.get("greedy_engine_step_ms", p["greedy_step_ms"])
     rnd = p.get("engine_round_ms", p["round_ms"])
