@@ -58,14 +58,16 @@ class TrainingExample:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def to(self, device=None, dtype: torch.dtype | None = None) -> TrainingExample:
-        """Move every tensor to `device`; cast only the two hidden-state tensors to `dtype`."""
+    def to(self, device=None, dtype: torch.dtype | None = None, non_blocking: bool = False) -> TrainingExample:
+        """Move every tensor to `device`; cast only the two hidden-state tensors to `dtype`.
+        non_blocking: asynchronous copies from pinned host memory (the caller orders the streams)."""
+        nb = non_blocking
         return TrainingExample(
-            input_ids=self.input_ids.to(device),
-            document_ids=self.document_ids.to(device),
-            loss_mask=self.loss_mask.to(device),
-            hidden=self.hidden.to(device=device, dtype=dtype),
-            last_hidden=self.last_hidden.to(device=device, dtype=dtype),
+            input_ids=self.input_ids.to(device, non_blocking=nb),
+            document_ids=self.document_ids.to(device, non_blocking=nb),
+            loss_mask=self.loss_mask.to(device, non_blocking=nb),
+            hidden=self.hidden.to(device=device, dtype=dtype, non_blocking=nb),
+            last_hidden=self.last_hidden.to(device=device, dtype=dtype, non_blocking=nb),
         )
 
 

@@ -79,13 +79,13 @@ class BatchPrefetcher:
         return out, event
 
     def _drop(self) -> None:
-        """Wait for a scheduled load nobody will take (its tensors then free normally)."""
+        """Wait for a scheduled load nobody will take (its tensors then free normally); its error,
+        if any, is nobody's: the rows it read are read again when asked for."""
         if self._pending is not None:
-            self._pending[1].result()
+            self._pending[1].exception()
             self._pending = None
 
     def close(self) -> None:
-        try:
-            self._drop()
-        finally:
-            self._pool.shutdown(wait=True)
+        """Never raises: it runs while the loop ends, perhaps on an error of its own."""
+        self._drop()
+        self._pool.shutdown(wait=True)

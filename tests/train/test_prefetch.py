@@ -100,6 +100,25 @@ def test_a_failed_load_raises_in_get_not_in_the_worker():
         p.close()
 
 
+def test_close_never_raises_so_the_loop_keeps_its_own_error():
+    """close() runs in the loop's finally: a failed load nobody took must not replace the error
+    that is ending the run; a stale failed load is also dropped quietly by a get() of other rows."""
+    src = Rows(fail_on=2)
+    p = BatchPrefetcher(src, "cpu")
+    p.schedule([[2, 3]])
+    assert _same(p.get([[4]])[0], src.rows[4])
+    p.schedule([[1, 2]])
+    p.close()
+
+
+def test_examples_move_with_non_blocking_copies():
+    """The prefetcher's CUDA path copies with non_blocking=True: TrainingExample.to takes it."""
+    ex = concat_examples(Rows().rows[:2])
+    moved = ex.to("cpu", dtype=torch.float32, non_blocking=True)
+    assert moved.hidden.dtype == torch.float32 and moved.input_ids.dtype == ex.input_ids.dtype
+    assert torch.equal(moved.hidden, ex.hidden.float()) and torch.equal(moved.document_ids, ex.document_ids)
+
+
 def test_training_is_bitwise_the_same_with_and_without_prefetch(tiny, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
