@@ -48,10 +48,17 @@ def _device_us(e) -> float:
 
 
 def _on_device(e) -> bool:
-    """A kernel, copy or memset that ran on the device (not a host op that launched one)."""
+    """A kernel, copy or memset that ran on the device: not a host op that launched one, and not
+    the device-side span of a record_function range (first to last kernel launched inside it)."""
     from torch.autograd import DeviceType
 
-    return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
+    return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+
+
+def _on_host(e) -> bool:
+    from torch.autograd import DeviceType
+
+    return getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
 
 
 def time_by_class(prof, device_type: str, steps: int, top: int = 25) -> dict:
@@ -119,13 +126,28 @@ def overlap(spans, starts, a: float, b: float) -> float:
     return total
 
 
+def intersect(a, b) -> list[tuple[float, float]]:
+    """The intersection of two sorted lists of disjoint spans."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def idle_by_host(events, steps: int, top: int = 12) -> dict:
     """Where the device waits for the host, from a profile's events (CPU and CUDA activity): the
     device-idle time inside the loop's phases (the main thread's peagle.* ranges), per phase, and
     per host op by the idle time spent in its own code (its children's subtracted), so a slow
-    host op or a gap between ops (the phase's own self time) shows up where it happens. ms per
-    step."""
-    phases = [e for e in events if e.name.startswith("peagle.") and not _on_device(e)]
+    host op or a gap between ops (the phase's own self time) shows up where it happens. The
+    backward runs on autograd's own thread while the main thread waits in it: idle time while
+    that thread works is that thread's, not the main thread's. ms per step."""
+    phases = [e for e in events if e.name.startswith("peagle.") and _on_host(e)]
     if not phases:
         return {"idle_ms": 0.0, "by_phase": {}, "by_host_op": []}
     main = phases[0].thread
@@ -138,15 +160,22 @@ def idle_by_host(events, steps: int, top: int = 12) -> dict:
     for e in phases:
         k = e.name[len("peagle.") :]
         by_phase[k] = by_phase.get(k, 0.0) + overlap(idle, starts, e.time_range.start, e.time_range.end)
+    host = [e for e in events if _on_host(e) and not e.name.startswith("ProfilerStep")]
+    grad_threads = {e.thread for e in host if e.thread != main and e.name.startswith("autograd::engine")}
+    grad_spans = merge_intervals((e.time_range.start, e.time_range.end) for e in host if e.thread in grad_threads)
+    # the main thread owns the idle time no backward thread is working through
+    idle_main = intersect(idle, gaps(grad_spans, lo, hi))
+    views = {"main": (idle_main, [a for a, _ in idle_main]), "grad": (idle, starts)}
     by_op: dict[str, float] = {}
-    for e in events:
-        if _on_device(e) or e.thread != main or e.name.startswith("ProfilerStep"):
+    for e in host:
+        if e.thread != main and e.thread not in grad_threads:
             continue
-        own = overlap(idle, starts, e.time_range.start, e.time_range.end)
+        spans, st = views["main" if e.thread == main else "grad"]
+        own = overlap(spans, st, e.time_range.start, e.time_range.end)
         if own <= 0:
             continue
         for c in getattr(e, "cpu_children", []) or []:
-            own -= overlap(idle, starts, c.time_range.start, c.time_range.end)
+            own -= overlap(spans, st, c.time_range.start, c.time_range.end)
         if own > 0:
             by_op[e.name[:120]] = by_op.get(e.name[:120], 0.0) + own
     n = max(steps, 1)

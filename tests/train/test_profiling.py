@@ -14,6 +14,7 @@ from peagle_ext.train.profiling import (
     describe,
     gaps,
     idle_by_host,
+    intersect,
     kernel_class,
     merge_intervals,
     overlap,
@@ -118,8 +119,15 @@ def test_idle_by_host_attributes_device_gaps_to_phases_and_host_code():
 
     from torch.autograd import DeviceType
 
-    def ev(name, a, b, dev=DeviceType.CPU, thread=1, children=()):
-        return NS(name=name, time_range=NS(start=a, end=b), thread=thread, device_type=dev, cpu_children=list(children))
+    def ev(name, a, b, dev=DeviceType.CPU, thread=1, children=(), annotation=False):
+        return NS(
+            name=name,
+            time_range=NS(start=a, end=b),
+            thread=thread,
+            device_type=dev,
+            cpu_children=list(children),
+            is_user_annotation=annotation,
+        )
 
     empty = ev("aten::empty", 12, 13)
     cat = ev("aten::cat", 12, 18, children=[empty])
@@ -134,6 +142,8 @@ def test_idle_by_host_attributes_device_gaps_to_phases_and_host_code():
         ev("gemm_kernel", 0, 10, dev=DeviceType.CUDA),
         ev("gemm_kernel", 30, 35, dev=DeviceType.CUDA),
     ]
+    # a record_function range's device-side span (first to last kernel inside it) is not device work
+    events.append(ev("peagle.data", 0, 40, dev=DeviceType.CUDA, annotation=True))
     r = idle_by_host(events, steps=1)
     # idle: 10-30 and 35-40 = 25 us
     assert r["idle_ms"] == 0.025
@@ -143,6 +153,19 @@ def test_idle_by_host_attributes_device_gaps_to_phases_and_host_code():
     # the ranges' own code (between their ops): data 10-12 and 18-20, forward_backward 20-30 and 35-36
     assert ops["peagle.data"] == 0.004 and ops["peagle.forward_backward"] == 0.011
     assert idle_by_host([ev("gemm_kernel", 0, 1, dev=DeviceType.CUDA)], 1)["idle_ms"] == 0.0
+    # the backward on autograd's thread (22-27, an mm inside at 23-25): idle time while it works is its
+    # own, not the waiting main thread's; every idle microsecond is attributed once
+    mm = ev("aten::mm", 23, 25, thread=3)
+    events += [ev("autograd::engine::evaluate_function: MmBackward0", 22, 27, thread=3, children=[mm]), mm]
+    ops = dict(idle_by_host(events, steps=1)["by_host_op"])
+    assert ops["autograd::engine::evaluate_function: MmBackward0"] == 0.003 and ops["aten::mm"] == 0.002
+    assert ops["peagle.forward_backward"] == 0.006 and ops["peagle.data"] == 0.004
+    assert abs(sum(ops.values()) - 0.025) < 1e-9
+
+
+def test_intersect():
+    assert intersect([(0, 3), (5, 9)], [(2, 6), (8, 12)]) == [(2, 3), (5, 6), (8, 9)]
+    assert intersect([(0, 1)], [(1, 2)]) == [] and intersect([], [(0, 1)]) == []
 
 
 @pytest.mark.parametrize(
@@ -203,3 +226,29 @@ def test_profile_on_cuda_gives_device_time_by_class(tiny, tmp_path):
     assert 0 <= idle["idle_ms"] <= summary["wall_ms_per_step"] and set(idle["by_phase"]) <= set(PHASES)
     # the kernel classes count device events once: never more than the wall of the window
     assert dev["total_ms"] <= summary["wall_ms_per_step"] * 1.01
+
+
+@requires_cuda
+def test_idle_by_host_on_a_real_cuda_profile():
+    """A host sleep inside a phase is device idle time there (the range's own device-side span does
+    not count as work); a phase of back-to-back GEMMs is busy."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("peagle.data"):
+            y = x @ x
+            time.sleep(0.02)
+            y = y @ x
+            torch.cuda.synchronize()
+        with record_function("peagle.forward_backward"):
+            for _ in range(20):
+                y = (y @ x) * 1e-3
+            torch.cuda.synchronize()
+    r = idle_by_host(prof.events(), 1)
+    assert r["by_phase"]["data"] >= 15.0, r
+    assert r["by_phase"]["forward_backward"] < 0.5 * r["by_phase"]["data"], r
+    assert dict(r["by_host_op"]).get("peagle.data", 0.0) >= 15.0, r  # the sleep is the range's own code
