@@ -44,7 +44,9 @@ BACKENDS = {
 
 def inputs(q_len: int, capacity: int, device="cuda", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(1, HEADS, q_len, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
+    # the layout StaticVerifier passes: q projected as [T, heads, D] and viewed as [heads, T, D]
+    # (backends choose by strides too); the cache is [kv heads, capacity, D], contiguous
+    q = torch.randn(1, q_len, HEADS, HEAD_DIM, device=device, generator=g).to(torch.bfloat16).transpose(1, 2)
     k = torch.randn(1, KV_HEADS, capacity, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
     v = torch.randn(1, KV_HEADS, capacity, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
     filled = capacity // 2

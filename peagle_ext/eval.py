@@ -460,12 +460,13 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         "round_us_by_class": classes(rnd),
         "greedy_step_us_by_class": classes(stp),
         "round_minus_greedy_top_us": {n[:120]: round(diff[n], 2) for n in heavy},
-        # launches per replay of those kernels, [round, greedy step]: more launches or slower ones
+        # device ops (kernels, copies, memsets) per replay of those names, [round, greedy step]: more
+        # of them or slower ones
         "round_minus_greedy_top_calls": {
             n[:120]: [round(rnd_calls.get(n, 0.0), 2), round(stp_calls.get(n, 0.0), 2)] for n in heavy
         },
-        "round_launches": round(sum(rnd_calls.values()), 1),
-        "greedy_step_launches": round(sum(stp_calls.values()), 1),
+        "round_device_ops": round(sum(rnd_calls.values()), 1),
+        "greedy_step_device_ops": round(sum(stp_calls.values()), 1),
     }
 
 

@@ -454,8 +454,10 @@ phase_study() {
   # its output is kept for a later session (KEEP_REGEN) while the trainings run
   ( { phase_datagen || note "study: datagen failed (logs/); training on the conversations it wrote"; }
     if [ "$KEEP_REGEN" = 1 ]; then { phase_keep || note "study: keeping the regenerated data failed"; } & fi
-    SETTINGS=$regen TRAIN_PARALLEL=1 phase_train
-    wait ) &
+    rc=0
+    SETTINGS=$regen TRAIN_PARALLEL=1 phase_train || rc=$?
+    wait  # the kept files are whole before anything reads or returns them
+    exit $rc ) &
   local gen=$!
   if [ -n "$orig" ]; then
     SETTINGS=$orig TRAIN_PARALLEL=1 TRAIN_MINUTES=$extra phase_train || note "study: training on$orig failed (logs/)"

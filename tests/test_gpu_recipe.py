@@ -287,3 +287,8 @@ def test_kept_regenerated_data_goes_back_only_where_it_belongs(tmp_path, capsys)
     (bad / last).unlink()
     assert not db.seed_regen(bad, d, st) and f"{last} not carried" in said()
     assert not db.seed_regen(tmp_path / "nothing", d, st) and "datagen starts from nothing" in said()
+    # a later, smaller save into the same folder leaves no part of the earlier one behind
+    (data / "regen.jsonl").write_text("".join(body.splitlines(True)[:2]))
+    small = db.save_regen(data, out, st, part_mib=0.01)
+    assert sorted(p.name for p in out.iterdir()) == ["regen.json"] + [p["name"] for p in small["parts"]]
+    assert len(small["parts"]) < len(meta["parts"])

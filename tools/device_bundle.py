@@ -240,6 +240,8 @@ def save_regen(data: Path, out: Path, settings: dict, part_mib: float = 15.0) ->
                 tar.add(data / n, arcname=n)
     blob, step = buf.getvalue(), int(part_mib * 2**20)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("regen.tar.xz.part*"):  # an earlier, larger save's parts would travel too
+        old.unlink()
     parts = []
     for i in range(0, len(blob), step):
         name = f"regen.tar.xz.part{len(parts):02d}"

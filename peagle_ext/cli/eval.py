@@ -237,8 +237,8 @@ def print_profile(p: dict, device: str):
             + f"); host wall per replay: round {kern['round_wall_us']:.0f} us, greedy step"
             + f" {kern['greedy_step_wall_us']:.0f} us"
             + (
-                f"; kernel launches: round {kern['round_launches']:.0f}, greedy step {kern['greedy_step_launches']:.0f}"
-                if "round_launches" in kern
+                f"; device ops: round {kern['round_device_ops']:.0f}, greedy step {kern['greedy_step_device_ops']:.0f}"
+                if "round_device_ops" in kern
                 else ""
             )
         )

@@ -402,10 +402,10 @@ def test_eval_profile_prints_the_kernel_breakdown(capsys):
     out = capsys.readouterr().out
     assert "device time: engine round 3400 us (gemm 2000, attention 1400), greedy step 2900 us" in out
     assert "host wall per replay: round 3700 us, greedy step 3050 us" in out
-    assert "a round costs 1.23 greedy steps" in out and "launches" not in out  # a report from before counts
-    p["kernels"] |= {"round_launches": 412.0, "greedy_step_launches": 350.0}
+    assert "a round costs 1.23 greedy steps" in out and "device ops" not in out  # a report from before counts
+    p["kernels"] |= {"round_device_ops": 412.0, "greedy_step_device_ops": 350.0}
     print_profile(p, "cuda")
-    assert "kernel launches: round 412, greedy step 350" in capsys.readouterr().out
+    assert "device ops: round 412, greedy step 350" in capsys.readouterr().out
 
 
 @requires_cuda
@@ -430,6 +430,6 @@ def test_kernel_breakdown_of_graph_engines(vdir):
     assert abs(sum(kb["round_us_by_class"].values()) - kb["round_us"]) < 0.1 * kb["round_us"] + 1
     assert "gemm" in kb["round_us_by_class"] and kb["round_minus_greedy_top_us"]
     assert set(kb["round_minus_greedy_top_calls"]) == set(kb["round_minus_greedy_top_us"])
-    assert kb["round_launches"] > kb["greedy_step_launches"] > 0
+    assert kb["round_device_ops"] > kb["greedy_step_device_ops"] > 0
     assert speculative_generate(st, dr, p, 4, 40, engine=eng).tokens == want
     assert greedy_generate(st, p, 40, engine=ge).tokens == want
