@@ -95,6 +95,7 @@ PROFILE_STEPS=${PROFILE_STEPS:-5}  # train --profile-steps: where a step's time 
 PROFILE_WARMUP=${PROFILE_WARMUP:-50}  # after this many steps of each training (0 steps: off)
 HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-32}  # host memory per training for the verifier's states (cached: no
                                    # verifier pass per step; the H200 host has 128 GB)
+PREFETCH=${PREFETCH:-1}            # train --prefetch: the next step's cached states copied during this one
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
                                    # validation, final save and exit; a training still running then
                                    # counts as stuck: SIGUSR1 prints its stacks into its log, KILL_AFTER s
@@ -284,7 +285,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
     --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
-    --hidden-cache-gb "$HIDDEN_CACHE_GB" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
+    --hidden-cache-gb "$HIDDEN_CACHE_GB" --prefetch "$([ "$PREFETCH" = 1 ] && echo true || echo false)" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
     --no-progress "${resume[@]}" \
     > "$WORK/logs/train_L${layers}-${data}.log" 2>&1 || rc=$?
   tail -12 "$WORK/logs/train_L${layers}-${data}.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"
