@@ -10,11 +10,13 @@ Perfetto)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 # the loop's host phases, in step order (record_function names "peagle.<phase>")
 PHASES = ("data", "layout", "forward_backward", "optimizer", "bookkeeping")
@@ -50,14 +52,10 @@ def _device_us(e) -> float:
 def _on_device(e) -> bool:
     """A kernel, copy or memset that ran on the device: not a host op that launched one, and not
     the device-side span of a record_function range (first to last kernel launched inside it)."""
-    from torch.autograd import DeviceType
-
     return getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
 
 
 def _on_host(e) -> bool:
-    from torch.autograd import DeviceType
-
     return getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
 
 
@@ -116,8 +114,6 @@ def gaps(busy, lo: float, hi: float) -> list[tuple[float, float]]:
 
 def overlap(spans, starts, a: float, b: float) -> float:
     """Length of [a, b) inside the sorted disjoint `spans` (starts: their start points)."""
-    import bisect
-
     i = max(bisect.bisect_right(starts, a) - 1, 0)
     total = 0.0
     while i < len(spans) and spans[i][0] < b:
