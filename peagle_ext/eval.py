@@ -358,7 +358,10 @@ def profile_rounds(
         out["greedy_engine_step_ms"] = 1e3 * sec / max(tok, 1)
     if engine is not None and greedy_engine is not None and verifier.device.type == "cuda":
         try:
-            out["kernels"] = kernel_breakdown(engine, greedy_engine)
+            # replays from the middle of these decodes: an attention that reads only the filled
+            # positions costs what it costs there
+            mid = sum(p.numel() for p in prompt_ids) // max(len(prompt_ids), 1) + max_new_tokens // 2
+            out["kernels"] = kernel_breakdown(engine, greedy_engine, start=mid)
         except RuntimeError as e:  # the profiler (CUPTI) over graph replays: not worth the report
             out["kernels_error"] = f"{type(e).__name__}: {e}"
     return out
@@ -387,10 +390,13 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: int = 8, top: int = 12) -> dict:
+def kernel_breakdown(
+    engine: RoundEngine, greedy_engine: GreedyEngine, replays: int = 8, top: int = 12, start: int = 0
+) -> dict:
     """Device time of one engine round and of one engine greedy step, by kernel class (KERNEL_CLASSES)
     and by kernel name (the `top` names that the round spends most on beyond the greedy step), from
-    torch.profiler over `replays` steps of each from position 0 (made-up tokens: the kernels and their
+    torch.profiler over `replays` steps of each from position `start` (clamped to leave room for
+    them; made-up tokens: the kernels and their
     shapes are those of decoding; no output is read), and the host wall time per replay of each
     (begin() included, a few small copies). Only on a CUDA device. Each engine is left at a state
     that the next decode's begin() replaces."""
@@ -398,8 +404,10 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
 
     k = engine.k
     # every replay moves a round at most K + 1 positions on; stay inside both capacities
-    r_round = max(1, min(replays, engine.capacity // (k + 1) - 3))
-    r_greedy = max(1, min(replays, greedy_engine.capacity - 2))
+    cap = min(engine.capacity, greedy_engine.capacity)
+    start = max(0, min(int(start), cap - (replays + 4) * (k + 1)))
+    r_round = max(1, min(replays, (engine.capacity - start) // (k + 1) - 3))
+    r_greedy = max(1, min(replays, greedy_engine.capacity - start - 2))
     dev = engine.verifier.device
     zeros = torch.zeros(k + 1, dtype=torch.long, device=dev)
 
@@ -419,12 +427,12 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
         return times, calls
 
     def rounds(n):
-        engine.begin(zeros, 0, torch.zeros_like(engine.aux), zeros[:1], 0)
+        engine.begin(zeros, start, torch.zeros_like(engine.aux), zeros[:1], 0)
         for _ in range(n):
             engine.step()
 
     def steps(n):
-        greedy_engine.begin(0, 0)
+        greedy_engine.begin(0, start)
         for _ in range(n):
             greedy_engine.step()
 
@@ -452,6 +460,7 @@ def kernel_breakdown(engine: RoundEngine, greedy_engine: GreedyEngine, replays: 
     heavy = [n for n, t in sorted(diff.items(), key=lambda x: -x[1])[:top] if t > 0]
     return {
         "replays": {"round": r_round, "greedy_step": r_greedy},
+        "start_position": start,
         "round_us": round(sum(rnd.values()), 2),
         "greedy_step_us": round(sum(stp.values()), 2),
         "round_wall_us": round(round_wall, 2),

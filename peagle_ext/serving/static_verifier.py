@@ -12,7 +12,9 @@ the sequence (rejected drafts) are never read. Cropping is therefore free.
 Two forms of the same computation: forward() (the Verifier interface: any number of tokens,
 attention over the filled positions only) and forward_static() (a fixed number of tokens at
 positions given as a device tensor, attention over the whole capacity under the position mask,
-no host sync: what a CUDA graph captures).
+no host sync: what a CUDA graph captures). Both run tokens at consecutive positions, and both
+attend through serving/cache_attention.py (SDPA under the position mask, or FlashAttention over
+the filled positions where it runs).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from ..data import check_aux_layer_ids, decoder_parts
+from .cache_attention import attend_flash, attend_sdpa, choose_impl, flash_lengths
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -65,7 +67,9 @@ class StaticKV:
 class StaticVerifier:
     """The Verifier interface (serving/verifier.py) over a StaticKV cache (module docstring)."""
 
-    def __init__(self, model, aux_layer_ids=None, *, capacity: int | None = None):
+    def __init__(self, model, aux_layer_ids=None, *, capacity: int | None = None, attention: str = "auto"):
+        """attention: "auto", "sdpa" or "flash" (serving/cache_attention.py; auto: flash where it
+        runs, else sdpa); the choice is self.attention."""
         why = static_verifier_support(model)
         if why is not None:
             raise ValueError(f"StaticVerifier does not run this model: {why}")
@@ -93,6 +97,7 @@ class StaticVerifier:
 
             inv, self._rope_scale = rope_inv_freq(cfg, self.head_dim)
             self._inv_freq = inv.to(self.device)
+        self.attention = choose_impl(attention, self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim)
         self.default_capacity = capacity
         self._capturing = False
         self._embed = model.get_input_embeddings()
@@ -142,8 +147,8 @@ class StaticVerifier:
         with_aux: bool = True,
         logit_rows: torch.Tensor | None = None,
     ):
-        """forward() of tokens `ids` [T] at positions `pos` [T] (a device tensor), attending the
-        whole capacity under the position mask: no shape or control flow depends on values.
+        """forward() of tokens `ids` [T] at the consecutive positions `pos` [T] (a device tensor,
+        pos[0] + arange(T)): no shape or control flow depends on their values.
         logit_rows: int64 [R] device tensor, the rows whose logits are computed (default all)."""
         return self._run(ids, pos, cache, None, logit_rows, with_aux)
 
@@ -180,11 +185,12 @@ class StaticVerifier:
         """out_rows: the rows whose logits are computed: None (all), a slice or an index tensor."""
         x = self._embed(ids.long())
         cos, sin = self.rope(pos)  # [1, T, D]
-        if ctx is None:
-            key_pos = torch.arange(cache.capacity, device=self.device)
+        flash = self.attention == "flash"
+        if flash:  # reads positions < pos[-1] + 1 = ctx only, whatever the capacity
+            lengths = flash_lengths(pos)
         else:
-            key_pos = torch.arange(ctx, device=self.device)
-        allowed = key_pos[None, :] <= pos[:, None]
+            key_pos = torch.arange(cache.capacity if ctx is None else ctx, device=self.device)
+            allowed = key_pos[None, :] <= pos[:, None]
         aux_ids = self.aux_layer_ids if with_aux else None
         captured = {}
         L = self.num_layers
@@ -195,16 +201,12 @@ class StaticVerifier:
             kc, vc = cache.k[li], cache.v[li]
             kc.index_copy_(1, pos, k.to(kc.dtype))
             vc.index_copy_(1, pos, v.to(vc.dtype))
-            if ctx is not None:
-                kc, vc = kc[:, :ctx], vc[:, :ctx]
-            o = F.scaled_dot_product_attention(
-                q[None],
-                kc[None],
-                vc[None],
-                attn_mask=allowed,
-                scale=self.scale,
-                enable_gqa=self.num_heads != self.kv_heads,
-            )[0]
+            if flash:
+                o = attend_flash(q, kc, vc, lengths, self.scale)
+            else:
+                if ctx is not None:
+                    kc, vc = kc[:, :ctx], vc[:, :ctx]
+                o = attend_sdpa(q, kc, vc, allowed, self.scale)
             x = self.layer_out(layer, x, o)
         if aux_ids is not None and L in aux_ids:
             captured[L] = x

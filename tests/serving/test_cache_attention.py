@@ -1,0 +1,158 @@
+"""serving/cache_attention.py: both implementations of the verifier's cache attention against a
+plain-PyTorch reference (explicit scores, GQA by repeating KV heads, the position mask), the
+choice between them, and StaticVerifier with each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peagle_ext.serving.cache_attention import (
+    attend_flash,
+    attend_sdpa,
+    choose_impl,
+    flash_lengths,
+    flash_unsupported,
+)
+from peagle_ext.serving.static_verifier import StaticVerifier
+from peagle_ext.testing import make_tiny_verifier
+from tests.helpers import requires_cuda
+
+
+def reference(q, k_cache, v_cache, pos, scale):
+    """q [H, T, D]; query i sees cache positions <= pos[i]; float64."""
+    q, k, v = q.double(), k_cache.double(), v_cache.double()
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    ctx = int(pos.max()) + 1
+    k, v = k[:, :ctx], v[:, :ctx]  # positions past the last query are never read
+    s = (q @ k.transpose(1, 2)) * scale
+    keep = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None].to(q.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def case(heads, kv_heads, d, t, cap, start, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(heads, t, d, device=device, generator=g).to(dtype)
+    k = torch.randn(kv_heads, cap, d, device=device, generator=g).to(dtype)
+    v = torch.randn(kv_heads, cap, d, device=device, generator=g).to(dtype)
+    pos = torch.arange(start, start + t, device=device)
+    return q, k, v, pos
+
+
+SHAPES = [(9, 3, 64), (4, 4, 32), (8, 1, 128)]  # SmolLM2's GQA, MHA, MQA
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
+@pytest.mark.parametrize("t,cap,start", [(1, 16, 0), (1, 40, 39), (4, 40, 0), (4, 64, 17), (9, 33, 24), (16, 16, 0)])
+def test_sdpa_matches_reference(heads, kv_heads, d, t, cap, start):
+    q, k, v, pos = case(heads, kv_heads, d, t, cap, start, torch.float64, "cpu", seed=t * 100 + start)
+    allowed = torch.arange(cap)[None, :] <= pos[:, None]
+    got = attend_sdpa(q, k, v, allowed, d**-0.5)
+    torch.testing.assert_close(got, reference(q, k, v, pos, d**-0.5), rtol=1e-10, atol=1e-10)
+
+
+def test_flash_lengths():
+    cu_q, cu_k = flash_lengths(torch.arange(5, 9))
+    assert cu_q.dtype == cu_k.dtype == torch.int32
+    assert cu_q.tolist() == [0, 4] and cu_k.tolist() == [0, 9]
+    assert [x.tolist() for x in flash_lengths(torch.tensor([0]))] == [[0, 1], [0, 1]]
+
+
+def test_choice_on_the_cpu():
+    assert choose_impl("auto", torch.device("cpu"), torch.bfloat16, 9, 3, 64) == "sdpa"
+    assert choose_impl("sdpa", torch.device("cpu"), torch.float32, 9, 3, 64) == "sdpa"
+    with pytest.raises(ValueError, match="attention='flash'.*CUDA device"):
+        choose_impl("flash", torch.device("cpu"), torch.bfloat16, 9, 3, 64)
+    with pytest.raises(ValueError, match="attention must be one of auto, sdpa, flash, got 'fast'"):
+        choose_impl("fast", torch.device("cpu"), torch.bfloat16, 9, 3, 64)
+    assert "float16 or bfloat16" in flash_unsupported(torch.device("cuda"), torch.float32, 64)
+    assert "head dim" in flash_unsupported(torch.device("cuda"), torch.bfloat16, 72 + 4)
+    assert "head dim" in flash_unsupported(torch.device("cuda"), torch.bfloat16, 512)
+
+
+def test_static_verifier_attention_argument(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    vm = AutoModelForCausalLM.from_pretrained(make_tiny_verifier(tmp_path / "v"), dtype=torch.float32).eval()
+    assert StaticVerifier(vm).attention == "sdpa"
+    with pytest.raises(ValueError, match="attention='flash' cannot run this verifier"):
+        StaticVerifier(vm, attention="flash")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        StaticVerifier(vm, attention="xformers")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
+@pytest.mark.parametrize(
+    "t,cap,start",
+    [
+        (1, 16, 0),
+        (1, 2048, 2047),
+        (4, 512, 0),
+        (4, 512, 300),
+        (4, 200, 196),
+        (9, 1024, 500),
+        (16, 48, 32),
+        (128, 128, 0),
+    ],
+)
+def test_flash_matches_reference(dtype, heads, kv_heads, d, t, cap, start):
+    q, k, v, pos = case(heads, kv_heads, d, t, cap, start, dtype, "cuda", seed=cap + start + t)
+    # the positions past the last query hold garbage: flash must not read them
+    k[:, start + t :] = float("nan")
+    v[:, start + t :] = float("nan")
+    got = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    want = reference(q, k, v, pos, d**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@requires_cuda
+def test_flash_replays_from_a_cuda_graph_as_the_sequence_grows():
+    heads, kv_heads, d, cap, t = 9, 3, 64, 256, 4
+    q, k, v, pos = case(heads, kv_heads, d, t, cap, 0, torch.bfloat16, "cuda", seed=1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+    for start in (0, 5, 100, cap - t):
+        pos.copy_(torch.arange(start, start + t))
+        q.normal_()
+        graph.replay()
+        want = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(out.double(), reference(q, k, v, pos, d**-0.5), rtol=2e-2, atol=2e-2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_static_verifier_flash_equals_sdpa(tmp_path, model_type):
+    """Both implementations in a bf16 verifier: the same logits within bf16 rounding, the same
+    aux states, through forward() and forward_static()."""
+    from transformers import AutoModelForCausalLM
+
+    vdir = make_tiny_verifier(tmp_path / "v", model_type=model_type)
+    vm = AutoModelForCausalLM.from_pretrained(vdir, dtype=torch.bfloat16).cuda().eval().requires_grad_(False)
+    aux = [0, 1, 2]
+    fa, sd = StaticVerifier(vm, aux), StaticVerifier(vm, aux, attention="sdpa")
+    assert fa.attention == "flash" and sd.attention == "sdpa"
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.inference_mode():
+        ca, cs = fa.new_cache(96), sd.new_cache(96)
+        la, aa = fa.forward(ids[:33], ca, 0)
+        ls, as_ = sd.forward(ids[:33], cs, 0)
+        torch.testing.assert_close(la.float(), ls.float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(aa.float(), as_.float(), rtol=3e-2, atol=3e-2)
+        pos = torch.arange(33, 38, device="cuda")
+        la, aa = fa.forward_static(ids[33:38], pos, ca)
+        ls, as_ = sd.forward_static(ids[33:38], pos, cs)
+        torch.testing.assert_close(la.float(), ls.float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(aa.float(), as_.float(), rtol=3e-2, atol=3e-2)
