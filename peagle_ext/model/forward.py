@@ -305,6 +305,12 @@ class TrainingForward:
 
     def forward_sum(self, example, layout=None, seed=None):
         """(weighted loss SUM over the layout's loss tokens, metrics); forward() divides by the weight."""
+        terms = self.forward_terms(example, layout, seed)
+        return terms[0], self.host_metrics(*terms)
+
+    def forward_terms(self, example, layout=None, seed=None):
+        """forward_sum's results left on the device: (loss_sum, weight sum, correct [K], total [K],
+        number of draft tokens). No host sync after the layers are launched."""
         n = example.input_ids.shape[0]
         layout = self.sample_layout(example, seed=seed) if layout is None else layout
         self.check_layout(layout, n)
@@ -320,12 +326,17 @@ class TrainingForward:
             _, kvs = self.run_layers(self.stream_tokens(example, dev), l0, collect_kv=True, last_full=False)
             h, _ = self.run_layers(tok, l0, contexts=kvs, keep=keep)
         loss_sum, wsum, correct, total = self.loss_terms(h, layout, example, tgt, keep=keep)
-        return loss_sum, {
+        return loss_sum, wsum, correct, total, layout.num_tokens
+
+    @staticmethod
+    def host_metrics(loss_sum, wsum, correct, total, num_tokens) -> dict:
+        """forward_terms' results as forward_sum's metrics (host numbers: one sync)."""
+        return {
             "weight": float(wsum),
             "correct": correct.cpu(),
             "total": total.cpu(),
             "loss_sum": float(loss_sum.detach()),
-            "num_tokens": layout.num_tokens,
+            "num_tokens": num_tokens,
         }
 
     def forward_backward(
@@ -350,10 +361,14 @@ class TrainingForward:
         self.check_layout(layout, n)
         if segments == 1:
             with self.amp():
-                loss_sum, m = self.forward_sum(example, layout, None)
-            scale = loss_scale if loss_scale is not None else (1.0 / m["weight"] if m["weight"] > 0 else 0.0)
+                terms = self.forward_terms(example, layout, None)
+            loss_sum, wsum = terms[0], terms[1]
+            if loss_scale is None:  # 1 / weight on the device: the backward is queued before any sync
+                scale = torch.where(wsum > 0, wsum.reciprocal(), torch.zeros_like(wsum)).to(loss_sum.dtype)
+            else:
+                scale = loss_scale
             (loss_sum * scale).backward()
-            return m
+            return self.host_metrics(*terms)
         return partitioned_forward_backward(self, example, layout, segments, loss_scale)
 
     def amp(self):
