@@ -78,17 +78,23 @@ def load_drafter(path, verifier: Verifier, *, dtype: torch.dtype | None = None) 
     return PEagleDrafter(model, device=verifier.device, dtype=dtype or verifier.dtype)
 
 
-def make_verifier(model, aux_layer_ids, impl: str = "auto"):
+def make_verifier(model, aux_layer_ids, impl: str = "auto", *, attention: str = "auto"):
     """The decoding verifier: impl "static" (StaticVerifier), "hf" (transformers with a
-    DynamicCache) or "auto" (static when the model supports it)."""
+    DynamicCache) or "auto" (static when the model supports it); attention: StaticVerifier's
+    (serving/cache_attention.py)."""
     if impl not in ("auto", "static", "hf"):
         raise ValueError(f"verifier implementation must be auto, static or hf, got {impl!r}")
     why = static_verifier_support(model)
     if impl == "static" and why is not None:
         raise ValueError(f"--verifier-impl static: {why}")
     if impl == "hf" or why is not None:
+        if attention == "flash":
+            raise ValueError(f"--attention flash needs the static verifier ({why or '--verifier-impl hf'})")
         return Verifier(model, aux_layer_ids)
-    return StaticVerifier(model, aux_layer_ids)
+    try:
+        return StaticVerifier(model, aux_layer_ids, attention=attention)
+    except ValueError as e:
+        raise ValueError(f"--attention: {e}") from None
 
 
 def render_prompts(tokenizer, bench: str, num_prompts: int | None) -> list[tuple[str, list[int]]]:
@@ -272,6 +278,7 @@ def evaluate(
             sweep.append({key: v for key, v in r.items() if key != "prompts"})
         report["k_sweep"] = sweep
     report["verifier_impl"] = type(verifier).__name__
+    report["verifier_attention"] = getattr(verifier, "attention", None)
     report["cuda_graphs"] = any(e.graph is not None for e in engines.values())
     eager_buckets = sorted({b for e in [*engines.values(), greedy_engine] if e for b in e.eager_prefill_buckets})
     if eager_buckets:  # prefill buckets whose capture failed (a warning said so): eager, slower

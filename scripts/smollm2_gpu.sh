@@ -59,14 +59,17 @@
 # machine; the long phases run with --detach (they outlast a call) and `wait` follows them:
 #   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
-#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (joins the GGUF), then BATCH=16
-#      DATAGEN_SECONDS=120 TRAIN_MINUTES=7 SETTINGS="1:regen 2:regen" EVAL_K=3 EVAL_HE_SWEEP=
-#      `... --detach study` and `... wait`
-#   3. and later calls, back to back: `... wait` until it says the detached run has ended
-#   4. the study keeps the regenerated data once datagen ends (KEEP_REGEN=1; or run `... keep`) and
-#      `wait` brings those files back with the results; the next session carries them into the
-#      bundle in a call of their own after call 2's `setup data` (they do not fit beside its parts),
-#      runs `... data` there (which puts them back) and starts the study from that call
+#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: DATAGEN_TURNS=all DATAGEN_SECONDS=400
+#      `... setup data datagen keep` in the foreground: the regenerated data comes back with this
+#      call (a machine taken back later loses nothing of it)
+#   3. BATCH=16 DATAGEN_SECONDS=0 TRAIN_MINUTES=6 SETTINGS="1:regen" EVAL_K=3 EVAL_HE_SWEEP=
+#      `... --detach study` (training and evaluation only) and `... wait`
+#   4. and later calls, back to back: `... wait` until it says the detached run has ended
+#   5. the next session carries the kept files (regen.tar.xz.partNN, regen.json) into the bundle in
+#      a call of their own after call 2's `setup data` (they do not fit beside its parts), runs
+#      `... data datagen keep` there (data puts them back, datagen continues) and goes on with 3.
+#      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
+#      keeps its output once it ends; `wait` brings those files back with the results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -110,7 +113,7 @@ DATAGEN_BATCH=${DATAGEN_BATCH:-2048}  # rows generated together: this small veri
                                    # by host launches (2048 rows: 2.1x the rate of 512; 512: 2x 256)
 DATAGEN_BATCH_TOKENS=${DATAGEN_BATCH_TOKENS:-1048576}  # KV-cache tokens a batch holds at most (~23 GB
                                    # bf16 for SmolLM2-135M): fewer rows for long prompts
-DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}
+DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}  # 0: the study generates nothing (an earlier call's datagen did)
 DATAGEN_TURNS=${DATAGEN_TURNS:-first}  # first | all: regenerate every turn, each on the regenerated history
 DATAGEN_ENGINE=${DATAGEN_ENGINE:-auto}  # auto (= static for SmolLM2) | static | hf (peagle datagen --engine)
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
@@ -122,6 +125,7 @@ EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
+EVAL_ATTENTION=${EVAL_ATTENTION:-auto}  # peagle eval --attention: the verifier's (auto = flash on the GPU)
 KEEP_REGEN=${KEEP_REGEN:-1}        # study: the keep phase after datagen (its files reach $OUT with `wait`)
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
@@ -362,7 +366,7 @@ eval_one() {  # setting bench K-args...
   mkdir -p "$WORK/eval"
   { timed timeout -s USR1 -k "$KILL_AFTER" "$EVAL_TIMEOUT" $PEAGLE eval --verifier "$VERIFIER" --draft "$draft" --bench "$src" \
     --num-prompts "$n" --max-new-tokens "$EVAL_TOKENS" --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs "$CUDA_GRAPHS" \
-    --quiet "$@" --json "$WORK/eval/$name.tmp.json" || true; } 2>&1 | tail -25 | tee -a "$SUMMARY"
+    --attention "$EVAL_ATTENTION" --quiet "$@" --json "$WORK/eval/$name.tmp.json" || true; } 2>&1 | tail -25 | tee -a "$SUMMARY"
   [ -f "$WORK/eval/$name.tmp.json" ] || { note "eval $name: failed (no report; the lines above say why)"; return 0; }
   mv "$WORK/eval/$name.tmp.json" "$WORK/eval/$name.json"
   [ -f "$WORK/eval/$name.tmp_k_sweep.png" ] && mv "$WORK/eval/$name.tmp_k_sweep.png" "$WORK/eval/${name}_k_sweep.png"
@@ -453,8 +457,12 @@ phase_study() {
   extra=$(python3 -c "print($TRAIN_MINUTES + $DATAGEN_SECONDS / 60)")
   # a datagen that fails part-way (out of memory, say) leaves whole conversations: train on those;
   # its output is kept for a later session (KEEP_REGEN) while the trainings run
-  ( { phase_datagen || note "study: datagen failed (logs/); training on the conversations it wrote"; }
-    if [ "$KEEP_REGEN" = 1 ]; then { phase_keep || note "study: keeping the regenerated data failed"; } & fi
+  ( if [ "$DATAGEN_SECONDS" != 0 ]; then
+      { phase_datagen || note "study: datagen failed (logs/); training on the conversations it wrote"; }
+      if [ "$KEEP_REGEN" = 1 ]; then { phase_keep || note "study: keeping the regenerated data failed"; } & fi
+    elif [ -n "$regen" ] && [ ! -s "$DATA/regen.jsonl" ]; then
+      note "study: DATAGEN_SECONDS=0 and no $DATA/regen.jsonl: run datagen first"; exit 1
+    fi
     rc=0
     SETTINGS=$regen TRAIN_PARALLEL=1 phase_train || rc=$?
     wait  # the kept files are whole before anything reads or returns them

@@ -818,6 +818,17 @@ def test_eval_bad_inputs(tiny, tmp_path):
         (["--draft", str(tmp_path), "--num-prompts", "0"], "--num-prompts must be an int >= 1"),
         (["--draft", str(tmp_path)], "not a P-EAGLE checkpoint"),
     ]
+    # a drafter for this verifier: --attention flash cannot run on the CPU, and says so
+    from transformers import AutoConfig
+
+    from peagle_ext.model import PEagleDraftModel
+
+    cfg = AutoConfig.from_pretrained(v)
+    PEagleDraftModel.from_verifier(cfg, num_depths=2, mask_token_id=cfg.vocab_size).save_pretrained(tmp_path / "d")
+    runs += [
+        (["--draft", str(tmp_path / "d"), "--attention", "flash"], "--attention: attention='flash' cannot run"),
+        (["--draft", str(tmp_path / "d"), "--attention", "flash", "--verifier-impl", "hf"], "--attention flash needs"),
+    ]
     for extra, match in runs:
         r = run_cli(["eval", "--verifier", str(v), "--bench", "mtbench", "--max-new-tokens", "4", *extra])
         assert r.returncode == 2, (extra, r.stderr[-2000:])

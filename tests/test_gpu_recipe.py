@@ -101,6 +101,15 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train 1:orig: done" in r.stdout and "eval L1-orig_mtbench: done" in r.stdout
     assert "0 conversations written this run (21 were already" in r.stdout
+    # DATAGEN_SECONDS=0: the study trains and evaluates on what an earlier datagen wrote, and
+    # does not start datagen (nor keep) itself
+    r = _run(bundle, work, "study", DATAGEN_SECONDS="0")
+    assert r.returncode == 0 and "phase study" in r.stdout, r.stderr[-3000:]
+    assert "conversations written this run" not in r.stdout and "save-regen" not in r.stdout
+    assert "eval L1-regen_mtbench: done" in r.stdout
+    r = _run(bundle, tmp_path / "work3", "data", "study", DATAGEN_SECONDS="0", SETTINGS="1:regen")
+    assert "DATAGEN_SECONDS=0 and no" in r.stdout and "run datagen first" in r.stdout, r.stdout[-3000:]
+    assert not (tmp_path / "work3" / "data" / "regen.jsonl").exists()
     # keep: the regenerated data back as files; carried into a bundle, a fresh work dir's data phase
     # puts them back and datagen has nothing left to do
     r = _run(bundle, work, "keep", OUT=str(tmp_path / "kept"))

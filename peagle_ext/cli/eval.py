@@ -52,6 +52,13 @@ def add_arguments(p) -> None:
         "transformers with a DynamicCache; auto = static where supported",
     )
     p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "sdpa", "flash"],
+        help="the static verifier's attention over its KV cache: sdpa (the position mask over the whole "
+        "cache), flash (FlashAttention-2 over the filled positions; CUDA, bf16/fp16); auto = flash where it runs",
+    )
+    p.add_argument(
         "--cuda-graphs",
         default="auto",
         choices=["auto", "on", "off"],
@@ -108,7 +115,7 @@ def run(args) -> int:
     draft_dir = resolve_draft_dir(args.draft)  # fail fast, before loading the verifier
     model, tok = load_verifier(args.verifier, device=device, dtype=dtype, require_chat_template=False)
     drafter = load_drafter(draft_dir, Verifier(model), dtype=dtype)
-    verifier = make_verifier(model, drafter.aux_layer_ids, args.verifier_impl)
+    verifier = make_verifier(model, drafter.aux_layer_ids, args.verifier_impl, attention=args.attention)
     _check_pos_int("--profile-prompts", args.profile_prompts)
     k = args.num_spec_tokens or drafter.num_depths
     if k > drafter.num_depths:
@@ -193,7 +200,8 @@ def _print_summary(r: dict):
             f"    in {r['dtype']} a near-tied argmax can flip between the two forwards; "
             "tools/mismatch_gaps.py --eval REPORT.json rescores each difference in float32"
         )
-    print(f"  verifier: {r['verifier_impl']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
+    att = f", attention {r['verifier_attention']}" if r.get("verifier_attention") else ""
+    print(f"  verifier: {r['verifier_impl']}{att}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
     if r.get("k_sweep"):
         print("  K  accept_len  tok/s   speed-up  lossless")
         for s in r["k_sweep"]:
