@@ -156,3 +156,34 @@ def test_static_verifier_flash_equals_sdpa(tmp_path, model_type):
         ls, as_ = sd.forward_static(ids[33:38], pos, cs)
         torch.testing.assert_close(la.float(), ls.float(), rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(aa.float(), as_.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
+def test_auto_probes_flash_before_choosing_it(monkeypatch, broken):
+    """auto takes flash only where a probe (a greedy step and a round) runs and agrees with sdpa;
+    an explicit "flash" that fails the probe is an error naming why. The probe's flash is
+    replaced here, so this runs on the CPU."""
+    from peagle_ext.serving import cache_attention as ca
+
+    def fake_flash(q, k_cache, v_cache, lengths, scale):
+        if broken == "raises":
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+        cu_k = lengths[1]
+        t, cap = q.shape[1], k_cache.shape[1]
+        pos = torch.arange(int(cu_k[1]) - t, int(cu_k[1]))
+        out = attend_sdpa(q, k_cache, v_cache, torch.arange(cap)[None, :] <= pos[:, None], scale)
+        return out * 2 if broken == "wrong" else out
+
+    monkeypatch.setattr(ca, "flash_unsupported", lambda *a: None)
+    monkeypatch.setattr(ca, "attend_flash", fake_flash)
+    ca._probe.cache_clear()
+    try:
+        dev = torch.device("cpu")
+        got = choose_impl("auto", dev, torch.bfloat16, 9, 3, 64)
+        assert got == ("flash" if broken == "right" else "sdpa")
+        if broken != "right":
+            why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
+            with pytest.raises(ValueError, match=why):
+                choose_impl("flash", dev, torch.bfloat16, 9, 3, 64)
+    finally:
+        ca._probe.cache_clear()
