@@ -104,10 +104,12 @@ def _probe(device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim:
     """None when "flash" runs on this device and agrees with "sdpa" on a small random case (a
     torch built without FlashAttention, or an unsupported GPU, raises here rather than mid-decode)."""
     g = torch.Generator(device=device).manual_seed(0)
-    cap, scale = 64, head_dim**-0.5
+    cap, scale = 512, head_dim**-0.5
     k = torch.randn(kv_heads, cap, head_dim, device=device, generator=g).to(dtype)
     v = torch.randn(kv_heads, cap, head_dim, device=device, generator=g).to(dtype)
-    for t, start in ((1, 40), (4, 37)):  # a greedy step (FlashAttention folds GQA groups there) and a round
+    # a greedy step (with GQA FlashAttention folds the query groups into rows and splits the keys;
+    # the splits past the filled length exit early) and a round
+    for t, start in ((1, 40), (4, 37)):
         q = torch.randn(num_heads, t, head_dim, device=device, generator=g).to(dtype)
         pos = torch.arange(start, start + t, device=device)
         allowed = torch.arange(cap, device=device)[None, :] <= pos[:, None]

@@ -185,7 +185,7 @@ class StaticVerifier:
         """out_rows: the rows whose logits are computed: None (all), a slice or an index tensor."""
         x = self._embed(ids.long())
         cos, sin = self.rope(pos)  # [1, T, D]
-        flash = self.attention == "flash"
+        flash = self.attention == "flash" and ids.shape[0] > 0  # no tokens: sdpa's empty result
         if flash:  # reads positions < pos[-1] + 1 = ctx only, whatever the capacity
             lengths = flash_lengths(pos)
         else:

@@ -91,6 +91,7 @@ def test_static_verifier_attention_argument(tmp_path):
     [
         (1, 16, 0),
         (1, 2048, 2047),
+        (1, 2048, 100),
         (4, 512, 0),
         (4, 512, 300),
         (4, 200, 196),
@@ -112,8 +113,9 @@ def test_flash_matches_reference(dtype, heads, kv_heads, d, t, cap, start):
 
 
 @requires_cuda
-def test_flash_replays_from_a_cuda_graph_as_the_sequence_grows():
-    heads, kv_heads, d, cap, t = 9, 3, 64, 256, 4
+@pytest.mark.parametrize("t", [1, 4])
+def test_flash_replays_from_a_cuda_graph_as_the_sequence_grows(t):
+    heads, kv_heads, d, cap = 9, 3, 64, 1024
     q, k, v, pos = case(heads, kv_heads, d, t, cap, 0, torch.bfloat16, "cuda", seed=1)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -123,7 +125,7 @@ def test_flash_replays_from_a_cuda_graph_as_the_sequence_grows():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
-    for start in (0, 5, 100, cap - t):
+    for start in (0, 5, 100, 700, cap - t):
         pos.copy_(torch.arange(start, start + t))
         q.normal_()
         graph.replay()
@@ -151,6 +153,8 @@ def test_static_verifier_flash_equals_sdpa(tmp_path, model_type):
         ls, as_ = sd.forward(ids[:33], cs, 0)
         torch.testing.assert_close(la.float(), ls.float(), rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(aa.float(), as_.float(), rtol=3e-2, atol=3e-2)
+        empty, _ = fa.forward(ids[:0], ca, 33)  # no tokens: an empty result, as with sdpa
+        assert empty.shape == (0, la.shape[-1])
         pos = torch.arange(33, 38, device="cuda")
         la, aa = fa.forward_static(ids[33:38], pos, ca)
         ls, as_ = sd.forward_static(ids[33:38], pos, cs)
