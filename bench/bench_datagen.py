@@ -13,7 +13,10 @@ prompts are mostly in that range), sorted by length as datagen groups them; ever
 so both engines do the same work.
 
 Measured per (engine, batch): wall time of one generate call after a warm-up call, new tokens/s,
-and the peak memory allocated on CUDA. Printed as a table with the static/hf ratio.
+and the peak memory allocated on CUDA. Printed as a table with the static/hf ratio. --profile adds,
+per (engine, batch), one more generate call under torch.profiler: device time per new token by
+kernel class (peagle_ext.train.profiling's classes; on the CPU, ops' own time) and, on CUDA, the
+time the device waits for the host, by host op: where a datagen step's time goes.
 
 Run: python bench/bench_datagen.py  (writes $OUT/bench_datagen.json or ./bench_out/; QUICK=1 for
 smaller batches), or pytest bench/bench_datagen.py --benchmark-only (pytest-benchmark; the CPU
@@ -107,6 +110,37 @@ def measure(model, engine, batch, new_tokens, prompt_range=(64, 256)):
     }
 
 
+def profile_generate(model, engine, batch, new_tokens, prompt_range=(64, 256)) -> dict:
+    """One generate call under torch.profiler (module docstring): ms per new token of each row."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from peagle_ext.train.profiling import idle_by_host, time_by_class
+
+    dev = next(model.parameters()).device
+    prompts = make_prompts(batch, model.config.vocab_size, *prompt_range)
+    generate(model, engine, prompts[:8], 4)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        with record_function("peagle.generate"):
+            generate(model, engine, prompts, new_tokens)
+        _sync(dev)
+    out = {"engine": engine, "batch": batch, "time_by_class": time_by_class(prof, dev.type, new_tokens, top=10)}
+    if dev.type == "cuda":
+        out["device_idle"] = idle_by_host(prof.events(), new_tokens, top=8)
+    return out
+
+
+def describe_profile(p: dict) -> str:
+    c = p["time_by_class"]
+    classes = ", ".join(f"{k} {v:.2f}" for k, v in c["classes_ms"].items() if v > 0)
+    line = f"{p['engine']} batch {p['batch']}: ms per new token: {classes} (all {c['total_ms']:.2f})"
+    if "device_idle" in p:
+        d = p["device_idle"]
+        ops = ", ".join(f"{n} {ms:.2f}" for n, ms in d["by_host_op"][:6])
+        line += f"; device idle {d['idle_ms']:.2f}, the host then in {ops}"
+    return line
+
+
 # ---- pytest-benchmark ------------------------------------------------------------------------
 @pytest.mark.parametrize("engine", ["static", "hf"])
 def test_bench_datagen_cpu(benchmark, engine):
@@ -144,6 +178,7 @@ def main():
         default="64,256",
         help="MIN,MAX prompt length (uniform); later turns of a conversation: e.g. 1024,1792",
     )
+    ap.add_argument("--profile", action="store_true", help="profile one more generate call of each case")
     args = ap.parse_args()
     try:
         batches = [int(b) for b in args.batches.split(",")]
@@ -176,9 +211,15 @@ def main():
         rates = [by[(e, b)] for e in engines]
         vs = " / ".join(f"{by[(e, b)] / by[('hf', b)]:.2f}x" for e in engines if e != "hf") if "hf" in engines else ""
         print(f"| {b} | " + " | ".join(f"{r:.0f}" for r in rates) + f" | {vs} |")
+    profiles = []
+    if args.profile:
+        for b in batches:
+            for e in engines:
+                profiles.append(profile_generate(model, e, b, args.new_tokens, (lo, hi)))
+                print(describe_profile(profiles[-1]), flush=True)
     info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     name = "bench_datagen.json" if (lo, hi) == (64, 256) else f"bench_datagen_prompts{lo}-{hi}.json"
-    (out_dir / name).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    (out_dir / name).write_text(json.dumps({"info": info, "rows": rows, "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":
