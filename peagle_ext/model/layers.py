@@ -21,6 +21,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.weight.dtype == torch.float32:
             return fused_rms_norm_fp32(x, self.weight, self.eps)
+        if x.is_cuda and self.weight.dtype == x.dtype and not torch.is_grad_enabled():
+            # inference in the weights' dtype (a drafter served in bf16): torch's one-kernel norm,
+            # fp32 statistics and one rounding, where rms_norm launches eight kernels per call
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def for_linears(self, x: torch.Tensor) -> torch.Tensor:

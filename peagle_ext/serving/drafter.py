@@ -101,6 +101,11 @@ class PEagleDrafter(Drafter):
                 # key positions of the cache slots; the scratch slot (the last) is never attended
                 self._key_pos = torch.arange(cap + 1, device=self.device)
                 self._key_pos[cap] = torch.iinfo(torch.int64).max
+                # RoPE of every position a round can reach (a round's rows run up to K past the
+                # verified length), looked up per row: a round's cos/sin in one clamp and two
+                # gathers instead of nine kernels, with the same values
+                reach = torch.arange(cap + self.num_depths + 1, device=self.device)
+                self._cos_table, self._sin_table = self._rope_of(reach)
         self.capacity = cap
 
     @property
@@ -109,6 +114,12 @@ class PEagleDrafter(Drafter):
         return self._k_cache[0].data_ptr() if self._k_cache else 0
 
     def _rope(self, pos: torch.Tensor):
+        """cos, sin [T, 1, D] of positions `pos` [T], from the tables reset() made; a position past
+        them (only a rejected row's, whose output nobody reads) takes the last entry."""
+        pos = pos.clamp(max=self._cos_table.shape[0] - 1)
+        return self._cos_table[pos], self._sin_table[pos]
+
+    def _rope_of(self, pos: torch.Tensor):
         freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
         emb = torch.cat([freqs, freqs], -1)
         return (

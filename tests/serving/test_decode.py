@@ -643,3 +643,46 @@ def test_cuda_cli_eval(tiny_dir, saved_drafter, prompt_file, tmp_path):
     rep = json.loads(out.read_text())
     assert rep["device"].startswith("cuda") and rep["dtype"] == "bfloat16"
     assert len(rep["k_sweep"]) == 3 and rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafter_rope_tables_equal_the_rope_of_each_position(vm32, dtype):
+    """The drafter looks cos/sin up in tables reset() fills: the values of computing them per
+    position, bit for bit; the tables grow with the cache and reach K past its capacity; a
+    position past them takes the last entry."""
+    dr = PEagleDrafter(_drafter_model(vm32, num_depths=4, seed=1), dtype=dtype)
+    dr.reset(40)
+    assert dr._cos_table.shape[0] == 40 + 4 + 1
+    pos = torch.tensor([0, 1, 17, 39, 40, 44])
+    for got, want in zip(dr._rope(pos), dr._rope_of(pos)):
+        assert got.dtype == dtype and torch.equal(got, want)
+    far = dr._rope(torch.tensor([45, 1000]))
+    for t, tab in zip(far, (dr._cos_table, dr._sin_table)):
+        assert torch.equal(t, tab[-1:].expand(2, *tab.shape[1:]))
+    dr.reset(20)  # the cache only grows: so do the tables
+    assert dr._cos_table.shape[0] == 45
+    dr.reset(100)
+    assert dr._cos_table.shape[0] == 105
+    for got, want in zip(dr._rope(torch.arange(105)), dr._rope_of(torch.arange(105))):
+        assert torch.equal(got, want)
+
+
+@requires_cuda
+def test_cuda_rms_norm_in_the_weights_dtype_without_gradients():
+    """A bf16 drafter's norm on the GPU under no_grad takes torch's one-kernel RMSNorm: fp32
+    statistics and one rounding, within a bf16 step of the float64 norm; with gradients on it
+    stays the eager norm."""
+    from peagle_ext.model.layers import RMSNorm, rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(576, generator=g) + 0.5).to(torch.bfloat16))
+    x = (3 * torch.randn(9, 576, generator=g)).to("cuda", torch.bfloat16)
+    x64, w64 = x.double(), norm.weight.double()
+    want = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    with torch.no_grad():
+        got = norm(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
+    assert torch.equal(norm(x).detach(), rms_norm(x, norm.weight, norm.eps).detach())
