@@ -11,10 +11,10 @@ the sequence (rejected drafts) are never read. Cropping is therefore free.
 
 Two forms of the same computation: forward() (the Verifier interface: any number of tokens,
 attention over the filled positions only) and forward_static() (a fixed number of tokens at
-positions given as a device tensor, attention over the whole capacity under the position mask,
-no host sync: what a CUDA graph captures). Both run tokens at consecutive positions, and both
-attend through serving/cache_attention.py (SDPA under the position mask, or FlashAttention over
-the filled positions where it runs).
+positions given as a device tensor, no host sync: what a CUDA graph captures). Both run tokens at
+consecutive positions and attend through serving/cache_attention.py: FlashAttention over the
+filled positions where it runs, else SDPA under the position mask (forward_static's over the
+whole capacity).
 """
 
 from __future__ import annotations
