@@ -7,8 +7,9 @@
 #
 #   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE...
 #   phases: setup data datagen train eval consistency report | all (= every phase in this order)
-#           study: datagen (beside the full-data training, if a setting has one), then the
-#                  settings on its output side by side, then MT-Bench, consistency, HumanEval, report
+#           study: datagen (beside the full-data training, if a setting has one; none with
+#                  DATAGEN_SECONDS=0), then the settings on its output side by side, then MT-Bench,
+#                  consistency, HumanEval, report
 #           wait:  follow a --detach run for up to WAIT_SECONDS and copy its results to $OUT
 #           keep:  the regenerated data as files of <= 15 MiB in $OUT (regen.tar.xz.partNN, regen.json),
 #                  for a later session: carried into the bundle, `data` puts them back and datagen
