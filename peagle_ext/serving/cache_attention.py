@@ -121,4 +121,32 @@ def _probe(device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim:
         err = float((got - want).abs().max())
         if not err < 0.05:
             return f"it disagrees with sdpa on a probe of {t} query tokens (max abs difference {err:.3g})"
+        if device.type == "cuda":
+            why = _replays_in_a_graph(q, k, v, pos, scale)
+            if why is not None:
+                return why
+    return None
+
+
+def _replays_in_a_graph(q, k, v, pos, scale: float) -> str | None:
+    """None when attend_flash, captured in a CUDA graph, replays what it computes eagerly after
+    the positions moved on (decoding's graphs rely on the length being read at replay)."""
+    dev = q.device
+    try:
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            attend_flash(q, k, v, flash_lengths(pos), scale)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = attend_flash(q, k, v, flash_lengths(pos), scale)
+        pos.add_(100)
+        graph.replay()
+        want = attend_flash(q, k, v, flash_lengths(pos), scale)
+        torch.cuda.synchronize(dev)
+    except RuntimeError as e:
+        return f"it failed in a CUDA graph: {str(e).splitlines()[0][:200]}"
+    if not torch.equal(out, want):
+        return "its CUDA-graph replay differs from its eager result"
     return None
