@@ -55,7 +55,9 @@ class BatchGenerator:
     """Greedy or sampled generation of a batch of prompts (module docstring)."""
 
     def __init__(self, model, mode: str = "auto"):
-        self.sv = StaticVerifier(model)  # ValueError naming what it does not run
+        # ValueError naming what it does not run; its layer math only: the attention here is
+        # this module's own, so no probe of the verifier's cache attention runs
+        self.sv = StaticVerifier(model, attention="sdpa")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         on_cuda = self.sv.device.type == "cuda"
