@@ -1,18 +1,25 @@
 // COD attention on the CPU (docs/design.md section 3): metadata, forward, backward.
 //
-// The same algorithm as the CUDA kernels, so the index logic the GPU relies on is exercised by
+// The same iteration as the CUDA kernels, so the index logic the GPU relies on is exercised by
 // the CPU tests: queries are processed in tiles of consecutive rows of one depth, each tile's
 // depth-0/context keys are the blocks of at most two ranges (sink hull, window hull) masked per
 // element by each row's own ranges, and the <= K chain keys of a row come from the chain table.
-// The backward is deterministic: a query-major dQ pass, a key-major dK/dV pass whose queries
-// (per depth) are contiguous index ranges found by binary search, and a pass over chain keys.
-// Memory is O(T * tile): nothing of size T x T exists. Math in float (double for float64).
+// A tile's block products (S = Q K^T, dP = dO V^T, P V, dS K, P^T dO, dS^T Q) are GEMMs through
+// the BLAS torch is built with; the softmax between them runs row by row over the allowed keys
+// (common/row_math.h). The backward is deterministic: a query-major dQ pass, a key-major dK/dV
+// pass whose queries (per depth) are contiguous index ranges found by binary search, and a pass
+// over chain keys. Memory is O(tile x block) per thread: nothing of size T x T exists. Math in
+// float (double for float64).
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/sum.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/sum.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,13 +29,23 @@
 
 #include "attention/attention_common.h"
 #include "attention/attention_host.h"
+#include "common/row_math.h"
 
 namespace peagle::attention {
 namespace {
 
-constexpr int64_t kTileQ = 32;   // query rows per tile (forward, dQ)
-constexpr int64_t kTileK = 64;   // keys per block
-constexpr int64_t kTileQB = 64;  // query rows per block in the key-major dK/dV pass
+using cpu::exp_shifted;
+using cpu::grad_scores;
+using cpu::span_max;
+using cpu::span_sum;
+
+// Block sizes of the GEMMs: S = Q K^T is [kTileQ, kBlockK] in the forward and the dQ pass; the
+// key-major dK/dV pass takes kTileK keys per task (its unit of parallel work) against sub-tiles
+// of kTileQB queries.
+constexpr int64_t kTileQ = 64;    // query rows per tile (forward, dQ)
+constexpr int64_t kBlockK = 256;  // keys per block (forward, dQ)
+constexpr int64_t kTileK = 64;    // keys per task (dK/dV)
+constexpr int64_t kTileQB = 128;  // query rows per sub-tile (dK/dV)
 
 struct Ranges {
   const int32_t* lo;
@@ -114,24 +131,91 @@ inline acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
   return s;
 }
 
-// s[0..nj) += sum_d q[d] * kt[d * ld + jj]: the inner loop runs over keys (vectorises).
-template <typename acc_t>
-inline void row_times_block(const acc_t* q, const acc_t* kt, int64_t D, int64_t nj, int64_t ld, acc_t* s) {
-  for (int64_t jj = 0; jj < nj; ++jj) s[jj] = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    const acc_t qd = q[d];
-    const acc_t* row = kt + d * ld;
-    for (int64_t jj = 0; jj < nj; ++jj) s[jj] += qd * row[jj];
-  }
+// The keys of block [j0, j0 + nj) that query i attends through its ranges, as at most two runs
+// in block coordinates [0, nj), the sink run first (the sink range lies below the window range).
+inline Spans row_block_keys(const Ranges& R, int64_t i, int64_t j0, int64_t nj, bool use_sink) {
+  if (!R.valid[i]) return Spans{};
+  auto clip = [&](int64_t x) { return std::min(std::max(x - j0, int64_t(0)), nj); };
+  return merge_spans(clip(R.lo[i]), clip(R.hi[i]), use_sink ? clip(R.slo[i]) : 0, use_sink ? clip(R.shi[i]) : 0);
 }
 
-// dst[d * ld + jj] = src[(j0 + jj) * stride + d]
+// A row-major [rows, cols] view with leading dimension ld of memory the caller owns, for the
+// block GEMMs (at::mm_out / at::addmm_out reach the BLAS torch is built with).
 template <typename acc_t>
-inline void transpose_block(const acc_t* src, int64_t stride, int64_t j0, int64_t nj, int64_t D, int64_t ld,
-                            acc_t* dst) {
-  for (int64_t jj = 0; jj < nj; ++jj) {
-    const acc_t* row = src + (j0 + jj) * stride;
-    for (int64_t d = 0; d < D; ++d) dst[d * ld + jj] = row[d];
+at::Tensor matrix(const acc_t* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(const_cast<acc_t*>(p), {rows, cols}, {ld, 1},
+                       at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+}
+
+// Per-thread scratch from torch's allocator (64-byte aligned, so the BLAS takes the same path
+// every run).
+template <typename acc_t>
+at::Tensor scratch(int64_t n) {
+  return at::empty({n}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+}
+
+// The (row, head) vectors of a [rows, H, D] input that hold a non-finite value. A block GEMM
+// would spread such a value through the zeros of a masked P or dS (0 * NaN = NaN) to rows that do
+// not attend it; blocks that contain one take masked_product instead. Empty when every value is
+// finite, the common case: then no block is checked.
+struct NonFinite {
+  at::Tensor flags;  // bool [rows, H], or undefined
+  int64_t H = 0;
+  bool any(int64_t r0, int64_t n, int64_t h) const {
+    if (!flags.defined()) return false;
+    const bool* f = flags.const_data_ptr<bool>();
+    for (int64_t r = r0; r < r0 + n; ++r)
+      if (f[r * H + h]) return true;
+    return false;
+  }
+};
+
+template <typename acc_t>
+NonFinite non_finite_rows(const at::Tensor& x) {  // x: contiguous [rows, H, D] of acc_t
+  NonFinite nf;
+  nf.H = x.size(1);
+  if (x.numel() == 0) return nf;
+  at::Tensor flags = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kBool));
+  if (cpu::non_finite_flags(x.const_data_ptr<acc_t>(), x.size(0) * x.size(1), x.size(2), flags.data_ptr<bool>()))
+    nf.flags = flags;
+  return nf;
+}
+
+// Y += M X (key_rows_out = false: X holds the block's key rows, Y its query rows) or Y += M^T X
+// (true: X holds query rows, Y key rows), M = P or dS [rows, nj] of query rows [r0, r0 + rows)
+// against keys [j0, j0 + nj), as one GEMM. When rows of X hold a non-finite value (bad_x.any over
+// x0..x0+nx of head h), the GEMM reads a copy of X whose such rows are 0, so a row of Y that meets
+// them only through zeros of M is bitwise what it is without them, and the allowed pairs with
+// such a row are added after: the rows that attend a NaN get NaN, the others do not.
+template <typename acc_t>
+void block_product(const Ranges& R, int64_t r0, int64_t rows, int64_t j0, int64_t nj, bool use_sink, const acc_t* M,
+                   const acc_t* X, int64_t ldx, const NonFinite& bad_x, int64_t x0, int64_t h, at::Tensor& xbuf,
+                   acc_t* Y, int64_t D, bool key_rows_out) {
+  const int64_t ny = key_rows_out ? nj : rows, nx = key_rows_out ? rows : nj;
+  at::Tensor y = matrix(Y, ny, D, D);
+  const at::Tensor m = matrix(M, rows, nj, nj);
+  if (!bad_x.any(x0, nx, h)) {
+    at::addmm_out(y, y, key_rows_out ? m.t() : m, matrix(X, nx, D, ldx));
+    return;
+  }
+  if (!xbuf.defined()) xbuf = scratch<acc_t>(std::max(kBlockK, kTileQB) * D);
+  acc_t* xc = xbuf.data_ptr<acc_t>();
+  const bool* flag = bad_x.flags.const_data_ptr<bool>();
+  auto flagged = [&](int64_t x) { return flag[(x0 + x) * bad_x.H + h]; };
+  for (int64_t x = 0; x < nx; ++x)
+    for (int64_t d = 0; d < D; ++d) xc[x * D + d] = flagged(x) ? acc_t(0) : X[x * ldx + d];
+  at::addmm_out(y, y, key_rows_out ? m.t() : m, matrix(xc, nx, D, D));
+  for (int64_t r = 0; r < rows; ++r) {
+    const Spans ks = row_block_keys(R, r0 + r, j0, nj, use_sink);
+    for (int sp = 0; sp < ks.n; ++sp)
+      for (int64_t jj = ks.lo[sp]; jj < ks.hi[sp]; ++jj) {
+        const int64_t xr = key_rows_out ? r : jj;
+        if (!flagged(xr)) continue;
+        const acc_t mv = M[r * nj + jj];
+        const acc_t* xv = X + xr * ldx;
+        acc_t* yv = Y + (key_rows_out ? jj : r) * D;
+        for (int64_t d = 0; d < D; ++d) yv[d] += mv * xv[d];
+      }
   }
 }
 
@@ -151,9 +235,40 @@ struct Inputs {
 };
 
 // ---------------------------------------------------------------- forward
+// Online softmax over one key block, per row: S (already scaled) becomes P = exp(S - m_new) on
+// the row's allowed keys and 0 elsewhere, ready for the P V GEMM; m, l and the row of O follow.
+template <typename acc_t>
+void softmax_block(const Ranges& R, int64_t r0, int64_t rows, int64_t j0, int64_t nj, bool use_sink, acc_t* s,
+                   acc_t* acc, int64_t D, acc_t* m, acc_t* l) {
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* srow = s + r * nj;
+    const Spans ks = row_block_keys(R, r0 + r, j0, nj, use_sink);
+    acc_t bm = -std::numeric_limits<acc_t>::infinity();
+    for (int sp = 0; sp < ks.n; ++sp) bm = std::max(bm, span_max(srow + ks.lo[sp], ks.hi[sp] - ks.lo[sp]));
+    if (ks.n > 0 && bm > m[r]) {
+      const acc_t alpha = std::exp(m[r] - bm);  // m = -inf -> 0
+      acc_t* o = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+      l[r] *= alpha;
+      m[r] = bm;
+    }
+    int64_t cursor = 0;
+    for (int sp = 0; sp < ks.n; ++sp) {
+      std::fill(srow + cursor, srow + ks.lo[sp], acc_t(0));
+      exp_shifted(srow + ks.lo[sp], ks.hi[sp] - ks.lo[sp], m[r]);
+      l[r] += span_sum(srow + ks.lo[sp], ks.hi[sp] - ks.lo[sp]);
+      cursor = ks.hi[sp];
+    }
+    std::fill(srow + cursor, srow + nj, acc_t(0));
+  }
+}
+
+// Per (query tile, head): chain keys one by one, then the tile's key spans in blocks of kBlockK:
+// S = Q K^T and O += P V as GEMMs, the online softmax between them row by row.
 template <typename acc_t>
 void forward_impl(const Geometry& G, const Inputs<acc_t>& in, const Ranges& R, const int32_t* chain, int64_t K,
-                  const std::vector<int64_t>& offsets, double scale_d, bool use_sink, acc_t* out, acc_t* lse) {
+                  const std::vector<int64_t>& offsets, double scale_d, bool use_sink, const NonFinite& bad_rv,
+                  acc_t* out, acc_t* lse) {
   const acc_t scale = static_cast<acc_t>(scale_d);
   const int64_t D = G.D;
   const int64_t qs = G.Hq * D, ks = G.Hkv * D;
@@ -161,50 +276,48 @@ void forward_impl(const Geometry& G, const Inputs<acc_t>& in, const Ranges& R, c
   const int64_t ntiles = static_cast<int64_t>(tiles.size());
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, ntiles * G.Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> kt(D * kTileK), s(kTileK), acc(kTileQ * D), m(kTileQ), l(kTileQ);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor sbuf = scratch<acc_t>(kTileQ * kBlockK), accbuf = scratch<acc_t>(kTileQ * D), xbuf;
+    acc_t* s = sbuf.data_ptr<acc_t>();
+    acc_t* acc = accbuf.data_ptr<acc_t>();
+    std::vector<acc_t> m(kTileQ), l(kTileQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / ntiles, hk = h / G.group;
       const QTile tile = tiles[task % ntiles];
       const int64_t rows = tile.r1 - tile.r0;
-      std::fill(acc.begin(), acc.end(), acc_t(0));
+      std::fill(acc, acc + rows * D, acc_t(0));
       std::fill(m.begin(), m.end(), ninf);
       std::fill(l.begin(), l.end(), acc_t(0));
-      auto update = [&](int64_t r, acc_t sv, const acc_t* vrow) {  // online softmax, one key
-        acc_t* o = acc.data() + r * D;
-        if (sv > m[r]) {
-          const acc_t alpha = std::exp(m[r] - sv);  // m = -inf -> 0
-          for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
-          l[r] *= alpha;
-          m[r] = sv;
-        }
-        const acc_t p = std::exp(sv - m[r]);
-        l[r] += p;
-        for (int64_t d = 0; d < D; ++d) o[d] += p * vrow[d];
-      };
-      // chain keys first (layout tokens of the row's own chain)
+      // chain keys first (layout tokens of the row's own chain), one by one
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = tile.r0 + r;
+        acc_t* o = acc + r * D;
         for (int64_t e = 0; e < K; ++e) {
           const int32_t c = chain[i * K + e];
           if (c < 0) continue;
           const acc_t sv = dot(in.q + i * qs + h * D, in.k + c * ks + hk * D, D) * scale;
-          update(r, sv, in.v + c * ks + hk * D);
+          if (sv > m[r]) {
+            const acc_t alpha = std::exp(m[r] - sv);
+            for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+            l[r] *= alpha;
+            m[r] = sv;
+          }
+          const acc_t p = std::exp(sv - m[r]);
+          l[r] += p;
+          const acc_t* vc = in.v + c * ks + hk * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += p * vc[d];
         }
       }
+      const at::Tensor qt = matrix(in.q + tile.r0 * qs + h * D, rows, D, qs);
       const Spans spans = tile_key_spans(R, tile.r0, tile.r1, use_sink);
       for (int sp = 0; sp < spans.n; ++sp) {
-        for (int64_t j0 = spans.lo[sp]; j0 < spans.hi[sp]; j0 += kTileK) {
-          const int64_t nj = std::min(kTileK, spans.hi[sp] - j0);
-          transpose_block(in.rk + hk * D, ks, j0, nj, D, kTileK, kt.data());
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t i = tile.r0 + r;
-            if (!R.valid[i]) continue;
-            row_times_block(in.q + i * qs + h * D, kt.data(), D, nj, kTileK, s.data());
-            for (int64_t jj = 0; jj < nj; ++jj) {
-              if (!R.allowed(i, j0 + jj)) continue;
-              update(r, s[jj] * scale, in.rv + (j0 + jj) * ks + hk * D);
-            }
-          }
+        for (int64_t j0 = spans.lo[sp]; j0 < spans.hi[sp]; j0 += kBlockK) {
+          const int64_t nj = std::min(kBlockK, spans.hi[sp] - j0);
+          at::Tensor st = matrix(s, rows, nj, nj);
+          at::addmm_out(st, st, qt, matrix(in.rk + j0 * ks + hk * D, nj, D, ks).t(), /*beta=*/0, /*alpha=*/scale);
+          softmax_block(R, tile.r0, rows, j0, nj, use_sink, s, acc, D, m.data(), l.data());
+          block_product(R, tile.r0, rows, j0, nj, use_sink, s, in.rv + j0 * ks + hk * D, ks, bad_rv, j0, hk, xbuf, acc,
+                        D, /*key_rows_out=*/false);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -231,31 +344,61 @@ struct BwdInputs {
   const acc_t* delta;  // [Hq, T]: rowsum(dO * O)
 };
 
-// dQ: query-major, same iteration as the forward.
+// Given S = scale Q K^T and dP = dO V^T of rows [r0, r0 + rows) against keys [j0, j0 + nj), row
+// by row: P = exp(S - lse) and dS = P (dP - delta) on the row's allowed keys, 0 elsewhere. P
+// overwrites S and dS overwrites dP.
+template <typename acc_t>
+void probs_block(const Ranges& R, const BwdInputs<acc_t>& bw, int64_t T, int64_t h, int64_t r0, int64_t rows,
+                 int64_t j0, int64_t nj, bool use_sink, acc_t* s, acc_t* dp) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r0 + r;
+    acc_t* srow = s + r * nj;
+    acc_t* dprow = dp + r * nj;
+    const Spans ks = row_block_keys(R, i, j0, nj, use_sink);
+    const acc_t lse = bw.lse[h * T + i], delta = bw.delta[h * T + i];
+    int64_t cursor = 0;
+    for (int sp = 0; sp < ks.n; ++sp) {
+      std::fill(srow + cursor, srow + ks.lo[sp], acc_t(0));
+      std::fill(dprow + cursor, dprow + ks.lo[sp], acc_t(0));
+      const int64_t len = ks.hi[sp] - ks.lo[sp];
+      exp_shifted(srow + ks.lo[sp], len, lse);
+      grad_scores(srow + ks.lo[sp], dprow + ks.lo[sp], len, delta);
+      cursor = ks.hi[sp];
+    }
+    std::fill(srow + cursor, srow + nj, acc_t(0));
+    std::fill(dprow + cursor, dprow + nj, acc_t(0));
+  }
+}
+
+// dQ: query-major, the forward's iteration. dQ_tile += dS K_block as a GEMM per key block.
 template <typename acc_t>
 void dq_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<acc_t>& bw, const Ranges& R,
              const int32_t* chain, int64_t K, const std::vector<int64_t>& offsets, double scale_d, bool use_sink,
-             acc_t* dq) {
+             const NonFinite& bad_rk, acc_t* dq) {
   const acc_t scale = static_cast<acc_t>(scale_d);
   const int64_t D = G.D;
   const int64_t qs = G.Hq * D, ks = G.Hkv * D;
   const std::vector<QTile> tiles = query_tiles(offsets, kTileQ);
   const int64_t ntiles = static_cast<int64_t>(tiles.size());
   at::parallel_for(0, ntiles * G.Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> kt(D * kTileK), vt(D * kTileK), s(kTileK), dp(kTileK);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor sbuf = scratch<acc_t>(kTileQ * kBlockK), dpbuf = scratch<acc_t>(kTileQ * kBlockK);
+    at::Tensor gbuf = scratch<acc_t>(kTileQ * D), xbuf;
+    acc_t* s = sbuf.data_ptr<acc_t>();
+    acc_t* dp = dpbuf.data_ptr<acc_t>();
+    acc_t* gacc = gbuf.data_ptr<acc_t>();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / ntiles, hk = h / G.group;
       const QTile tile = tiles[task % ntiles];
-      for (int64_t i = tile.r0; i < tile.r1; ++i) {
-        acc_t* g = dq + i * qs + h * D;
-        for (int64_t d = 0; d < D; ++d) g[d] = 0;
-      }
-      for (int64_t i = tile.r0; i < tile.r1; ++i) {
+      const int64_t rows = tile.r1 - tile.r0;
+      std::fill(gacc, gacc + rows * D, acc_t(0));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = tile.r0 + r;
         if (!R.valid[i]) continue;
         const acc_t* qi = in.q + i * qs + h * D;
         const acc_t* doi = bw.dout + i * qs + h * D;
         const acc_t lse = bw.lse[h * G.T + i], delta = bw.delta[h * G.T + i];
-        acc_t* g = dq + i * qs + h * D;
+        acc_t* g = gacc + r * D;
         for (int64_t e = 0; e < K; ++e) {
           const int32_t c = chain[i * K + e];
           if (c < 0) continue;
@@ -265,30 +408,24 @@ void dq_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<acc_t>&
           for (int64_t d = 0; d < D; ++d) g[d] += ds * kc[d];
         }
       }
+      const at::Tensor qt = matrix(in.q + tile.r0 * qs + h * D, rows, D, qs);
+      const at::Tensor dot_ = matrix(bw.dout + tile.r0 * qs + h * D, rows, D, qs);
       const Spans spans = tile_key_spans(R, tile.r0, tile.r1, use_sink);
       for (int sp = 0; sp < spans.n; ++sp) {
-        for (int64_t j0 = spans.lo[sp]; j0 < spans.hi[sp]; j0 += kTileK) {
-          const int64_t nj = std::min(kTileK, spans.hi[sp] - j0);
-          transpose_block(in.rk + hk * D, ks, j0, nj, D, kTileK, kt.data());
-          transpose_block(in.rv + hk * D, ks, j0, nj, D, kTileK, vt.data());
-          for (int64_t i = tile.r0; i < tile.r1; ++i) {
-            if (!R.valid[i]) continue;
-            const acc_t lse = bw.lse[h * G.T + i], delta = bw.delta[h * G.T + i];
-            row_times_block(in.q + i * qs + h * D, kt.data(), D, nj, kTileK, s.data());
-            row_times_block(bw.dout + i * qs + h * D, vt.data(), D, nj, kTileK, dp.data());
-            acc_t* g = dq + i * qs + h * D;
-            for (int64_t jj = 0; jj < nj; ++jj) {
-              if (!R.allowed(i, j0 + jj)) continue;
-              const acc_t ds = std::exp(s[jj] * scale - lse) * (dp[jj] - delta);
-              const acc_t* kj = in.rk + (j0 + jj) * ks + hk * D;
-              for (int64_t d = 0; d < D; ++d) g[d] += ds * kj[d];
-            }
-          }
+        for (int64_t j0 = spans.lo[sp]; j0 < spans.hi[sp]; j0 += kBlockK) {
+          const int64_t nj = std::min(kBlockK, spans.hi[sp] - j0);
+          const at::Tensor kb = matrix(in.rk + j0 * ks + hk * D, nj, D, ks);
+          at::Tensor st = matrix(s, rows, nj, nj), dpt = matrix(dp, rows, nj, nj);
+          at::addmm_out(st, st, qt, kb.t(), /*beta=*/0, /*alpha=*/scale);
+          at::mm_out(dpt, dot_, matrix(in.rv + j0 * ks + hk * D, nj, D, ks).t());
+          probs_block(R, bw, G.T, h, tile.r0, rows, j0, nj, use_sink, s, dp);
+          block_product(R, tile.r0, rows, j0, nj, use_sink, dp, in.rk + j0 * ks + hk * D, ks, bad_rk, j0, hk, xbuf,
+                        gacc, D, /*key_rows_out=*/false);
         }
       }
-      for (int64_t i = tile.r0; i < tile.r1; ++i) {
-        acc_t* g = dq + i * qs + h * D;
-        for (int64_t d = 0; d < D; ++d) g[d] *= scale;
+      for (int64_t r = 0; r < rows; ++r) {
+        acc_t* g = dq + (tile.r0 + r) * qs + h * D;
+        for (int64_t d = 0; d < D; ++d) g[d] = gacc[r * D + d] * scale;
       }
     }
   });
@@ -308,51 +445,59 @@ inline Spans key_block_queries(const Ranges& R, int64_t b, int64_t e, int64_t j0
   return merge_spans(wb, we, sb, se);
 }
 
-// dK/dV of the range keys (symmetric: rows 0..N-1 of k/v; cross: context rows), key-major.
+// dK/dV of the range keys (symmetric: rows 0..N-1 of k/v; cross: context rows), key-major: per
+// (key block, kv head), the queries of every depth that touch the block, in sub-tiles of kTileQB,
+// for each q head of the group: S, dP as GEMMs, then dV += P^T dO and dK += dS^T Q.
 template <typename acc_t>
 void dkv_range_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<acc_t>& bw, const Ranges& R,
-                    const std::vector<int64_t>& offsets, double scale_d, bool use_sink, acc_t* dk, acc_t* dv) {
+                    const std::vector<int64_t>& offsets, double scale_d, bool use_sink, const NonFinite& bad_q,
+                    const NonFinite& bad_dout, acc_t* dk, acc_t* dv) {
   const acc_t scale = static_cast<acc_t>(scale_d);
   const int64_t D = G.D;
   const int64_t qs = G.Hq * D, ks = G.Hkv * D;
   const int64_t nkeys = G.N, nblocks = (nkeys + kTileK - 1) / kTileK;
   const int64_t ndepths = static_cast<int64_t>(offsets.size()) - 1;
   at::parallel_for(0, nblocks * G.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qt(D * kTileQB), dot_(D * kTileQB), s(kTileQB), dp(kTileQB);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor sbuf = scratch<acc_t>(kTileQB * kTileK), dpbuf = scratch<acc_t>(kTileQB * kTileK);
+    at::Tensor kbuf = scratch<acc_t>(kTileK * D), vbuf = scratch<acc_t>(kTileK * D), xbuf;
+    acc_t* s = sbuf.data_ptr<acc_t>();
+    acc_t* dp = dpbuf.data_ptr<acc_t>();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t hk = task / nblocks, j0 = (task % nblocks) * kTileK, j1 = std::min(j0 + kTileK, nkeys);
-      for (int64_t j = j0; j < j1; ++j)
-        for (int64_t d = 0; d < D; ++d) dk[j * ks + hk * D + d] = dv[j * ks + hk * D + d] = 0;
+      const int64_t nj = j1 - j0;
+      const at::Tensor kb = matrix(in.rk + j0 * ks + hk * D, nj, D, ks);
+      const at::Tensor vb = matrix(in.rv + j0 * ks + hk * D, nj, D, ks);
+      at::Tensor gk = matrix(kbuf.data_ptr<acc_t>(), nj, D, D), gv = matrix(vbuf.data_ptr<acc_t>(), nj, D, D);
+      gk.zero_();
+      gv.zero_();
       for (int64_t e = 0; e < ndepths; ++e) {
         const Spans qsp = key_block_queries(R, offsets[e], offsets[e + 1], j0, j1, use_sink);
         for (int sp = 0; sp < qsp.n; ++sp) {
           for (int64_t i0 = qsp.lo[sp]; i0 < qsp.hi[sp]; i0 += kTileQB) {
             const int64_t ni = std::min(kTileQB, qsp.hi[sp] - i0);
+            at::Tensor st = matrix(s, ni, nj, nj), dpt = matrix(dp, ni, nj, nj);
             for (int64_t h = hk * G.group; h < (hk + 1) * G.group; ++h) {
-              transpose_block(in.q + h * D, qs, i0, ni, D, kTileQB, qt.data());
-              transpose_block(bw.dout + h * D, qs, i0, ni, D, kTileQB, dot_.data());
-              for (int64_t j = j0; j < j1; ++j) {
-                row_times_block(in.rk + j * ks + hk * D, qt.data(), D, ni, kTileQB, s.data());
-                row_times_block(in.rv + j * ks + hk * D, dot_.data(), D, ni, kTileQB, dp.data());
-                acc_t* gk = dk + j * ks + hk * D;
-                acc_t* gv = dv + j * ks + hk * D;
-                for (int64_t ii = 0; ii < ni; ++ii) {
-                  const int64_t i = i0 + ii;
-                  if (!R.allowed(i, j)) continue;
-                  const acc_t p = std::exp(s[ii] * scale - bw.lse[h * G.T + i]);
-                  const acc_t ds = p * (dp[ii] - bw.delta[h * G.T + i]);
-                  const acc_t* qi = in.q + i * qs + h * D;
-                  const acc_t* doi = bw.dout + i * qs + h * D;
-                  for (int64_t d = 0; d < D; ++d) {
-                    gv[d] += p * doi[d];
-                    gk[d] += ds * qi[d];
-                  }
-                }
-              }
+              const at::Tensor qt = matrix(in.q + i0 * qs + h * D, ni, D, qs);
+              const at::Tensor dot_ = matrix(bw.dout + i0 * qs + h * D, ni, D, qs);
+              at::addmm_out(st, st, qt, kb.t(), /*beta=*/0, /*alpha=*/scale);
+              at::mm_out(dpt, dot_, vb.t());
+              probs_block(R, bw, G.T, h, i0, ni, j0, nj, use_sink, s, dp);
+              block_product(R, i0, ni, j0, nj, use_sink, s, bw.dout + i0 * qs + h * D, qs, bad_dout, i0, h, xbuf,
+                            vbuf.data_ptr<acc_t>(), D, /*key_rows_out=*/true);
+              block_product(R, i0, ni, j0, nj, use_sink, dp, in.q + i0 * qs + h * D, qs, bad_q, i0, h, xbuf,
+                            kbuf.data_ptr<acc_t>(), D, /*key_rows_out=*/true);
             }
           }
         }
       }
+      const acc_t* kacc = kbuf.data_ptr<acc_t>();
+      const acc_t* vacc = vbuf.data_ptr<acc_t>();
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+          dk[j * ks + hk * D + d] = kacc[(j - j0) * D + d];
+          dv[j * ks + hk * D + d] = vacc[(j - j0) * D + d];
+        }
     }
   });
 }
@@ -481,7 +626,7 @@ std::tuple<at::Tensor, at::Tensor> cod_attention_fwd_cpu(const at::Tensor& q, co
     const Inputs<scalar_t> in{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
                               ckc.data_ptr<scalar_t>(), cvc.data_ptr<scalar_t>()};
     forward_impl<scalar_t>(G, in, R, chains.data_ptr<int32_t>(), S.K, offsets, scale, use_sink,
-                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+                           non_finite_rows<scalar_t>(cvc), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
   });
   return {out.to(q.scalar_type()), lse};
 }
@@ -516,10 +661,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_atten
     const Inputs<scalar_t> in{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
                               ckc.data_ptr<scalar_t>(), cvc.data_ptr<scalar_t>()};
     const BwdInputs<scalar_t> bw{doc.data_ptr<scalar_t>(), lsec.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>()};
-    dq_impl<scalar_t>(G, in, bw, R, chain, S.K, offsets, scale, use_sink, dq.data_ptr<scalar_t>());
+    dq_impl<scalar_t>(G, in, bw, R, chain, S.K, offsets, scale, use_sink, non_finite_rows<scalar_t>(ckc),
+                      dq.data_ptr<scalar_t>());
     scalar_t* rdk = S.cross ? dck.data_ptr<scalar_t>() : dk.data_ptr<scalar_t>();
     scalar_t* rdv = S.cross ? dcv.data_ptr<scalar_t>() : dv.data_ptr<scalar_t>();
-    if (G.N > 0) dkv_range_impl<scalar_t>(G, in, bw, R, offsets, scale, use_sink, rdk, rdv);
+    if (G.N > 0)
+      dkv_range_impl<scalar_t>(G, in, bw, R, offsets, scale, use_sink, non_finite_rows<scalar_t>(qc),
+                               non_finite_rows<scalar_t>(doc), rdk, rdv);
     // the range pass wrote rows 0..N-1 of dk/dv in symmetric mode: the chain pass adds there
     dkv_chain_impl<scalar_t>(G, in, bw, rchain, S.K, scale, dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
                              S.cross ? 0 : G.N);
