@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "common/row_math.h"
 #include "loss/loss_driver.h"
 
 namespace peagle::loss {
@@ -19,7 +21,8 @@ namespace {
 // Rows are independent; a task gets at least ~64K logits so small chunks run inline.
 int64_t row_grain(int64_t vocab) { return std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(vocab, 1)); }
 
-// max and first argmax of x[0..n), then log(sum(exp(x - max))) + max when with_lse.
+// max and first argmax of x[0..n), then log(sum(exp(x - max))) + max when with_lse. float64
+// keeps this scalar path (the tight float64 tests); the other types take the float rows below.
 template <typename scalar_t, typename opmath_t>
 void softmax_stats(const scalar_t* x, int64_t n, bool with_lse, opmath_t& lse, int64_t& argmax) {
   opmath_t m = -std::numeric_limits<opmath_t>::infinity();
@@ -36,6 +39,21 @@ void softmax_stats(const scalar_t* x, int64_t n, bool with_lse, opmath_t& lse, i
   lse = m + static_cast<opmath_t>(std::log(s));
 }
 
+// A row as float in a per-thread buffer, its max and first argmax (the first index holding the
+// max, as the scalar scan finds it; a NaN row gives index 0 like it).
+template <typename scalar_t>
+float load_row(const scalar_t* x, int64_t n, float* out, int64_t& argmax) {
+  for (int64_t v = 0; v < n; ++v) out[v] = static_cast<float>(x[v]);
+  const float m = cpu::span_max(out, n);
+  argmax = 0;
+  for (int64_t v = 0; v < n; ++v)
+    if (out[v] == m) {
+      argmax = v;
+      break;
+    }
+  return m;
+}
+
 template <typename scalar_t>
 void target_stats_typed(TargetChunk& c) {
   using opmath_t = at::opmath_type<scalar_t>;  // double for double, float otherwise
@@ -46,17 +64,79 @@ void target_stats_typed(TargetChunk& c) {
   int32_t* argmax = c.argmax.data_ptr<int32_t>();
   const bool with_lse = !c.ce;  // ce needs only the argmax
   at::parallel_for(0, rows, row_grain(vocab), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(std::is_same_v<scalar_t, double> ? 0 : vocab);
     for (int64_t r = begin; r < end; ++r) {
       int64_t id = 0;
-      softmax_stats(x + r * vocab, vocab, with_lse, lse[r], id);
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        softmax_stats(x + r * vocab, vocab, with_lse, lse[r], id);
+      } else {
+        const float m = load_row(x + r * vocab, vocab, buf.data(), id);
+        lse[r] = 0.0f;
+        if (with_lse) {
+          cpu::exp_shifted(buf.data(), vocab, m);
+          lse[r] = m + std::log(cpu::span_sum(buf.data(), vocab));
+        }
+      }
       argmax[r] = static_cast<int32_t>(id);
     }
   });
 }
 
+// Loss and w * dloss/dlogit of one draft row in place, float64: the scalar path.
+template <typename opmath_t>
+opmath_t draft_row_double(double* d, const double* t, int64_t vocab, opmath_t w, opmath_t lse_t, int64_t it, bool ce,
+                          bool write_grad, int64_t& id) {
+  opmath_t lse_d;
+  softmax_stats(d, vocab, true, lse_d, id);
+  double loss = 0.0;
+  for (int64_t v = 0; v < vocab; ++v) {  // each element read before it is written
+    const opmath_t lq = d[v] - lse_d;
+    const opmath_t q = std::exp(lq);
+    opmath_t g;
+    if (ce) {
+      const bool hit = v == it;
+      if (hit) loss -= lq;
+      g = q - (hit ? opmath_t(1) : opmath_t(0));
+    } else {
+      const opmath_t lp = t[v] - lse_t;
+      const opmath_t p = std::exp(lp);
+      loss += p * (lp - lq);
+      g = q - p;
+    }
+    if (write_grad) d[v] = w * g;
+  }
+  return static_cast<opmath_t>(loss);
+}
+
+// The same in float through per-thread row buffers (xd: the draft row, e: exp(xd - max), xt:
+// the target row, g: the gradient), the row math vectorised (common/row_math.h).
+template <typename scalar_t>
+float draft_row_float(scalar_t* d, const scalar_t* t, int64_t vocab, float w, float lse_t, int64_t it, bool ce,
+                      bool write_grad, int64_t& id, float* xd, float* e, float* xt, float* g) {
+  const float m = load_row(d, vocab, xd, id);
+  std::copy(xd, xd + vocab, e);
+  cpu::exp_shifted(e, vocab, m);
+  const float sum = cpu::span_sum(e, vocab);
+  const float lse_d = m + std::log(sum);
+  float loss;
+  if (ce) {
+    loss = lse_d - xd[it];
+    for (int64_t v = 0; v < vocab; ++v) g[v] = e[v] / sum;
+    g[it] -= 1.0f;
+    for (int64_t v = 0; v < vocab; ++v) g[v] *= w;
+  } else {
+    for (int64_t v = 0; v < vocab; ++v) xt[v] = static_cast<float>(t[v]);
+    loss = cpu::kl_row(xd, xt, e, vocab, lse_d, 1.0f / sum, lse_t, w, g);
+  }
+  if (write_grad)
+    for (int64_t v = 0; v < vocab; ++v) d[v] = static_cast<scalar_t>(g[v]);
+  return loss;
+}
+
 template <typename scalar_t>
 void draft_rows_typed(DraftChunk& c) {
   using opmath_t = at::opmath_type<scalar_t>;
+  constexpr bool is_double = std::is_same_v<scalar_t, double>;
   const int64_t rows = c.draft_logits.size(0);
   const int64_t vocab = c.draft_logits.size(1);
   scalar_t* draft = c.draft_logits.data_ptr<scalar_t>();
@@ -67,41 +147,27 @@ void draft_rows_typed(DraftChunk& c) {
   const opmath_t* weight = c.weight.const_data_ptr<opmath_t>();
   const int32_t* depth = c.depth.const_data_ptr<int32_t>();
   opmath_t* row_loss = c.row_loss.data_ptr<opmath_t>();
-  const bool ce = c.ce;
-  const bool write_grad = c.write_grad;
   // -1: row not counted; else 1 when the two argmaxes agree. Counted serially below.
   std::vector<int8_t> agree(static_cast<size_t>(rows), -1);
 
   at::parallel_for(0, rows, row_grain(vocab), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(is_double ? 0 : 4 * vocab);
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* d = draft + r * vocab;
       const int64_t s = slot[r] - c.target_base;
       const scalar_t* t = target + s * vocab;
       const opmath_t w = weight[r];
-      const opmath_t lse_t = target_lse[s];
       const int64_t it = target_argmax[s];
-      opmath_t lse_d;
       int64_t id = 0;
-      softmax_stats(d, vocab, true, lse_d, id);
-      // loss and w * dloss/dlogit in place (each element read before it is written)
-      double loss = 0.0;
-      for (int64_t v = 0; v < vocab; ++v) {
-        const opmath_t lq = static_cast<opmath_t>(d[v]) - lse_d;
-        const opmath_t q = std::exp(lq);
-        opmath_t g;
-        if (ce) {
-          const bool hit = v == it;
-          if (hit) loss -= lq;
-          g = q - (hit ? opmath_t(1) : opmath_t(0));
-        } else {
-          const opmath_t lp = static_cast<opmath_t>(t[v]) - lse_t;
-          const opmath_t p = std::exp(lp);
-          loss += p * (lp - lq);
-          g = q - p;
-        }
-        if (write_grad) d[v] = static_cast<scalar_t>(w * g);
+      opmath_t loss;
+      if constexpr (is_double) {
+        loss = draft_row_double<opmath_t>(d, t, vocab, w, target_lse[s], it, c.ce, c.write_grad, id);
+      } else {
+        float* b = buf.data();
+        loss = draft_row_float(d, t, vocab, w, target_lse[s], it, c.ce, c.write_grad, id, b, b + vocab, b + 2 * vocab,
+                               b + 3 * vocab);
       }
-      row_loss[r] = w * static_cast<opmath_t>(loss);
+      row_loss[r] = w * loss;
       const int32_t dep = depth[r];
       if (w > opmath_t(0) && dep >= 0 && dep < c.num_depths) agree[r] = id == it ? 1 : 0;
     }
