@@ -517,6 +517,26 @@ try:
             out.sum().backward()
 
         benchmark.pedantic(run, rounds=2, iterations=1)
+
+    def test_bench_cod_attention_cpu_main_job(benchmark):
+        """The main job's attention on one thread: one 512-token document, K=4, SmolLM2's heads
+        (9 q, 3 kv, D 64), bf16 (CPU autocast), forward + backward."""
+        g = torch.Generator().manual_seed(0)
+        lay = cod_sample(torch.zeros(512, dtype=torch.int32), torch.ones(512, dtype=torch.bool), num_depths=4, seed=0)
+        t = lay.num_tokens
+        q, k, v = (torch.randn(t, h, 64, generator=g).bfloat16().requires_grad_(True) for h in (9, 3, 3))
+        go = torch.randn(t, 9, 64, generator=g).bfloat16()
+        benchmark.group = "cod_attention cpu main job N=512 K=4"
+
+        def run():
+            torch.autograd.grad(cod_attention(q, k, v, lay), [q, k, v], go)
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
+        finally:
+            torch.set_num_threads(threads)
 except ImportError:  # pragma: no cover
     pass
 

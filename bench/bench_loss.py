@@ -377,6 +377,19 @@ def test_bench_fused_loss_cpu(benchmark):
     benchmark.pedantic(lambda: (_clear(c), fused_step(c, chunk_size=128)), rounds=3, warmup_rounds=1)
 
 
+def test_bench_fused_loss_cpu_main_job(benchmark):
+    """The main job's loss on one thread: ~1.3K draft rows of 512 positions, SmolLM2's hidden
+    576, the 8K draft vocab of its 49K (d2t), bf16 (CPU autocast), forward + backward."""
+    c = make_case(1300, 576, 8192, 49152, "cpu", dtype=torch.bfloat16)
+    benchmark.group = "fused_linear_kl cpu main job T=1300 H=576 Vd=8192"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        benchmark.pedantic(lambda: (_clear(c), fused_step(c, indexed=True)), rounds=3, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("impl", ["fused", "eager"])
 @pytest.mark.parametrize("cfg", ["draft32k", "full"])
 def test_bench_loss_cuda(benchmark, cfg, impl):
