@@ -9,12 +9,12 @@ cd "$(dirname "$0")/.."
 
 # ---- the settings, in one place ------------------------------------------------------------
 TRAIN_SETTINGS=(
-  --num-conversations 400 # ShareGPT conversations (5% of them held out for validation)
+  --num-conversations 800 # ShareGPT conversations (5% of them held out for validation)
   --seq-len 512           # packed row length
   --num-layers 1
   --num-depths 4 # K: tokens drafted in parallel
   --draft-vocab-size 8192
-  --max-steps 1200
+  --max-steps 1800
   --lr 2e-3
 )
 EVAL_PROMPTS=${PEAGLE_EVAL_PROMPTS:-8} # MT-Bench first turns
