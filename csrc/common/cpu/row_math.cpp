@@ -27,7 +27,7 @@ constexpr int kLanes = 16;
 inline float exp_lane(float t) {
   const float tc = std::max(std::min(t, 88.0f), -87.5f);
   const float k = (tc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(tc / ln2)
-  const float r = (tc - k * 0.693359375f) + k * 2.12194440e-4f;               // ln2 in two parts
+  const float r = (tc - k * 0.693359375f) + k * 2.12194440e-4f;             // ln2 in two parts
   float y = 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
@@ -74,8 +74,8 @@ PEAGLE_SIMD_CLONES void grad_scores(const float* p, float* dp, int64_t n, float 
   for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - delta);
 }
 
-PEAGLE_SIMD_CLONES float kl_row(const float* xd, const float* xt, const float* e, int64_t n, float lse_d,
-                                float inv_sum, float lse_t, float w, float* g) {
+PEAGLE_SIMD_CLONES float kl_row(const float* xd, const float* xt, const float* e, int64_t n, float lse_d, float inv_sum,
+                                float lse_t, float w, float* g) {
   float part[kLanes] = {};
   auto lane = [&](int64_t j, int u) {
     const float lp = xt[j] - lse_t;
