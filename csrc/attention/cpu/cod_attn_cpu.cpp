@@ -53,9 +53,6 @@ struct Ranges {
   const int32_t* slo;
   const int32_t* shi;
   const int32_t* valid;
-  bool allowed(int64_t i, int64_t j) const {
-    return valid[i] && ((lo[i] <= j && j < hi[i]) || (slo[i] <= j && j < shi[i]));
-  }
 };
 
 Ranges ranges_view(const at::Tensor& ranges) {
@@ -156,7 +153,7 @@ at::Tensor scratch(int64_t n) {
 
 // The (row, head) vectors of a [rows, H, D] input that hold a non-finite value. A block GEMM
 // would spread such a value through the zeros of a masked P or dS (0 * NaN = NaN) to rows that do
-// not attend it; blocks that contain one take masked_product instead. Empty when every value is
+// not attend it; block_product treats blocks that contain one apart. Empty when every value is
 // finite, the common case: then no block is checked.
 struct NonFinite {
   at::Tensor flags;  // bool [rows, H], or undefined
@@ -468,9 +465,8 @@ void dkv_range_impl(const Geometry& G, const Inputs<acc_t>& in, const BwdInputs<
       const int64_t nj = j1 - j0;
       const at::Tensor kb = matrix(in.rk + j0 * ks + hk * D, nj, D, ks);
       const at::Tensor vb = matrix(in.rv + j0 * ks + hk * D, nj, D, ks);
-      at::Tensor gk = matrix(kbuf.data_ptr<acc_t>(), nj, D, D), gv = matrix(vbuf.data_ptr<acc_t>(), nj, D, D);
-      gk.zero_();
-      gv.zero_();
+      kbuf.zero_();
+      vbuf.zero_();
       for (int64_t e = 0; e < ndepths; ++e) {
         const Spans qsp = key_block_queries(R, offsets[e], offsets[e + 1], j0, j1, use_sink);
         for (int sp = 0; sp < qsp.n; ++sp) {

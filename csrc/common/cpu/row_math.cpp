@@ -22,10 +22,11 @@ namespace {
 constexpr int kLanes = 16;
 
 // exp(t): t = k ln2 + r with |r| <= ln2/2, e^r by Cephes' expf polynomial, 2^k from exponent
-// bits. Relative error below 2 ulp where the result is a normal float, 0 below that
-// (t < -87.33); t is clamped at 88 (callers pass t <= a rounding error above 0). NaN stays NaN.
+// bits. Relative error below 2 ulp where the result is a normal float; 0 below that
+// (t < -87.33), +inf above 88.72, NaN for NaN. The polynomial runs on t clamped to [-87.5, 88]
+// (NaN to -87.5), so the integer conversion of k is always defined; selects fix the ends.
 inline float exp_lane(float t) {
-  const float tc = std::max(std::min(t, 88.0f), -87.5f);
+  const float tc = t > -87.5f ? (t < 88.0f ? t : 88.0f) : -87.5f;
   const float k = (tc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(tc / ln2)
   const float r = (tc - k * 0.693359375f) + k * 2.12194440e-4f;             // ln2 in two parts
   float y = 1.9875691500e-4f;
@@ -38,7 +39,8 @@ inline float exp_lane(float t) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float pow2k;
   std::memcpy(&pow2k, &bits, sizeof(float));
-  return t < -87.33f ? 0.0f : y * pow2k;
+  const float e = t < -87.33f ? 0.0f : (t > 88.72f ? std::numeric_limits<float>::infinity() : y * pow2k);
+  return t != t ? t : e;
 }
 
 }  // namespace
