@@ -27,7 +27,10 @@ KERNEL_CLASSES = ("gemm", "index", "copy", "optimizer", "elementwise", "loss", "
 def kernel_class(name: str, device_type: str) -> str:
     """The class of one profiled kernel (CUDA) or leaf op (CPU) of a training step, by its name."""
     n = name.lower()
-    if any(s in n for s in ("cod_attn", "flex", "triton_tem", "cod_attention", "scaled_dot_product")):
+    # torch's own attention kernels too (cuDNN's "..._native_sdpa_...", FlashAttention's
+    # "flash_fwd_...", cutlass "fmha_..."): without them they count as elementwise work
+    attn = ("cod_attn", "flex", "triton_tem", "attention", "scaled_dot_product", "sdpa", "fmha", "flash")
+    if any(s in n for s in attn):
         return "attention"
     if any(s in n for s in ("draft_rows", "target_stats", "loss_forward_kernel", "loss_backward_kernel")):
         return "loss"
