@@ -2,8 +2,9 @@
 
 Engines (peagle_ext.data.datagen): "static" (peagle_ext.serving.batch_generation: one preallocated
 KV cache per layer written in place, stopped rows leave the batch; its decode steps replayed as
-CUDA graphs on a GPU), "static-eager" (the same with eager steps) against "hf", transformers'
-generate() with left padding and its dynamic cache, the anchor, in the same run.
+CUDA graphs on a GPU, its attention "auto": FlashAttention's varlen forward where it runs),
+"static-sdpa" (the same with SDPA under the position mask), "static-eager" (eager steps) against
+"hf", transformers' generate() with left padding and its dynamic cache, the anchor, in the same run.
 
 Model: the SmolLM2-135M shape (Llama, hidden 576, 30 layers, 9 heads / 3 K/V heads, MLP 1536,
 vocab 49152) with random weights, bf16 on CUDA (fp32 on the CPU): the step cost depends on the
@@ -37,7 +38,7 @@ import torch
 
 from peagle_ext.data.datagen import _generate, pick_engine
 
-ENGINES = ("static", "static-eager", "hf")
+ENGINES = ("static", "static-sdpa", "static-eager", "hf")
 
 
 def make_model(device, dtype, **overrides):
@@ -59,7 +60,11 @@ def make_prompts(n, vocab, lo=64, hi=256, seed=0):
 def runner(model, engine):
     from peagle_ext.serving.batch_generation import BatchGenerator
 
-    return BatchGenerator(model, mode="eager") if engine == "static-eager" else pick_engine(model, engine)
+    if engine == "static-eager":
+        return BatchGenerator(model, mode="eager")
+    if engine == "static-sdpa":
+        return BatchGenerator(model, attention="sdpa")
+    return pick_engine(model, engine)
 
 
 def generate(model, engine, prompts, new_tokens):
@@ -150,7 +155,7 @@ def test_bench_datagen_cpu(benchmark, engine):
     benchmark.pedantic(lambda: generate(model, engine, prompts, 16), rounds=3, warmup_rounds=1)
 
 
-@pytest.mark.parametrize("engine", ["static", "static-eager", "hf"])
+@pytest.mark.parametrize("engine", ["static", "static-sdpa", "static-eager", "hf"])
 def test_bench_datagen_cuda(benchmark, engine):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -172,7 +177,7 @@ def main():
     default_batches = "16" if not cuda else ("256,1024" if quick else "256,1024,2048")
     ap.add_argument("--batches", default=default_batches, help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128 if cuda else 16)
-    ap.add_argument("--engines", default="static,static-eager,hf" if cuda else "static,hf")
+    ap.add_argument("--engines", default="static,static-sdpa,static-eager,hf" if cuda else "static,hf")
     ap.add_argument(
         "--prompt-tokens",
         default="64,256",

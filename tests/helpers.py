@@ -386,3 +386,23 @@ def assert_same_first_pass(p_a, p_b, res_a, res_b, cad_in=None):
     for f in dataclasses.fields(cad2):
         a, b = getattr(cad, f.name), getattr(cad2, f.name)
         assert torch.equal(a.cpu(), b.cpu()) if isinstance(a, torch.Tensor) else a == b, f.name
+
+
+def varlen_rows_attention(q, k_cache, v_cache, offsets, used, scale):
+    """What FlashAttention's variable-length forward computes for attend_rows_flash's arguments
+    (serving/cache_attention.py), in plain PyTorch: row r's keys read through rows_varlen_view
+    at offset cu_k[r], its first used[r] of them, GQA by repeating K/V heads. It stands in for
+    the CUDA kernel on the CPU, so the layout arithmetic around it is tested everywhere."""
+    from peagle_ext.serving.cache_attention import rows_varlen_view
+
+    b, heads = q.shape[:2]
+    kview, vview = rows_varlen_view(k_cache, b), rows_varlen_view(v_cache, b)
+    rep = heads // k_cache.shape[1]
+    out = []
+    for r in range(b):
+        s0, n = int(offsets[1][r]), int(used[r])
+        k = kview[s0 : s0 + n].transpose(0, 1).repeat_interleave(rep, 0)  # [heads, n, D]
+        v = vview[s0 : s0 + n].transpose(0, 1).repeat_interleave(rep, 0)
+        p = torch.softmax(torch.einsum("hd,hnd->hn", q[r], k) * scale, -1)
+        out.append(torch.einsum("hn,hnd->hd", p, v))
+    return torch.stack(out)

@@ -56,7 +56,8 @@ def add_arguments(p) -> None:
         default="auto",
         choices=["auto", "sdpa", "flash"],
         help="the static verifier's attention over its KV cache: sdpa (the position mask over the whole "
-        "cache), flash (FlashAttention-2 over the filled positions; CUDA, bf16/fp16); auto = flash where it runs",
+        "cache), flash (FlashAttention-2 over the filled positions; CUDA, bf16/fp16); auto = sdpa, measured "
+        "faster in decoding's CUDA-graph rounds (bench/RESULTS.md)",
     )
     p.add_argument(
         "--cuda-graphs",

@@ -12,9 +12,12 @@ buffers).
 Layout: prompts are right-padded, each row's tokens at positions 0..len-1, so its first new token
 sits at position len. Attention is causal by position alone. The K/V a short prompt's padding
 writes at positions len..width-1 are overwritten by that row's own new tokens before any query
-reads them, since a query at position p reads positions <= p only. A decode step's query heads
-that share one K/V head enter attention as that head's query rows: all of them sit at the same
-position, so one mask serves them and no K/V head is repeated.
+reads them, since a query at position p reads positions <= p only.
+
+Attention of a decode step (serving/cache_attention.py, chosen once per generator): "flash" reads
+each row's positions 0..p only, "sdpa" the whole capacity under the position mask; "auto" takes
+flash where it runs (CUDA, bf16/fp16) and agrees with sdpa on a probe. cuDNN's masked kernel walks
+every row's whole capacity in a prefill-sized tile and took most of a datagen step.
 
 Modes of the decode step:
 - eager: attention over the positions filled so far (the shapes grow every step);
@@ -42,6 +45,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .cache_attention import attend_rows_flash, attend_rows_sdpa, choose_impl, rows_offsets
 from .static_verifier import StaticVerifier
 
 # a stop check syncs with the device; between checks the host runs ahead of the GPU
@@ -54,10 +58,13 @@ MODES = ("auto", "eager", "fixed", "graphs")
 class BatchGenerator:
     """Greedy or sampled generation of a batch of prompts (module docstring)."""
 
-    def __init__(self, model, mode: str = "auto"):
-        # ValueError naming what it does not run; its layer math only: the attention here is
-        # this module's own, so no probe of the verifier's cache attention runs
+    def __init__(self, model, mode: str = "auto", attention: str = "auto"):
+        """mode: MODES (module docstring); attention: "auto", "sdpa" or "flash" (the choice is
+        self.attention). ValueError naming what it does not run."""
+        # StaticVerifier's layer math only: the verifier's own cache attention is not used here
         self.sv = StaticVerifier(model, attention="sdpa")
+        sv = self.sv
+        self.attention = choose_impl(attention, sv.device, sv.dtype, sv.num_heads, sv.kv_heads, sv.head_dim, rows=True)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         on_cuda = self.sv.device.type == "cuda"
@@ -219,27 +226,29 @@ class BatchGenerator:
 
     def _decode(self, tok, pos, ks, vs, b: int, keys: int):
         """Hidden states [b, H] of one token per row for the first b rows of the cache, `tok` at
-        positions `pos`; writes its K/V and attends cache positions 0..keys-1 up to each row's
-        own. No shape or control flow depends on tensor values (a CUDA graph captures it)."""
+        positions `pos`; writes its K/V and attends each row's positions up to its own (sdpa:
+        under the mask over positions 0..keys-1). No shape or control flow depends on tensor
+        values (a CUDA graph captures it)."""
         sv = self.sv
-        group = sv.num_heads // sv.kv_heads
         x = sv._embed(tok)[:, None]  # [b, 1, H]
         cos, sin = sv.rope(pos[:, None])  # [b, 1, 1, D]
-        mask = (torch.arange(keys, device=tok.device) <= pos[:, None])[:, None, None, :]
         ar = torch.arange(b, device=tok.device)
+        flash = self.attention == "flash"
+        if flash:  # computed once, shared by every layer
+            offsets = rows_offsets(b, sv.kv_heads, ks[0].shape[2], tok.device)
+            used = (pos + 1).to(torch.int32)
+        else:
+            allowed = torch.arange(keys, device=tok.device)[None, :] <= pos[:, None]
         for li, layer in enumerate(sv._layers):
             q, k, v = sv.qkv(layer, x, cos, sin)  # q [b, heads, 1, D], k/v [b, kv heads, 1, D]
             kc, vc = ks[li][:b], vs[li][:b]
             kc[ar, :, pos] = k[:, :, 0]
             vc[ar, :, pos] = v[:, :, 0]
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, sv.kv_heads, group, sv.head_dim),
-                kc[:, :, :keys],
-                vc[:, :, :keys],
-                attn_mask=mask,
-                scale=sv.scale,
-            )
-            x = sv.layer_out(layer, x, o.reshape(b, sv.num_heads, 1, sv.head_dim))
+            if flash:
+                o = attend_rows_flash(q[:, :, 0], kc, vc, offsets, used, sv.scale)
+            else:
+                o = attend_rows_sdpa(q[:, :, 0], kc[:, :, :keys], vc[:, :, :keys], allowed, sv.scale)
+            x = sv.layer_out(layer, x, o[:, :, None])
         return x[:, 0]
 
     def _logits(self, x):

@@ -1,19 +1,30 @@
-"""The verifier's attention in decoding: a few query tokens at consecutive positions
-p, p+1, ..., p+T-1 over one layer's KV cache [kv heads, capacity, head dim], query i seeing the
-cache positions <= p + i (StaticVerifier; the cache holds every earlier position).
+"""Attention over a KV cache in decoding, in two shapes:
+- the verifier's (StaticVerifier): a few query tokens at consecutive positions p, p+1, ...,
+  p+T-1 over one layer's cache [kv heads, capacity, head dim], query i seeing the cache
+  positions <= p + i (the cache holds every earlier position);
+- batched generation's (serving/batch_generation.py, `peagle datagen`): one query token per row
+  over a batch of caches [rows, kv heads, capacity, head dim], row r seeing its first used[r]
+  positions.
 
-Two implementations of that one computation; StaticVerifier picks one per model (choose_impl):
+Two implementations of each; choose_impl picks one per model (the one heuristics place):
 - "sdpa": F.scaled_dot_product_attention over the whole capacity under the position mask. Any
   device and dtype; its shapes do not depend on how much of the cache is filled (CUDA graphs).
-  On the H200 cuDNN runs it: ~10 us for one query token at any capacity, but its kernel for
-  several query tokens walks the whole capacity in one block per head (17 us at capacity 512,
-  39 us at 2048 for the 4 tokens of a K=3 round, SmolLM2's 9/3 heads x 64;
-  bench/bench_verify_attention.py), so a round's 30 attention calls cost twice a greedy step's.
+  On the H200 cuDNN runs it: ~10 us for one query token at any capacity; for several query
+  tokens its kernel walks the whole capacity in one block per head (17 us at capacity 512,
+  39 us at 2048 for a K=3 round's 4 tokens, SmolLM2's 9/3 heads x 64;
+  bench/bench_verify_attention.py). Over a batch of rows under a per-row mask cuDNN runs the same
+  prefill-tiled kernel per (row, kv head): ~360 us a layer for 256 rows of ~1,900 positions, 58%
+  of a datagen step (bench/bench_datagen.py --profile).
 - "flash": FlashAttention-2's variable-length forward (torch.ops.aten._flash_attention_forward)
-  with the filled length as a device tensor: it reads only the filled positions, GQA natively,
-  causal aligned to the last key, which is the position mask for consecutive positions. CUDA,
-  fp16/bf16, head dim <= 256 and a multiple of 8. Its grid depends on the capacity only, so a
-  captured graph stays valid as the sequence grows.
+  with the filled lengths as device tensors: it reads only the filled positions, GQA natively.
+  CUDA, fp16/bf16, head dim <= 256 and a multiple of 8. Its grid depends on the capacity only,
+  so a captured graph stays valid as the sequences grow.
+
+What "auto" picks, measured on the H200 inside the CUDA-graph steps that run them: for the
+verifier, sdpa (a K=3 round's attention 1,030 us against flash's 1,185 at capacity 2048 from
+position 1536, 563 against 651 at 1024 from 512; a greedy step's 192 against 347: at the
+capacities decoding sizes, nearly all of the cache is filled and flash's fixed costs lose); for
+batched generation, flash, where it runs and agrees with sdpa on a probe.
 """
 
 from __future__ import annotations
@@ -82,20 +93,78 @@ def attend_flash(q, k_cache, v_cache, lengths, scale: float):
     return out.transpose(0, 1)
 
 
-def choose_impl(requested: str, device, dtype, num_heads: int, kv_heads: int, head_dim: int) -> str:
-    """ "sdpa" or "flash" for `requested` ("auto": flash where it runs and agrees with sdpa on a
-    probe, else sdpa; "flash" where it cannot run: ValueError saying why)."""
+def attend_rows_sdpa(q, k_cache, v_cache, allowed, scale: float):
+    """q [rows, heads, D] (one query token per row), k/v_cache [rows, kv heads, C, D], allowed
+    bool [rows, C] -> [rows, heads, D]. The query heads that share a K/V head enter attention as
+    that head's query rows (they sit at one position), so no K/V head is repeated."""
+    b, heads, d = q.shape
+    kv = k_cache.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, kv, heads // kv, d), k_cache, v_cache, attn_mask=allowed[:, None, None, :], scale=scale
+    )
+    return out.reshape(b, heads, d)
+
+
+def rows_varlen_view(cache: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first `rows` rows of a batch cache [rows', kv heads, C, D] (contiguous) in
+    FlashAttention's variable-length key layout: a view [(rows - 1) * kv heads * C + C, kv heads,
+    D] with row stride D and head stride C * D, in which row r's positions start at offset
+    r * kv heads * C (rows_offsets). No copy: the view addresses exactly the cache's elements."""
+    if not cache.is_contiguous():
+        raise ValueError("the batch cache must be contiguous")
+    _, kv, cap, d = cache.shape
+    return cache.as_strided(((rows - 1) * kv * cap + cap, kv, d), (d, cap * d, 1), cache.storage_offset())
+
+
+def rows_offsets(rows: int, kv_heads: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The varlen offsets of one query per row over rows_varlen_view: int32 [rows + 1] for the
+    queries (0, 1, ..., rows) and for the keys (r * kv heads * capacity). Shared by every layer."""
+    ar = torch.arange(rows + 1, device=device, dtype=torch.int32)
+    return ar, ar * (kv_heads * capacity)
+
+
+def attend_rows_flash(q, k_cache, v_cache, offsets, used, scale: float):
+    """q [rows, heads, D] (one query token per row), k/v_cache [rows', kv heads, C, D] with
+    rows' >= rows (contiguous), offsets from rows_offsets, used int32 [rows]: row r attends its
+    positions 0..used[r]-1 -> [rows, heads, D]."""
+    b, cap = q.shape[0], k_cache.shape[2]
+    cu_q, cu_k = offsets
+    return torch.ops.aten._flash_attention_forward(
+        q,
+        rows_varlen_view(k_cache, b),
+        rows_varlen_view(v_cache, b),
+        cu_q,
+        cu_k,
+        1,
+        cap,
+        0.0,
+        False,  # one query per row: it sees every used position
+        False,
+        scale=scale,
+        seqused_k=used,
+    )[0]
+
+
+def choose_impl(
+    requested: str, device, dtype, num_heads: int, kv_heads: int, head_dim: int, *, rows: bool = False
+) -> str:
+    """ "sdpa" or "flash" for `requested`: the verifier's cache attention, or with rows=True
+    batched generation's (module docstring). "auto": sdpa for the verifier; for rows, flash where
+    it runs and agrees with sdpa on a probe, else sdpa. "flash" where it cannot run: ValueError
+    saying why."""
     if requested not in IMPLS:
         raise ValueError(f"attention must be one of {', '.join(IMPLS)}, got {requested!r}")
-    if requested == "sdpa":
+    if requested == "sdpa" or (requested == "auto" and not rows):
         return "sdpa"
     why = flash_unsupported(device, dtype, head_dim)
     if why is None:
-        why = _probe(torch.device(device), dtype, num_heads, kv_heads, head_dim)
+        probe = _probe_rows if rows else _probe
+        why = probe(torch.device(device), dtype, num_heads, kv_heads, head_dim)
     if why is None:
         return "flash"
     if requested == "flash":
-        raise ValueError(f"attention='flash' cannot run this verifier: {why}")
+        what = "this batched generation" if rows else "this verifier"
+        raise ValueError(f"attention='flash' cannot run {what}: {why}")
     return "sdpa"
 
 
@@ -145,6 +214,50 @@ def _replays_in_a_graph(q, k, v, pos, scale: float) -> str | None:
         graph.replay()
         want = attend_flash(q, k, v, flash_lengths(pos), scale)
         torch.cuda.synchronize(dev)
+    except RuntimeError as e:
+        return f"it failed in a CUDA graph: {str(e).splitlines()[0][:200]}"
+    if not torch.equal(out, want):
+        return "its CUDA-graph replay differs from its eager result"
+    return None
+
+
+@functools.cache
+def _probe_rows(device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """None when attend_rows_flash runs on this device, agrees with attend_rows_sdpa on a small
+    random batch (rows of one position, of the whole capacity and between) over a cache with more
+    rows than the batch, and, on CUDA, replays from a graph what it computes eagerly after the
+    lengths moved on."""
+    g = torch.Generator(device=device).manual_seed(0)
+    rows, cap, scale = 5, 256, head_dim**-0.5
+    k = torch.randn(rows + 2, kv_heads, cap, head_dim, device=device, generator=g).to(dtype)
+    v = torch.randn(rows + 2, kv_heads, cap, head_dim, device=device, generator=g).to(dtype)
+    q = torch.randn(rows, num_heads, head_dim, device=device, generator=g).to(dtype)
+    used = torch.tensor([1, 40, 129, 200, cap], device=device, dtype=torch.int32)
+    offsets = rows_offsets(rows, kv_heads, cap, device)
+    try:
+        got = attend_rows_flash(q, k, v, offsets, used, scale).float()
+    except RuntimeError as e:
+        return f"aten::_flash_attention_forward failed: {str(e).splitlines()[0][:200]}"
+    allowed = torch.arange(cap, device=device)[None, :] < used[:, None]
+    want = attend_rows_sdpa(q.float(), k[:rows].float(), v[:rows].float(), allowed, scale)
+    err = float((got - want).abs().max())
+    if not err < 0.05:
+        return f"it disagrees with sdpa on a probe of {rows} rows (max abs difference {err:.3g})"
+    if device.type != "cuda":
+        return None
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            attend_rows_flash(q, k, v, offsets, used, scale)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = attend_rows_flash(q, k, v, offsets, used, scale)
+        used.copy_(torch.tensor([7, 1, 256, 130, 64], device=device, dtype=torch.int32))
+        graph.replay()
+        want = attend_rows_flash(q, k, v, offsets, used, scale)
+        torch.cuda.synchronize(device)
     except RuntimeError as e:
         return f"it failed in a CUDA graph: {str(e).splitlines()[0][:200]}"
     if not torch.equal(out, want):

@@ -12,9 +12,9 @@ the sequence (rejected drafts) are never read. Cropping is therefore free.
 Two forms of the same computation: forward() (the Verifier interface: any number of tokens,
 attention over the filled positions only) and forward_static() (a fixed number of tokens at
 positions given as a device tensor, no host sync: what a CUDA graph captures). Both run tokens at
-consecutive positions and attend through serving/cache_attention.py: FlashAttention over the
-filled positions where it runs, else SDPA under the position mask (forward_static's over the
-whole capacity).
+consecutive positions and attend through serving/cache_attention.py: SDPA under the position
+mask (forward_static's over the whole capacity), or FlashAttention over the filled positions where
+it is asked for and runs.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class StaticVerifier:
     """The Verifier interface (serving/verifier.py) over a StaticKV cache (module docstring)."""
 
     def __init__(self, model, aux_layer_ids=None, *, capacity: int | None = None, attention: str = "auto"):
-        """attention: "auto", "sdpa" or "flash" (serving/cache_attention.py; auto: flash where it
-        runs, else sdpa); the choice is self.attention."""
+        """attention: "auto", "sdpa" or "flash" (serving/cache_attention.py; auto: sdpa, measured
+        faster in decoding's rounds); the choice is self.attention."""
         why = static_verifier_support(model)
         if why is not None:
             raise ValueError(f"StaticVerifier does not run this model: {why}")

@@ -1,7 +1,8 @@
 """BatchGenerator (peagle_ext.serving.batch_generation): greedy answers equal one-at-a-time
 greedy decoding through transformers (float64, Llama and Qwen3, right-padded prompts of 1..30
-tokens, rows stopping at different steps and leaving the batch), sampling that stays inside
-the nucleus and follows the softmax, seeded determinism, and bad arguments."""
+tokens, rows stopping at different steps and leaving the batch) with either attention (flash's
+kernel stood in for on the CPU), sampling that stays inside the nucleus and follows the softmax,
+seeded determinism, and bad arguments."""
 
 import math
 import random
@@ -13,6 +14,7 @@ from peagle_ext.serving import Verifier, greedy_generate
 from peagle_ext.serving import batch_generation as bg
 from peagle_ext.serving.batch_generation import BatchGenerator
 from peagle_ext.testing import make_tiny_verifier
+from tests.helpers import varlen_rows_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,6 +76,46 @@ def test_greedy_equals_one_at_a_time_decoding(model, seed, mode, monkeypatch):
     assert sizes == sorted(sizes, reverse=True)
     if mode == "fixed":  # a compaction costs a capture there: only when half the rows stopped
         assert all(2 * b <= a for a, b in zip(sizes, sizes[1:]) if b < a)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fixed"])
+def test_flash_attention_reads_each_rows_own_positions(model, mode, monkeypatch):
+    """attention="flash" with FlashAttention's variable-length kernel stood in for by its plain
+    PyTorch semantics (tests/helpers.varlen_rows_attention): the offsets, the used lengths and the
+    cache view the decode step passes give the same greedy answers as one-at-a-time decoding,
+    also as rows stop and leave the batch."""
+    from peagle_ext.serving import cache_attention as ca
+
+    calls = []
+
+    def stand_in(q, k_cache, v_cache, offsets, used, scale):
+        calls.append(q.shape[0])
+        return varlen_rows_attention(q, k_cache, v_cache, offsets, used, scale)
+
+    monkeypatch.setattr(ca, "flash_unsupported", lambda *a: None)
+    monkeypatch.setattr(ca, "attend_rows_flash", stand_in)
+    monkeypatch.setattr(bg, "attend_rows_flash", stand_in)
+    ca._probe_rows.cache_clear()
+    try:
+        gen = BatchGenerator(model, mode=mode, attention="flash")
+    finally:
+        ca._probe_rows.cache_clear()
+    assert gen.attention == "flash"
+    prompts = _prompts(model, 9, 3) + [[5]]
+    free = gen.generate(prompts, max_new_tokens=30, eos=set())
+    assert free == _one_at_a_time(model, prompts, 30, set())
+    eos = _eos_that_stops_rows_at_different_steps(free, steps=(2, 3, 5, 9, 17, 26))
+    calls.clear()
+    assert gen.generate(prompts, max_new_tokens=30, eos=eos) == _one_at_a_time(model, prompts, 30, eos)
+    assert calls[0] == len(prompts) and calls[-1] < calls[0]  # the batch shrank under flash too
+
+
+def test_attention_choice(model):
+    assert BatchGenerator(model).attention == "sdpa"  # auto, on a CPU
+    with pytest.raises(ValueError, match="attention must be one of"):
+        BatchGenerator(model, attention="fast")
+    with pytest.raises(ValueError, match="cannot run this batched generation: it needs a CUDA device"):
+        BatchGenerator(model, attention="flash")
 
 
 @pytest.mark.parametrize("mode", ["eager", "fixed"])
@@ -263,6 +305,9 @@ def test_cuda_bf16_graphs_replay_the_fixed_step(model):
     assert gen.graphs_captured >= 2 and gen.failed_captures == 0
     hf = _generate(m, None, prompts, max_new_tokens=40, temperature=0, top_p=1, eos=eos, pad=0, seed=0, engine=None)
     assert sum(a == b for a, b in zip(hf, want)) >= len(prompts) // 2
+    assert gen.attention == "flash"  # auto on a GPU with FlashAttention: bf16 qualifies
+    sdpa = BatchGenerator(m, attention="sdpa").generate(prompts, max_new_tokens=40, eos=eos)
+    assert sum(a == b for a, b in zip(sdpa, want)) >= len(prompts) * 3 // 4  # bf16 near-ties aside
     g = torch.Generator(device="cuda").manual_seed(0)
     sampled = gen.generate(prompts, max_new_tokens=20, eos=eos, temperature=0.8, top_p=0.9, generator=g)
     assert all(all(0 <= t < m.config.vocab_size for t in toks) for toks, _ in sampled)

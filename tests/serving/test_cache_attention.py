@@ -1,6 +1,7 @@
-"""serving/cache_attention.py: both implementations of the verifier's cache attention against a
-plain-PyTorch reference (explicit scores, GQA by repeating KV heads, the position mask), the
-choice between them, and StaticVerifier with each."""
+"""serving/cache_attention.py: both implementations of the verifier's cache attention and of
+batched generation's (one query per row over a batch of caches) against a plain-PyTorch reference
+(explicit scores, GQA by repeating KV heads, the position mask), the choice between them, and
+StaticVerifier with each."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import torch
 
 from peagle_ext.serving.cache_attention import (
     attend_flash,
+    attend_rows_flash,
+    attend_rows_sdpa,
     attend_sdpa,
     choose_impl,
     flash_lengths,
     flash_unsupported,
+    rows_offsets,
+    rows_varlen_view,
 )
 from peagle_ext.serving.static_verifier import StaticVerifier
 from peagle_ext.testing import make_tiny_verifier
-from tests.helpers import requires_cuda
+from tests.helpers import requires_cuda, varlen_rows_attention
 
 
 def reference(q, k_cache, v_cache, pos, scale):
@@ -164,9 +169,9 @@ def test_static_verifier_flash_equals_sdpa(tmp_path, model_type):
 
 @pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
 def test_auto_probes_flash_before_choosing_it(monkeypatch, broken):
-    """auto takes flash only where a probe (a greedy step and a round) runs and agrees with sdpa;
-    an explicit "flash" that fails the probe is an error naming why. The probe's flash is
-    replaced here, so this runs on the CPU."""
+    """The verifier's auto is sdpa without a probe (flash measured slower in decoding's rounds);
+    an explicit "flash" runs the probe (a greedy step and a round) and is an error naming why it
+    fails. The probe's flash is replaced here, so this runs on the CPU."""
     from peagle_ext.serving import cache_attention as ca
 
     def fake_flash(q, k_cache, v_cache, lengths, scale):
@@ -183,11 +188,124 @@ def test_auto_probes_flash_before_choosing_it(monkeypatch, broken):
     ca._probe.cache_clear()
     try:
         dev = torch.device("cpu")
-        got = choose_impl("auto", dev, torch.bfloat16, 9, 3, 64)
-        assert got == ("flash" if broken == "right" else "sdpa")
-        if broken != "right":
+        assert choose_impl("auto", dev, torch.bfloat16, 9, 3, 64) == "sdpa"
+        assert ca._probe.cache_info().currsize == 0
+        if broken == "right":
+            assert choose_impl("flash", dev, torch.bfloat16, 9, 3, 64) == "flash"
+        else:
             why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
             with pytest.raises(ValueError, match=why):
                 choose_impl("flash", dev, torch.bfloat16, 9, 3, 64)
     finally:
         ca._probe.cache_clear()
+
+
+# ---- one query per row over a batch of caches (batched generation) ---------------------------
+
+
+def rows_reference(q, k_cache, v_cache, used, scale):
+    """q [B, H, D] over the first B rows of k/v_cache [B', KV, C, D], row r seeing positions
+    < used[r]; float64, from the cache tensors themselves (no view arithmetic)."""
+    out = []
+    for r in range(q.shape[0]):
+        n = int(used[r])
+        rep = q.shape[1] // k_cache.shape[1]
+        k = k_cache[r, :, :n].double().repeat_interleave(rep, 0)
+        v = v_cache[r, :, :n].double().repeat_interleave(rep, 0)
+        p = torch.softmax(torch.einsum("hd,hnd->hn", q[r].double(), k) * scale, -1)
+        out.append(torch.einsum("hn,hnd->hd", p, v))
+    return torch.stack(out)
+
+
+def rows_case(rows, extra, heads, kv_heads, d, cap, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(rows + extra, kv_heads, cap, d, device=device, generator=g).to(dtype)
+    v = torch.randn(rows + extra, kv_heads, cap, d, device=device, generator=g).to(dtype)
+    q = torch.randn(rows, heads, d, device=device, generator=g).to(dtype)
+    used = torch.randint(1, cap + 1, (rows,), device=device, generator=g).to(torch.int32)
+    used[0] = 1  # one position
+    used[-1] = cap  # the whole capacity
+    return q, k, v, used
+
+
+@pytest.mark.parametrize("rows,extra,cap", [(1, 0, 1), (1, 3, 17), (6, 0, 40), (5, 2, 64)])
+def test_rows_varlen_view_addresses_each_rows_positions(rows, extra, cap):
+    cache = torch.randn(rows + extra, 3, cap, 8)
+    view = rows_varlen_view(cache, rows)
+    cu_q, cu_k = rows_offsets(rows, 3, cap, "cpu")
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.tolist() == list(range(rows + 1))
+    assert view.data_ptr() == cache.data_ptr() and view.stride(-1) == 1
+    for r in range(rows):
+        got = view[int(cu_k[r]) : int(cu_k[r]) + cap]  # [cap, kv, D]
+        assert torch.equal(got, cache[r].transpose(0, 1))
+    with pytest.raises(ValueError, match="contiguous"):
+        rows_varlen_view(torch.randn(2, 4, 3, 8).transpose(1, 2), 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
+@pytest.mark.parametrize("rows,extra,cap", [(1, 0, 1), (3, 0, 16), (7, 2, 33)])
+def test_rows_sdpa_and_the_varlen_stand_in_match_the_reference(heads, kv_heads, d, rows, extra, cap):
+    q, k, v, used = rows_case(rows, extra, heads, kv_heads, d, cap, torch.float64, "cpu", seed=rows + cap)
+    want = rows_reference(q, k, v, used, d**-0.5)
+    allowed = torch.arange(cap)[None, :] < used[:, None]
+    got = attend_rows_sdpa(q, k[:rows], v[:rows], allowed, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    offsets = rows_offsets(rows, kv_heads, cap, "cpu")
+    torch.testing.assert_close(varlen_rows_attention(q, k, v, offsets, used, d**-0.5), want, rtol=1e-10, atol=1e-10)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
+@pytest.mark.parametrize("rows,extra,cap", [(1, 0, 1), (1, 2, 300), (9, 0, 64), (64, 5, 1000)])
+def test_rows_flash_matches_reference(dtype, heads, kv_heads, d, rows, extra, cap):
+    q, k, v, used = rows_case(rows, extra, heads, kv_heads, d, cap, dtype, "cuda", seed=rows * 7 + cap)
+    got = attend_rows_flash(q, k, v, rows_offsets(rows, kv_heads, cap, "cuda"), used, d**-0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    torch.testing.assert_close(got.double(), rows_reference(q, k, v, used, d**-0.5), rtol=2e-2, atol=2e-2)
+
+
+@requires_cuda
+def test_rows_flash_replays_from_a_cuda_graph_as_rows_grow():
+    rows, cap, d = 12, 256, 64
+    q, k, v, used = rows_case(rows, 0, 9, 3, d, cap, torch.bfloat16, "cuda", seed=3)
+    used.clamp_(max=cap - 50)
+    offsets = rows_offsets(rows, 3, cap, "cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        attend_rows_flash(q, k, v, offsets, used, d**-0.5)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend_rows_flash(q, k, v, offsets, used, d**-0.5)
+    used.add_(50)
+    graph.replay()
+    torch.testing.assert_close(out.double(), rows_reference(q, k, v, used, d**-0.5), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
+def test_rows_auto_probes_flash_before_choosing_it(monkeypatch, broken):
+    """Batched generation's auto takes flash only where its probe (rows of one position, of the
+    whole capacity, a cache with more rows than the batch) runs and agrees with sdpa."""
+    from peagle_ext.serving import cache_attention as ca
+
+    def fake_flash(q, k_cache, v_cache, offsets, used, scale):
+        if broken == "raises":
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+        out = varlen_rows_attention(q.float(), k_cache.float(), v_cache.float(), offsets, used, scale)
+        return (out * 2 if broken == "wrong" else out).to(q.dtype)
+
+    monkeypatch.setattr(ca, "flash_unsupported", lambda *a: None)
+    monkeypatch.setattr(ca, "attend_rows_flash", fake_flash)
+    ca._probe_rows.cache_clear()
+    try:
+        dev = torch.device("cpu")
+        got = choose_impl("auto", dev, torch.bfloat16, 9, 3, 64, rows=True)
+        assert got == ("flash" if broken == "right" else "sdpa")
+        if broken != "right":
+            why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
+            with pytest.raises(ValueError, match="cannot run this batched generation: .*" + why):
+                choose_impl("flash", dev, torch.bfloat16, 9, 3, 64, rows=True)
+    finally:
+        ca._probe_rows.cache_clear()
