@@ -66,9 +66,10 @@
 #   3. BATCH=16 DATAGEN_SECONDS=0 TRAIN_MINUTES=6 SETTINGS="1:regen" EVAL_K=3 EVAL_HE_SWEEP=
 #      `... --detach study` (training and evaluation only) and `... wait`
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
-#   5. the next session carries the kept files (regen.tar.xz.partNN, regen.json) into the bundle in
-#      a call of their own after call 2's `setup data` (they do not fit beside its parts), runs
-#      `... data datagen keep` there (data puts them back, datagen continues) and goes on with 3.
+#   5. the next session carries the kept files (regen.tar.xz.partNN, regen.json) with call 1 in
+#      place of mtbench.jsonl and humaneval.jsonl (a call carries at most 8 paths, and beside call
+#      2's parts they exceed 64 MiB), and those two with call 3; call 2's `data` puts the kept
+#      files back and its datagen continues from them.
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results)
 set -euo pipefail
@@ -126,7 +127,7 @@ EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
-EVAL_ATTENTION=${EVAL_ATTENTION:-auto}  # peagle eval --attention: the verifier's (auto = flash on the GPU)
+EVAL_ATTENTION=${EVAL_ATTENTION:-auto}  # peagle eval --attention: the verifier's (auto = sdpa; flash opt-in)
 KEEP_REGEN=${KEEP_REGEN:-1}        # study: the keep phase after datagen (its files reach $OUT with `wait`)
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
@@ -188,7 +189,8 @@ DTYPE=bfloat16
 [ "$DEVICE" = cpu ] && DTYPE=float32
 DATA=$WORK/data
 note() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$SUMMARY"; }
-timed() { local t0=$SECONDS; "$@"; local rc=$?; note "  ($* : rc=$rc, $((SECONDS - t0)) s)"; return $rc; }
+# its line goes to stderr: callers that tee a command's output into the summary record it once
+timed() { local t0=$SECONDS; "$@"; local rc=$?; note "  ($* : rc=$rc, $((SECONDS - t0)) s)" >&2; return $rc; }
 
 phase_setup() {
   if [ "$DEVICE" != cpu ] && ! python3 -c "import peagle_ext, sys; sys.exit(0 if peagle_ext.has_cuda_kernels() else 1)" 2>/dev/null; then
