@@ -16,8 +16,8 @@ reads them, since a query at position p reads positions <= p only.
 
 Attention of a decode step (serving/cache_attention.py, chosen once per generator): "flash" reads
 each row's positions 0..p only, "sdpa" the whole capacity under the position mask; "auto" takes
-flash where it runs (CUDA, bf16/fp16) and agrees with sdpa on a probe. cuDNN's masked kernel walks
-every row's whole capacity in a prefill-sized tile and took most of a datagen step.
+flash where it runs (CUDA, bf16/fp16) and agrees with sdpa on a probe: under the per-row mask
+cuDNN walks every row's whole capacity in a prefill-sized tile, most of a datagen step's time.
 
 Modes of the decode step:
 - eager: attention over the positions filled so far (the shapes grow every step);
@@ -62,14 +62,13 @@ class BatchGenerator:
         """mode: MODES (module docstring); attention: "auto", "sdpa" or "flash" (the choice is
         self.attention). ValueError naming what it does not run."""
         # StaticVerifier's layer math only: the verifier's own cache attention is not used here
-        self.sv = StaticVerifier(model, attention="sdpa")
-        sv = self.sv
-        self.attention = choose_impl(attention, sv.device, sv.dtype, sv.num_heads, sv.kv_heads, sv.head_dim, rows=True)
+        self.sv = sv = StaticVerifier(model, attention="sdpa")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        on_cuda = self.sv.device.type == "cuda"
+        on_cuda = sv.device.type == "cuda"
         if mode == "graphs" and not on_cuda:
             raise ValueError("mode 'graphs' needs the model on a CUDA device")
+        self.attention = choose_impl(attention, sv.device, sv.dtype, sv.num_heads, sv.kv_heads, sv.head_dim, rows=True)
         self.mode = ("graphs" if on_cuda else "eager") if mode == "auto" else mode
         self.graphs_captured = 0
         self.failed_captures = 0  # each left the rest of its generate() call on eager fixed steps

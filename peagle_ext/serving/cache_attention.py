@@ -191,29 +191,35 @@ def _probe(device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim:
         if not err < 0.05:
             return f"it disagrees with sdpa on a probe of {t} query tokens (max abs difference {err:.3g})"
         if device.type == "cuda":
-            why = _replays_in_a_graph(q, k, v, pos, scale)
+            why = _replays_in_a_graph(
+                functools.partial(_attend_flash_at, q, k, v, pos, scale), functools.partial(pos.add_, 100), device
+            )
             if why is not None:
                 return why
     return None
 
 
-def _replays_in_a_graph(q, k, v, pos, scale: float) -> str | None:
-    """None when attend_flash, captured in a CUDA graph, replays what it computes eagerly after
-    the positions moved on (decoding's graphs rely on the length being read at replay)."""
-    dev = q.device
+def _attend_flash_at(q, k_cache, v_cache, pos, scale: float):
+    """attend_flash with its lengths computed from `pos` on every call (as a captured forward does)."""
+    return attend_flash(q, k_cache, v_cache, flash_lengths(pos), scale)
+
+
+def _replays_in_a_graph(fn, advance, device) -> str | None:
+    """None when fn(), captured in a CUDA graph, replays what it computes eagerly after advance()
+    moved its lengths on in place (decoding's graphs rely on the lengths being read at replay)."""
     try:
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            attend_flash(q, k, v, flash_lengths(pos), scale)
-        torch.cuda.current_stream(dev).wait_stream(side)
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = attend_flash(q, k, v, flash_lengths(pos), scale)
-        pos.add_(100)
+            out = fn()
+        advance()
         graph.replay()
-        want = attend_flash(q, k, v, flash_lengths(pos), scale)
-        torch.cuda.synchronize(dev)
+        want = fn()
+        torch.cuda.synchronize(device)
     except RuntimeError as e:
         return f"it failed in a CUDA graph: {str(e).splitlines()[0][:200]}"
     if not torch.equal(out, want):
@@ -245,21 +251,8 @@ def _probe_rows(device: torch.device, dtype, num_heads: int, kv_heads: int, head
         return f"it disagrees with sdpa on a probe of {rows} rows (max abs difference {err:.3g})"
     if device.type != "cuda":
         return None
-    try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            attend_rows_flash(q, k, v, offsets, used, scale)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = attend_rows_flash(q, k, v, offsets, used, scale)
-        used.copy_(torch.tensor([7, 1, 256, 130, 64], device=device, dtype=torch.int32))
-        graph.replay()
-        want = attend_rows_flash(q, k, v, offsets, used, scale)
-        torch.cuda.synchronize(device)
-    except RuntimeError as e:
-        return f"it failed in a CUDA graph: {str(e).splitlines()[0][:200]}"
-    if not torch.equal(out, want):
-        return "its CUDA-graph replay differs from its eager result"
-    return None
+    return _replays_in_a_graph(
+        lambda: attend_rows_flash(q, k, v, offsets, used, scale),
+        lambda: used.copy_(torch.tensor([7, 1, cap, 130, 64], device=device, dtype=torch.int32)),
+        device,
+    )

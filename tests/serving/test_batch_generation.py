@@ -110,14 +110,6 @@ def test_flash_attention_reads_each_rows_own_positions(model, mode, monkeypatch)
     assert calls[0] == len(prompts) and calls[-1] < calls[0]  # the batch shrank under flash too
 
 
-def test_attention_choice(model):
-    assert BatchGenerator(model).attention == "sdpa"  # auto, on a CPU
-    with pytest.raises(ValueError, match="attention must be one of"):
-        BatchGenerator(model, attention="fast")
-    with pytest.raises(ValueError, match="cannot run this batched generation: it needs a CUDA device"):
-        BatchGenerator(model, attention="flash")
-
-
 @pytest.mark.parametrize("mode", ["eager", "fixed"])
 def test_stop_checks_every_step_and_short_limits(model, mode, monkeypatch):
     prompts = _prompts(model, 6, 3)
@@ -244,12 +236,17 @@ def test_bad_arguments(model):
     assert got[0][1] and len(got[0][0]) == 3
 
 
-def test_modes(model):
+def test_modes_and_attention(model):
     assert BatchGenerator(model).mode == "eager"  # auto, on a CPU
     with pytest.raises(ValueError, match="mode must be one of"):
         BatchGenerator(model, mode="fast")
     with pytest.raises(ValueError, match="needs the model on a CUDA device"):
         BatchGenerator(model, mode="graphs")
+    assert BatchGenerator(model).attention == "sdpa"  # auto, on a CPU
+    with pytest.raises(ValueError, match="attention must be one of"):
+        BatchGenerator(model, attention="fast")
+    with pytest.raises(ValueError, match="cannot run this batched generation: it needs a CUDA device"):
+        BatchGenerator(model, attention="flash")
 
 
 def test_unsupported_model_is_named(model, monkeypatch):
