@@ -46,9 +46,11 @@ def verifier_hidden_states(
 
     Documents never attend each other: each document of the row is run as its own sequence
     (position ids restart at 0, like at inference), several documents per forward batched with
-    right padding + attention_mask. Right padding never changes the valid positions' outputs of a
-    causal model; numerically batched vs alone agree to float rounding. Padding positions of the
-    row are zero. Outputs are in the verifier's dtype on the verifier's device.
+    right padding and no attention mask: under causal attention a document's tokens never see
+    the padding after them, so their outputs are those of the document alone (to float rounding
+    across batch shapes), and without a mask transformers runs SDPA's causal kernel instead of
+    building and applying a [documents, 1, longest, longest] mask. Padding positions of the row
+    are zero. Outputs are in the verifier's dtype on the verifier's device.
 
     token_budget: max tokens (documents * longest) per forward; default max(len(row), 4096).
     """
@@ -107,12 +109,10 @@ def verifier_hidden_states_many(
         for batch in _batches_by_length(spans, budget):
             longest = max(e - s for s, e, _ in batch)
             x = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
-            am = torch.zeros(len(batch), longest, dtype=torch.long, device=device)
             for b, (s, e, j) in enumerate(batch):
                 x[b, : e - s] = input_ids[j][s:e]
-                am[b, : e - s] = 1
             captured.clear()
-            base(input_ids=x, attention_mask=am, use_cache=False)
+            base(input_ids=x, use_cache=False)  # right padding: causal attention needs no mask
             for b, (s, e, j) in enumerate(batch):
                 n = e - s
                 aux, last = outs[j]

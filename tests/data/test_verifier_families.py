@@ -50,6 +50,21 @@ def test_verifier_family(family, tmp_path):
     row = D.PackedSequence(ids[0], torch.zeros(24, dtype=torch.int32), torch.ones(24, dtype=torch.bool))
     aux, last = D.verifier_hidden_states(model, row, D.default_aux_layer_ids(4))
     assert aux.shape == (24, 3 * 64) and last.shape == (24, 64)
+    # documents batched with right padding and no attention mask: each one's states are those of
+    # the document alone, past a sliding window (gpt_oss's 16) and beside shorter documents
+    lens = (24, 9, 4)
+    docs = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lens)])
+    many = D.PackedSequence(torch.randint(3, 300, (sum(lens),)), docs, torch.ones(sum(lens), dtype=torch.bool))
+    aux_m, last_m = D.verifier_hidden_states(model, many, D.default_aux_layer_ids(4), token_budget=4 * 24)
+    start = 0
+    for i, n in enumerate(lens):
+        alone = D.PackedSequence(
+            many.input_ids[start : start + n], torch.zeros(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool)
+        )
+        aux_1, last_1 = D.verifier_hidden_states(model, alone, D.default_aux_layer_ids(4))
+        torch.testing.assert_close(aux_m[start : start + n], aux_1, rtol=1e-4, atol=1e-4, msg=f"document {i}")
+        torch.testing.assert_close(last_m[start : start + n], last_1, rtol=1e-4, atol=1e-4, msg=f"document {i}")
+        start += n
     head = D.verifier_head_from_model(model)
     from_disk = D.load_verifier_head(str(tmp_path))
     for f in ("norm_weight", "lm_head_weight", "embed_weight"):
