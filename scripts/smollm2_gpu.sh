@@ -81,7 +81,8 @@ SEQ=${SEQ:-2048}
 # layers:data; data = orig: every ShareGPT conversation, all turns, the original answers;
 # regen: the conversations `datagen` reached (shortest first prompts first), the first turn (every turn
 # with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
-# against regen on the same prompts)
+# against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
+# and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has)
 SETTINGS=${SETTINGS:-"1:origfirst 1:regen 2:regen"}
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-4}
@@ -149,8 +150,8 @@ while [ $# -gt 0 ]; do
 done
 [ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE... | all" >&2; exit 2; }
 for s in $SETTINGS $EVAL_FULL; do
-  [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst)$ ]] || {
-    echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA with DATA orig, regen or origfirst" >&2
+  [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)$ ]] || {
+    echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA with DATA orig, regen, origfirst or mix" >&2
     exit 2
   }
 done
@@ -280,6 +281,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   local file=$DATA/train.jsonl
   [ "$data" = regen ] && file=$DATA/regen.jsonl
   [ "$data" = origfirst ] && file=$DATA/origfirst.jsonl
+  [ "$data" = mix ] && file=$DATA/mix.jsonl
   if train_done "$dir"; then note "train $s: done ($dir/final)"; return 0; fi
   local resume=() rc=0
   ls -d "$dir"/checkpoint-* > /dev/null 2>&1 && resume=(--resume)
@@ -324,6 +326,26 @@ print(f"origfirst: {n} conversations (the regenerated prompts, original first an
 EOF
 }
 
+mix_data() {  # every training conversation: the regenerated one where datagen wrote it, else the original
+  [ -f "$DATA/mix.jsonl" ] && [ "$DATA/mix.jsonl" -nt "$DATA/regen.jsonl" ] && return 0
+  [ -f "$DATA/regen.jsonl" ] || { note "mix: no $DATA/regen.jsonl yet (run datagen)"; return 1; }
+  timed python3 - "$DATA/train.jsonl" "$DATA/regen.jsonl" "$DATA/mix.jsonl" <<'EOF' | tee -a "$SUMMARY"
+import json, os, sys
+convs = [json.loads(x)["messages"] for x in open(sys.argv[1], encoding="utf-8") if x.strip()]
+regen = 0
+for line in open(sys.argv[2], encoding="utf-8"):
+    rec = json.loads(line) if line.strip() else {}
+    if rec.get("messages"):  # one that datagen skipped keeps its original
+        convs[rec["index"]] = rec["messages"]
+        regen += 1
+with open(sys.argv[3] + ".tmp", "w", encoding="utf-8") as out:
+    for msgs in convs:
+        out.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
+os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+print(f"mix: {len(convs)} conversations, {regen} of them regenerated, {len(convs) - regen} original")
+EOF
+}
+
 data_prepared() {  # dir pid lines: wait until the training `pid` logs its data (past line `lines`)
   local t0=$SECONDS
   while kill -0 "$2" 2> /dev/null && [ $((SECONDS - t0)) -lt "$STAGGER_TIMEOUT" ]; do
@@ -340,6 +362,7 @@ phase_train() {
   # conversations over the cores in ~22 s, three at once take minutes for 7K each
   local pids=() rc=0 dir lines
   [[ " $SETTINGS " == *":origfirst "* ]] && { origfirst_data || return 1; }
+  [[ " $SETTINGS " == *":mix "* ]] && { mix_data || return 1; }
   for s in $SETTINGS; do
     if [ "$TRAIN_PARALLEL" = 1 ]; then
       dir=$WORK/train/L${s%%:*}-${s##*:}

@@ -123,6 +123,19 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     assert "seed-regen: 21 regenerated conversations put back" in r.stdout
     assert "0 conversations written this run (21 were already" in r.stdout
     assert (tmp_path / "work2" / "data" / "regen.jsonl").read_text() == (work / "data" / "regen.jsonl").read_text()
+    # mix: every training conversation, the regenerated one where datagen wrote one, else the original
+    mixed = tmp_path / "work_mix"
+    shutil.copytree(work / "data", mixed / "data")
+    (mixed / "data" / "regen.jsonl").write_text("".join(open(work / "data" / "regen.jsonl").readlines()[:12]))
+    r = _run(bundle, mixed, "train", SETTINGS="1:mix", EVAL_FULL="1:mix")
+    src = [json.loads(x)["messages"] for x in open(mixed / "data" / "train.jsonl")]
+    done = {x["index"]: x["messages"] for x in map(json.loads, open(mixed / "data" / "regen.jsonl")) if x["messages"]}
+    assert r.returncode == 0, r.stderr[-3000:]
+    n, k = len(src), len(done)
+    assert f"mix: {n} conversations, {k} of them regenerated, {n - k} original" in r.stdout
+    mix = [json.loads(x)["messages"] for x in open(mixed / "data" / "mix.jsonl")]
+    assert 0 < len(done) < len(src) and mix == [done.get(i, m) for i, m in enumerate(src)]
+    assert (mixed / "train" / "L1-mix" / "final" / "config.json").is_file()
     # bad phase: exit 2 and one line
     r = _run(bundle, work, "nope")
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
