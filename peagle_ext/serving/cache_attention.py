@@ -9,22 +9,27 @@
 Two implementations of each; choose_impl picks one per model (the one heuristics place):
 - "sdpa": F.scaled_dot_product_attention over the whole capacity under the position mask. Any
   device and dtype; its shapes do not depend on how much of the cache is filled (CUDA graphs).
-  On the H200 cuDNN runs it: ~10 us for one query token at any capacity; for several query
-  tokens its kernel walks the whole capacity in one block per head (17 us at capacity 512,
-  39 us at 2048 for a K=3 round's 4 tokens, SmolLM2's 9/3 heads x 64;
+  On the H200 cuDNN runs it: ~6 us a layer for one query token inside a greedy step's CUDA graph;
+  for several query tokens its kernel walks the whole capacity in one block per head (17 us at
+  capacity 512, 39 us at 2048 for a K=3 round's 4 tokens, SmolLM2's 9/3 heads x 64;
   bench/bench_verify_attention.py). Over a batch of rows under a per-row mask cuDNN runs the same
   prefill-tiled kernel per (row, kv head): ~360 us a layer for 256 rows of ~1,900 positions, 58%
   of a datagen step (bench/bench_datagen.py --profile).
 - "flash": FlashAttention-2's variable-length forward (torch.ops.aten._flash_attention_forward)
-  with the filled lengths as device tensors: it reads only the filled positions, GQA natively.
-  CUDA, fp16/bf16, head dim <= 256 and a multiple of 8. Its grid depends on the capacity only,
-  so a captured graph stays valid as the sequences grow.
+  with one query token per sequence and each sequence's used key count as a device tensor
+  (seqused_k): it reads only the filled positions, GQA natively, and with one query per sequence
+  FlashAttention folds a K/V head's query heads into one tile and splits the keys across blocks,
+  its decode path. Batched generation's rows are such sequences over their own caches; the
+  verifier's T query tokens are T sequences over the one cache, all starting at its position 0,
+  query i seeing p + i + 1 positions. CUDA, fp16/bf16, head dim <= 256 and a multiple of 8. Its
+  grid depends on the capacity only, so a captured graph stays valid as the sequences grow.
 
-What "auto" picks, measured on the H200 inside the CUDA-graph steps that run them: for the
-verifier, sdpa (a K=3 round's attention 1,030 us against flash's 1,185 at capacity 2048 from
-position 1536, 563 against 651 at 1024 from 512; a greedy step's 192 against 347: at the
-capacities decoding sizes, nearly all of the cache is filled and flash's fixed costs lose); for
-batched generation, flash, where it runs and agrees with sdpa on a probe.
+What "auto" picks: for batched generation, flash where it runs and agrees with sdpa on a probe.
+For the verifier, sdpa; explicit "flash" attends a round's query tokens (2..ROUND_TOKENS_MAX)
+with flash, and a greedy step's one token and a prefill with sdpa: inside decoding's CUDA graphs
+on the H200, FlashAttention's one-token step measured 347 us a greedy step against cuDNN's 192,
+and a round's 4 tokens as one causal sequence 1,185 us against 1,030 (capacity 2048 from
+position 1536), since one sequence of several queries gets no key split.
 """
 
 from __future__ import annotations
@@ -62,35 +67,37 @@ def attend_sdpa(q, k_cache, v_cache, allowed, scale: float):
     )[0]
 
 
-def flash_lengths(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The varlen offsets of one sequence of queries at consecutive positions `pos` [T] (device):
-    int32 [0, T] for the queries and [0, pos[-1] + 1] for the keys, computed on the device (no
-    host sync, so a CUDA graph captures it). Once per forward: every layer shares them."""
+ROUND_TOKENS_MAX = 16  # the verifier's flash attends 2..this many query tokens (a round's K + 1)
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, seqused_k):
+    """aten::_flash_attention_forward, non-causal, no dropout: q [total_q, heads, D], k/v
+    [total_k, kv heads, D]; sequence b's queries are q[cu_q[b]:cu_q[b+1]], its keys the
+    seqused_k[b] rows of k from cu_k[b]. The one call site of the kernel (tests stand in for it
+    here with its plain-PyTorch semantics)."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=seqused_k
+    )[0]
+
+
+def flash_lengths(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen arguments of query tokens at consecutive positions `pos` [T] (device), one
+    sequence per token over the verifier's cache: int32 [0, 1, ..., T] for the queries, [T + 1]
+    zeros for the keys (every sequence reads the cache from its position 0) and pos + 1 used
+    keys each. Computed on the device (no host sync, so a CUDA graph captures it), once per
+    forward: every layer shares them."""
     t = pos.shape[0]
-    cu_q = torch.arange(2, device=pos.device, dtype=torch.int32) * t
-    cu_k = torch.arange(2, device=pos.device, dtype=torch.int32) * (pos[-1:] + 1).to(torch.int32)
-    return cu_q, cu_k
+    cu_q = torch.arange(t + 1, device=pos.device, dtype=torch.int32)
+    cu_k = torch.zeros(t + 1, device=pos.device, dtype=torch.int32)
+    return cu_q, cu_k, (pos + 1).to(torch.int32)
 
 
 def attend_flash(q, k_cache, v_cache, lengths, scale: float):
     """q [heads, T, D], k/v_cache [kv heads, C, D], lengths from flash_lengths -> [heads, T, D].
     The cache is passed as its [C, kv heads, D] view (row stride D, head stride C*D): no copy."""
-    cu_q, cu_k = lengths
-    t, cap = q.shape[1], k_cache.shape[1]
-    out = torch.ops.aten._flash_attention_forward(
-        q.transpose(0, 1),
-        k_cache.transpose(0, 1),
-        v_cache.transpose(0, 1),
-        cu_q,
-        cu_k,
-        t,
-        cap,
-        0.0,
-        True,
-        False,
-        scale=scale,
-    )[0]
-    return out.transpose(0, 1)
+    cu_q, cu_k, used = lengths
+    k, v = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
+    return _flash_varlen(q.transpose(0, 1), k, v, cu_q, cu_k, 1, k.shape[0], scale, used).transpose(0, 1)
 
 
 def attend_rows_sdpa(q, k_cache, v_cache, allowed, scale: float):
@@ -129,20 +136,7 @@ def attend_rows_flash(q, k_cache, v_cache, offsets, used, scale: float):
     positions 0..used[r]-1 -> [rows, heads, D]."""
     b, cap = q.shape[0], k_cache.shape[2]
     cu_q, cu_k = offsets
-    return torch.ops.aten._flash_attention_forward(
-        q,
-        rows_varlen_view(k_cache, b),
-        rows_varlen_view(v_cache, b),
-        cu_q,
-        cu_k,
-        1,
-        cap,
-        0.0,
-        False,  # one query per row: it sees every used position
-        False,
-        scale=scale,
-        seqused_k=used,
-    )[0]
+    return _flash_varlen(q, rows_varlen_view(k_cache, b), rows_varlen_view(v_cache, b), cu_q, cu_k, 1, cap, scale, used)
 
 
 def choose_impl(
@@ -176,9 +170,8 @@ def _probe(device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim:
     cap, scale = 512, head_dim**-0.5
     k = torch.randn(kv_heads, cap, head_dim, device=device, generator=g).to(dtype)
     v = torch.randn(kv_heads, cap, head_dim, device=device, generator=g).to(dtype)
-    # a greedy step (with GQA FlashAttention folds the query groups into rows and splits the keys;
-    # the splits past the filled length exit early) and a round
-    for t, start in ((1, 40), (4, 37)):
+    # rounds of K = 1 and K = 8 (the splits past a sequence's used keys exit early)
+    for t, start in ((2, 40), (9, 37)):
         q = torch.randn(num_heads, t, head_dim, device=device, generator=g).to(dtype)
         pos = torch.arange(start, start + t, device=device)
         allowed = torch.arange(cap, device=device)[None, :] <= pos[:, None]

@@ -13,8 +13,8 @@ Two forms of the same computation: forward() (the Verifier interface: any number
 attention over the filled positions only) and forward_static() (a fixed number of tokens at
 positions given as a device tensor, no host sync: what a CUDA graph captures). Both run tokens at
 consecutive positions and attend through serving/cache_attention.py: SDPA under the position
-mask (forward_static's over the whole capacity), or FlashAttention over the filled positions where
-it is asked for and runs.
+mask (forward_static's over the whole capacity), or, for a round's few tokens, FlashAttention over
+each token's filled positions where it is asked for and runs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import contextlib
 import torch
 
 from ..data import check_aux_layer_ids, decoder_parts
-from .cache_attention import attend_flash, attend_sdpa, choose_impl, flash_lengths
+from .cache_attention import ROUND_TOKENS_MAX, attend_flash, attend_sdpa, choose_impl, flash_lengths
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -68,8 +68,8 @@ class StaticVerifier:
     """The Verifier interface (serving/verifier.py) over a StaticKV cache (module docstring)."""
 
     def __init__(self, model, aux_layer_ids=None, *, capacity: int | None = None, attention: str = "auto"):
-        """attention: "auto", "sdpa" or "flash" (serving/cache_attention.py; auto: sdpa, measured
-        faster in decoding's rounds); the choice is self.attention."""
+        """attention: "auto", "sdpa" or "flash" (serving/cache_attention.py: flash attends a round's
+        2..ROUND_TOKENS_MAX tokens, sdpa everything else; auto: sdpa); the choice is self.attention."""
         why = static_verifier_support(model)
         if why is not None:
             raise ValueError(f"StaticVerifier does not run this model: {why}")
@@ -185,8 +185,10 @@ class StaticVerifier:
         """out_rows: the rows whose logits are computed: None (all), a slice or an index tensor."""
         x = self._embed(ids.long())
         cos, sin = self.rope(pos)  # [1, T, D]
-        flash = self.attention == "flash" and ids.shape[0] > 0  # no tokens: sdpa's empty result
-        if flash:  # reads positions < pos[-1] + 1 = ctx only, whatever the capacity
+        # flash for a round's tokens; a greedy step's one token and a prefill take sdpa
+        # (serving/cache_attention.py says why)
+        flash = self.attention == "flash" and 2 <= ids.shape[0] <= ROUND_TOKENS_MAX
+        if flash:  # reads positions <= pos[i] only, whatever the capacity
             lengths = flash_lengths(pos)
         else:
             key_pos = torch.arange(cache.capacity if ctx is None else ctx, device=self.device)

@@ -14,7 +14,7 @@ from peagle_ext.serving import Verifier, greedy_generate
 from peagle_ext.serving import batch_generation as bg
 from peagle_ext.serving.batch_generation import BatchGenerator
 from peagle_ext.testing import make_tiny_verifier
-from tests.helpers import varlen_rows_attention
+from tests.helpers import flash_varlen_standin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,20 +81,19 @@ def test_greedy_equals_one_at_a_time_decoding(model, seed, mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["eager", "fixed"])
 def test_flash_attention_reads_each_rows_own_positions(model, mode, monkeypatch):
     """attention="flash" with FlashAttention's variable-length kernel stood in for by its plain
-    PyTorch semantics (tests/helpers.varlen_rows_attention): the offsets, the used lengths and the
+    PyTorch semantics (tests/helpers.flash_varlen_standin): the offsets, the used lengths and the
     cache view the decode step passes give the same greedy answers as one-at-a-time decoding,
     also as rows stop and leave the batch."""
     from peagle_ext.serving import cache_attention as ca
 
     calls = []
 
-    def stand_in(q, k_cache, v_cache, offsets, used, scale):
+    def stand_in(q, *args, **kwargs):
         calls.append(q.shape[0])
-        return varlen_rows_attention(q, k_cache, v_cache, offsets, used, scale)
+        return flash_varlen_standin(q, *args, **kwargs)
 
     monkeypatch.setattr(ca, "flash_unsupported", lambda *a: None)
-    monkeypatch.setattr(ca, "attend_rows_flash", stand_in)
-    monkeypatch.setattr(bg, "attend_rows_flash", stand_in)
+    monkeypatch.setattr(ca, "_flash_varlen", stand_in)
     ca._probe_rows.cache_clear()
     try:
         gen = BatchGenerator(model, mode=mode, attention="flash")

@@ -21,7 +21,7 @@ from peagle_ext.serving.cache_attention import (
 )
 from peagle_ext.serving.static_verifier import StaticVerifier
 from peagle_ext.testing import make_tiny_verifier
-from tests.helpers import requires_cuda, varlen_rows_attention
+from tests.helpers import flash_varlen_standin, requires_cuda
 
 
 def reference(q, k_cache, v_cache, pos, scale):
@@ -59,10 +59,45 @@ def test_sdpa_matches_reference(heads, kv_heads, d, t, cap, start):
 
 
 def test_flash_lengths():
-    cu_q, cu_k = flash_lengths(torch.arange(5, 9))
-    assert cu_q.dtype == cu_k.dtype == torch.int32
-    assert cu_q.tolist() == [0, 4] and cu_k.tolist() == [0, 9]
-    assert [x.tolist() for x in flash_lengths(torch.tensor([0]))] == [[0, 1], [0, 1]]
+    cu_q, cu_k, used = flash_lengths(torch.arange(5, 9))
+    assert cu_q.dtype == cu_k.dtype == used.dtype == torch.int32
+    assert cu_q.tolist() == [0, 1, 2, 3, 4] and cu_k.tolist() == [0] * 5 and used.tolist() == [6, 7, 8, 9]
+    assert [x.tolist() for x in flash_lengths(torch.tensor([0]))] == [[0, 1], [0, 0], [1]]
+
+
+@pytest.fixture
+def kernel_stood_in(monkeypatch):
+    """FlashAttention's varlen forward replaced by its plain-PyTorch semantics, and flash allowed
+    on the CPU: the layouts, offsets and used lengths around the kernel run here. The calls made
+    are recorded (the number of query tokens of each)."""
+    from peagle_ext.serving import cache_attention as ca
+
+    calls = []
+
+    def stand_in(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return flash_varlen_standin(q, *args, **kwargs)
+
+    monkeypatch.setattr(ca, "_flash_varlen", stand_in)
+    monkeypatch.setattr(ca, "flash_unsupported", lambda *a: None)
+    ca._probe.cache_clear()
+    ca._probe_rows.cache_clear()
+    yield calls
+    ca._probe.cache_clear()
+    ca._probe_rows.cache_clear()
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
+@pytest.mark.parametrize("t,cap,start", [(1, 16, 0), (1, 40, 39), (2, 40, 0), (4, 64, 17), (9, 33, 24), (16, 16, 0)])
+def test_flash_layout_matches_reference(kernel_stood_in, heads, kv_heads, d, t, cap, start):
+    """One sequence per query token over the one cache: query i reads positions 0..pos[i] of the
+    [C, kv heads, D] view and nothing past them (NaN there)."""
+    q, k, v, pos = case(heads, kv_heads, d, t, cap, start, torch.float64, "cpu", seed=t * 10 + start)
+    k[:, start + t :] = float("nan")
+    v[:, start + t :] = float("nan")
+    got = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+    assert got.shape == q.shape and kernel_stood_in == [t]
+    torch.testing.assert_close(got, reference(q, k, v, pos, d**-0.5), rtol=1e-10, atol=1e-10)
 
 
 def test_choice_on_the_cpu():
@@ -149,7 +184,7 @@ def test_static_verifier_flash_equals_sdpa(tmp_path, model_type):
     vdir = make_tiny_verifier(tmp_path / "v", model_type=model_type)
     vm = AutoModelForCausalLM.from_pretrained(vdir, dtype=torch.bfloat16).cuda().eval().requires_grad_(False)
     aux = [0, 1, 2]
-    fa, sd = StaticVerifier(vm, aux), StaticVerifier(vm, aux, attention="sdpa")
+    fa, sd = StaticVerifier(vm, aux, attention="flash"), StaticVerifier(vm, aux, attention="sdpa")
     assert fa.attention == "flash" and sd.attention == "sdpa"
     ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.inference_mode():
@@ -167,37 +202,54 @@ def test_static_verifier_flash_equals_sdpa(tmp_path, model_type):
         torch.testing.assert_close(aa.float(), as_.float(), rtol=3e-2, atol=3e-2)
 
 
+def test_static_verifier_flash_attends_rounds_only(tmp_path, kernel_stood_in):
+    """StaticVerifier(attention="flash") with the kernel stood in: a round's tokens go through
+    flash and give sdpa's logits and aux states; a greedy step's one token and a prefill take
+    sdpa (no kernel call)."""
+    from transformers import AutoModelForCausalLM
+
+    vm = AutoModelForCausalLM.from_pretrained(make_tiny_verifier(tmp_path / "v"), dtype=torch.float64).eval()
+    aux = [0, 1, 2]
+    fa, sd = StaticVerifier(vm, aux, attention="flash"), StaticVerifier(vm, aux)
+    assert fa.attention == "flash" and sd.attention == "sdpa"
+    ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(0))
+    ca, cs = fa.new_cache(96), sd.new_cache(96)
+    kernel_stood_in.clear()
+    for a, b, static in ((0, 33, False), (33, 37, True), (37, 38, True), (38, 47, False), (47, 48, False)):
+        if static:
+            pos = torch.arange(a, b)
+            got, want = fa.forward_static(ids[a:b], pos, ca), sd.forward_static(ids[a:b], pos, cs)
+        else:
+            got, want = fa.forward(ids[a:b], ca, a), sd.forward(ids[a:b], cs, a)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-9)
+    layers = fa.num_layers
+    assert kernel_stood_in == [4] * layers + [9] * layers  # the rounds of 4 and 9 tokens only
+
+
 @pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
-def test_auto_probes_flash_before_choosing_it(monkeypatch, broken):
-    """The verifier's auto is sdpa without a probe (flash measured slower in decoding's rounds);
-    an explicit "flash" runs the probe (a greedy step and a round) and is an error naming why it
-    fails. The probe's flash is replaced here, so this runs on the CPU."""
+def test_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, broken):
+    """The verifier's auto is sdpa without a probe; an explicit "flash" runs the probe (rounds of
+    2 and 9 tokens) and is an error naming why it fails. The kernel is stood in for here, so this
+    runs on the CPU."""
     from peagle_ext.serving import cache_attention as ca
 
-    def fake_flash(q, k_cache, v_cache, lengths, scale):
+    def flash(q, *args, **kwargs):
         if broken == "raises":
             raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
-        cu_k = lengths[1]
-        t, cap = q.shape[1], k_cache.shape[1]
-        pos = torch.arange(int(cu_k[1]) - t, int(cu_k[1]))
-        out = attend_sdpa(q, k_cache, v_cache, torch.arange(cap)[None, :] <= pos[:, None], scale)
-        return out * 2 if broken == "wrong" else out
+        out = flash_varlen_standin(q.float(), *(a.float() for a in args[:2]), *args[2:], **kwargs)
+        return (out * 2 if broken == "wrong" else out).to(q.dtype)
 
-    monkeypatch.setattr(ca, "flash_unsupported", lambda *a: None)
-    monkeypatch.setattr(ca, "attend_flash", fake_flash)
-    ca._probe.cache_clear()
-    try:
-        dev = torch.device("cpu")
-        assert choose_impl("auto", dev, torch.bfloat16, 9, 3, 64) == "sdpa"
-        assert ca._probe.cache_info().currsize == 0
-        if broken == "right":
-            assert choose_impl("flash", dev, torch.bfloat16, 9, 3, 64) == "flash"
-        else:
-            why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
-            with pytest.raises(ValueError, match=why):
-                choose_impl("flash", dev, torch.bfloat16, 9, 3, 64)
-    finally:
-        ca._probe.cache_clear()
+    monkeypatch.setattr(ca, "_flash_varlen", flash)
+    dev = torch.device("cpu")
+    assert choose_impl("auto", dev, torch.bfloat16, 9, 3, 64) == "sdpa"
+    assert ca._probe.cache_info().currsize == 0
+    if broken == "right":
+        assert choose_impl("flash", dev, torch.bfloat16, 9, 3, 64) == "flash"
+    else:
+        why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
+        with pytest.raises(ValueError, match=why):
+            choose_impl("flash", dev, torch.bfloat16, 9, 3, 64)
 
 
 # ---- one query per row over a batch of caches (batched generation) ---------------------------
@@ -244,14 +296,15 @@ def test_rows_varlen_view_addresses_each_rows_positions(rows, extra, cap):
 
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("rows,extra,cap", [(1, 0, 1), (3, 0, 16), (7, 2, 33)])
-def test_rows_sdpa_and_the_varlen_stand_in_match_the_reference(heads, kv_heads, d, rows, extra, cap):
+def test_rows_sdpa_and_flash_layout_match_the_reference(kernel_stood_in, heads, kv_heads, d, rows, extra, cap):
     q, k, v, used = rows_case(rows, extra, heads, kv_heads, d, cap, torch.float64, "cpu", seed=rows + cap)
     want = rows_reference(q, k, v, used, d**-0.5)
     allowed = torch.arange(cap)[None, :] < used[:, None]
     got = attend_rows_sdpa(q, k[:rows], v[:rows], allowed, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     offsets = rows_offsets(rows, kv_heads, cap, "cpu")
-    torch.testing.assert_close(varlen_rows_attention(q, k, v, offsets, used, d**-0.5), want, rtol=1e-10, atol=1e-10)
+    got = attend_rows_flash(q, k, v, offsets, used, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @requires_cuda
@@ -285,27 +338,22 @@ def test_rows_flash_replays_from_a_cuda_graph_as_rows_grow():
 
 
 @pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
-def test_rows_auto_probes_flash_before_choosing_it(monkeypatch, broken):
+def test_rows_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, broken):
     """Batched generation's auto takes flash only where its probe (rows of one position, of the
     whole capacity, a cache with more rows than the batch) runs and agrees with sdpa."""
     from peagle_ext.serving import cache_attention as ca
 
-    def fake_flash(q, k_cache, v_cache, offsets, used, scale):
+    def flash(q, *args, **kwargs):
         if broken == "raises":
             raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
-        out = varlen_rows_attention(q.float(), k_cache.float(), v_cache.float(), offsets, used, scale)
+        out = flash_varlen_standin(q.float(), *(a.float() for a in args[:2]), *args[2:], **kwargs)
         return (out * 2 if broken == "wrong" else out).to(q.dtype)
 
-    monkeypatch.setattr(ca, "flash_unsupported", lambda *a: None)
-    monkeypatch.setattr(ca, "attend_rows_flash", fake_flash)
-    ca._probe_rows.cache_clear()
-    try:
-        dev = torch.device("cpu")
-        got = choose_impl("auto", dev, torch.bfloat16, 9, 3, 64, rows=True)
-        assert got == ("flash" if broken == "right" else "sdpa")
-        if broken != "right":
-            why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
-            with pytest.raises(ValueError, match="cannot run this batched generation: .*" + why):
-                choose_impl("flash", dev, torch.bfloat16, 9, 3, 64, rows=True)
-    finally:
-        ca._probe_rows.cache_clear()
+    monkeypatch.setattr(ca, "_flash_varlen", flash)
+    dev = torch.device("cpu")
+    got = choose_impl("auto", dev, torch.bfloat16, 9, 3, 64, rows=True)
+    assert got == ("flash" if broken == "right" else "sdpa")
+    if broken != "right":
+        why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
+        with pytest.raises(ValueError, match="cannot run this batched generation: .*" + why):
+            choose_impl("flash", dev, torch.bfloat16, 9, 3, 64, rows=True)
