@@ -363,12 +363,12 @@ def profile_rounds(
             lambda p: greedy_generate(verifier, p, max_new_tokens, eos_token_id=eos_token_id, engine=greedy_engine)
         )
         out["greedy_engine_step_ms"] = 1e3 * sec / max(tok, 1)
+    # the kernel breakdown replays from the middle of these decodes: an attention that reads only
+    # the filled positions costs what it costs there
+    out["replay_position"] = sum(len(p) for p in prompt_ids) // max(len(prompt_ids), 1) + max_new_tokens // 2
     if engine is not None and greedy_engine is not None and verifier.device.type == "cuda":
         try:
-            # replays from the middle of these decodes: an attention that reads only the filled
-            # positions costs what it costs there
-            mid = sum(p.numel() for p in prompt_ids) // max(len(prompt_ids), 1) + max_new_tokens // 2
-            out["kernels"] = kernel_breakdown(engine, greedy_engine, start=mid)
+            out["kernels"] = kernel_breakdown(engine, greedy_engine, start=out["replay_position"])
         except RuntimeError as e:  # the profiler (CUPTI) over graph replays: not worth the report
             out["kernels_error"] = f"{type(e).__name__}: {e}"
     return out

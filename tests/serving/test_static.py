@@ -344,6 +344,7 @@ def test_cli_eval_profile_and_verifier_impl(vdir, tmp_path):
     prof = rep["profile"]
     assert set(prof["parts_ms_per_round"]) == {"verify", "hidden", "batch", "draft", "accept", "crop"}
     assert prof["round_ms"] > prof["overhead_ms"] > 0 and prof["engine_round_ms"] > 0 and prof["rounds"] > 0
+    assert prof["replay_position"] == rep["prompts"][0]["prompt_tokens"] + 6  # the first prompt's middle
     assert "round profile" in r.stdout and "beyond the verifier forward" in r.stdout
     r = run_cli([*base, "--verifier-impl", "hf", "--json", str(tmp_path / "h.json")], timeout=300)
     assert r.returncode == 0, r.stderr
