@@ -44,32 +44,32 @@
 #                        tokenizing at once took 229 s, so side-by-side settings start one after another
 #                        (each waits for the one before to log its data, at most STAGGER_TIMEOUT). The
 #                        verifier's states are cached in host memory (HIDDEN_CACHE_GB, one batched pass
-#                        per 16 rows: 42 s for 1,873 rows). Measured with batch 16 x 2048, two settings
-#                        side by side: ~115K tokens/s each, ~1,050 steps in 7 minutes
+#                        per 16 rows: 127 s for 9,437 rows, 150K tokens/s; ~9.4 MB a row, so every
+#                        conversation (1:mix) takes 83 GiB, which HIDDEN_CACHE_GB=auto gives one setting).
+#                        Measured with batch 16 x 2048: alone, 39 ms a step (4,899 steps in 6 minutes
+#                        with the cache warm-up); two settings side by side: ~115K tokens/s each
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
 #                        1..8, with the round profile) 343 s, each other setting 85 s at one K;
 #                        HumanEval (164) 131 s at one K (EVAL_HE_SWEEP=), ~10 min for its sweep (estimate)
-#   consistency  152 s measured with 40 conversations and 15 prompts decoded eagerly for 128 tokens; it now
-#                        decodes DATAGEN_TOKENS on the fp32 CUDA-graph engines (time not yet measured)
+#   consistency  60 s measured with 30 conversations and 15 prompts decoded for 128 tokens on the fp32
+#                        CUDA-graph engines (152 s with 40 and 15 decoded eagerly)
 # A whole study measured 1,349 s (22.5 min) after setup + data (1 min) and the build (1 min): datagen
 # 3 min, two settings side by side 7.5 min, MT-Bench 7.1 min, consistency 2.5 min, HumanEval at one K 2.2 min.
 #
 # On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
 # bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
 # machine; the long phases run with --detach (they outlast a call) and `wait` follows them:
-#   1. carry .bundle/{gguf,verifier,mtbench.jsonl,humaneval.jsonl,MANIFEST.json,gguf.part00}:
+#   1. carry .bundle/{gguf,verifier,gguf-0.19.0.dist-info,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
-#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: DATAGEN_TURNS=all DATAGEN_SECONDS=400
-#      `... setup data datagen keep` in the foreground: the regenerated data comes back with this
-#      call (a machine taken back later loses nothing of it)
-#   3. BATCH=16 DATAGEN_SECONDS=0 TRAIN_MINUTES=6 SETTINGS="1:regen" EVAL_K=3 EVAL_HE_SWEEP=
-#      `... --detach study` (training and evaluation only) and `... wait`
+#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (join, convert, split), or
+#      with DATAGEN_SECONDS=400 `... setup data datagen keep` in the foreground: the regenerated
+#      data comes back with this call (a machine taken back later loses nothing of it)
+#   3. carry .bundle/{regen.json,regen.tar.xz.partNN,mtbench.jsonl,humaneval.jsonl}: `... data`
+#      (puts an earlier session's kept data back), then DATAGEN_SECONDS=0 TRAIN_MINUTES=6
+#      SETTINGS="1:mix" EVAL_SWEEP=1..3 EVAL_HE_SWEEP= `... --detach study`
+#      (training and evaluation only: the ninth run, 678 s) and `... wait`
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
-#   5. the next session carries the kept files (regen.tar.xz.partNN, regen.json) with call 1 in
-#      place of mtbench.jsonl and humaneval.jsonl (a call carries at most 8 paths, and beside call
-#      2's parts they exceed 64 MiB), and those two with call 3; call 2's `data` puts the kept
-#      files back and its datagen continues from them.
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results)
 set -euo pipefail
@@ -82,10 +82,11 @@ SEQ=${SEQ:-2048}
 # regen: the conversations `datagen` reached (shortest first prompts first), the first turn (every turn
 # with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
 # against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
-# and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has)
-SETTINGS=${SETTINGS:-"1:origfirst 1:regen 2:regen"}
+# and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has).
+# The default: the best measured drafter (ninth run in bench/RESULTS.md)
+SETTINGS=${SETTINGS:-"1:mix"}
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
-BATCH=${BATCH:-4}
+BATCH=${BATCH:-16}                 # rows of SEQ tokens a step (the measured runs: 16)
 LR=${LR:-1e-3}
 MAX_STEPS=${MAX_STEPS:-20000}       # the most steps; with TIME_SCHEDULE=1 TRAIN_MINUTES usually ends it
 WARMUP=${WARMUP:-100}
@@ -99,8 +100,10 @@ TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one
 STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-90}  # s at most that the next side-by-side training waits for the one before
 PROFILE_STEPS=${PROFILE_STEPS:-5}  # train --profile-steps: where a step's time goes (train/<setting>/profile/),
 PROFILE_WARMUP=${PROFILE_WARMUP:-50}  # after this many steps of each training (0 steps: off)
-HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-32}  # host memory per training for the verifier's states (cached: no
-                                   # verifier pass per step; the H200 host has 128 GB)
+HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-auto}  # GiB of host memory per training for the verifier's states
+                                   # (cached: no verifier pass per step; past it they are recomputed every
+                                   # step). auto: 75% of the memory available at the start, shared by the
+                                   # settings (side by side in the study): ~91 on the H200 host
 PREFETCH=${PREFETCH:-1}            # train --prefetch: the next step's cached states copied during this one
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
                                    # validation, final save and exit; a training still running then
@@ -117,14 +120,14 @@ DATAGEN_BATCH=${DATAGEN_BATCH:-2048}  # rows generated together: this small veri
 DATAGEN_BATCH_TOKENS=${DATAGEN_BATCH_TOKENS:-1048576}  # KV-cache tokens a batch holds at most (~23 GB
                                    # bf16 for SmolLM2-135M): fewer rows for long prompts
 DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}  # 0: the study generates nothing (an earlier call's datagen did)
-DATAGEN_TURNS=${DATAGEN_TURNS:-first}  # first | all: regenerate every turn, each on the regenerated history
+DATAGEN_TURNS=${DATAGEN_TURNS:-all}  # all: regenerate every turn, each on the regenerated history | first
 DATAGEN_ENGINE=${DATAGEN_ENGINE:-auto}  # auto (= static for SmolLM2) | static | hf (peagle datagen --engine)
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced
 CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-30}  # of them decoded (fp32, on the CUDA-graph engines)
-EVAL_FULL=${EVAL_FULL:-"1:regen"}  # settings evaluated on both benches with the K sweep
-EVAL_K=${EVAL_K:-4}                # K of the other settings (MT-Bench only)
+EVAL_FULL=${EVAL_FULL:-"1:mix"}    # settings evaluated on both benches with the K sweep
+EVAL_K=${EVAL_K:-3}                # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
@@ -133,6 +136,9 @@ KEEP_REGEN=${KEEP_REGEN:-1}        # study: the keep phase after datagen (its fi
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
 # ---------------------------------------------------------------------------------------------
+if [ "$HIDDEN_CACHE_GB" = auto ]; then
+  HIDDEN_CACHE_GB=$(awk -v n="$(wc -w <<< "$SETTINGS")" '/^MemAvailable:/ {printf "%d", $2 / 1048576 * 0.75 / (n > 0 ? n : 1)}' /proc/meminfo)
+fi
 
 BUNDLE=""
 WORK=runs/smollm2_gpu
