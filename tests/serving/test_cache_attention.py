@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from peagle_ext.serving.cache_attention import (
+    ROUND_TOKENS_MAX,
     attend_flash,
     attend_rows_flash,
     attend_rows_sdpa,
@@ -214,7 +215,9 @@ def test_static_verifier_flash_attends_rounds_only(tmp_path, kernel_stood_in):
     ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(0))
     ca, cs = fa.new_cache(96), sd.new_cache(96)
     kernel_stood_in.clear()
-    for a, b, static in ((0, 33, False), (33, 37, True), (37, 38, True), (38, 47, False), (47, 48, False)):
+    assert ROUND_TOKENS_MAX == 16  # a prefill of 17 tokens (sdpa) and a forward of 16 (flash) straddle it
+    steps = ((0, 17, False), (17, 21, True), (21, 22, True), (22, 38, False), (38, 47, False), (47, 48, False))
+    for a, b, static in steps:
         if static:
             pos = torch.arange(a, b)
             got, want = fa.forward_static(ids[a:b], pos, ca), sd.forward_static(ids[a:b], pos, cs)
@@ -223,7 +226,7 @@ def test_static_verifier_flash_attends_rounds_only(tmp_path, kernel_stood_in):
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-9)
     layers = fa.num_layers
-    assert kernel_stood_in == [4] * layers + [9] * layers  # the rounds of 4 and 9 tokens only
+    assert kernel_stood_in == [4] * layers + [16] * layers + [9] * layers  # the rounds of 2..16 tokens only
 
 
 @pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
