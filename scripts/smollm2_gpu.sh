@@ -137,7 +137,8 @@ WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-m
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
 # ---------------------------------------------------------------------------------------------
 if [ "$HIDDEN_CACHE_GB" = auto ]; then
-  HIDDEN_CACHE_GB=$(awk -v n="$(wc -w <<< "$SETTINGS")" '/^MemAvailable:/ {printf "%d", $2 / 1048576 * 0.75 / (n > 0 ? n : 1)}' /proc/meminfo)
+  HIDDEN_CACHE_GB=$(awk -v n="$(wc -w <<< "$SETTINGS")" '/^MemAvailable:/ {printf "%d", $2 / 1048576 * 0.75 / (n > 0 ? n : 1)}' /proc/meminfo 2> /dev/null)
+  HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-6}  # no /proc/meminfo: the trainer's default
 fi
 
 BUNDLE=""
