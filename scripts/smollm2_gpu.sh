@@ -68,7 +68,7 @@
 #   3. carry .bundle/{regen.json,regen.tar.xz.partNN,mtbench.jsonl,humaneval.jsonl}: `... data`
 #      (puts an earlier session's kept data back), then DATAGEN_SECONDS=0 TRAIN_MINUTES=6
 #      SETTINGS="1:mix" EVAL_SWEEP=1..3 EVAL_HE_SWEEP= `... --detach study`
-#      (training and evaluation only: the ninth run, 678 s) and `... wait`
+#      (training and evaluation only: 678 s measured) and `... wait`
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results)
@@ -83,7 +83,7 @@ SEQ=${SEQ:-2048}
 # with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
 # against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
 # and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has).
-# The default: the best measured drafter (ninth run in bench/RESULTS.md)
+# The default: the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
 SETTINGS=${SETTINGS:-"1:mix"}
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-16}                 # rows of SEQ tokens a step (the measured runs: 16)
