@@ -229,11 +229,13 @@ def test_static_verifier_flash_attends_rounds_only(tmp_path, kernel_stood_in):
     assert kernel_stood_in == [4] * layers + [16] * layers + [9] * layers  # the rounds of 2..16 tokens only
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["verifier", "batched"])
 @pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
-def test_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, broken):
-    """The verifier's auto takes flash only where its probe (rounds of 2 and 9 tokens) runs and
-    agrees with sdpa; an explicit "flash" that fails the probe is an error naming why. The kernel
-    is stood in for here, so this runs on the CPU."""
+def test_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, broken, rows):
+    """auto takes flash only where its probe runs and agrees with sdpa (the verifier's: rounds of
+    2 and 9 tokens; batched generation's: rows of one position, of the whole capacity, a cache
+    with more rows than the batch); an explicit "flash" that fails the probe is an error naming
+    why. The kernel is stood in for here, so this runs on the CPU."""
     from peagle_ext.serving import cache_attention as ca
 
     def flash(q, *args, **kwargs):
@@ -244,14 +246,15 @@ def test_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, brok
 
     monkeypatch.setattr(ca, "_flash_varlen", flash)
     dev = torch.device("cpu")
-    assert choose_impl("auto", dev, torch.bfloat16, 9, 3, 64) == ("flash" if broken == "right" else "sdpa")
-    assert choose_impl("sdpa", dev, torch.bfloat16, 9, 3, 64) == "sdpa"
+    assert choose_impl("auto", dev, torch.bfloat16, 9, 3, 64, rows=rows) == ("flash" if broken == "right" else "sdpa")
+    assert choose_impl("sdpa", dev, torch.bfloat16, 9, 3, 64, rows=rows) == "sdpa"
     if broken == "right":
-        assert choose_impl("flash", dev, torch.bfloat16, 9, 3, 64) == "flash"
+        assert choose_impl("flash", dev, torch.bfloat16, 9, 3, 64, rows=rows) == "flash"
     else:
+        what = "this batched generation" if rows else "this verifier"
         why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
-        with pytest.raises(ValueError, match=why):
-            choose_impl("flash", dev, torch.bfloat16, 9, 3, 64)
+        with pytest.raises(ValueError, match=f"cannot run {what}: .*{why}"):
+            choose_impl("flash", dev, torch.bfloat16, 9, 3, 64, rows=rows)
 
 
 # ---- one query per row over a batch of caches (batched generation) ---------------------------
@@ -337,25 +340,3 @@ def test_rows_flash_replays_from_a_cuda_graph_as_rows_grow():
     used.add_(50)
     graph.replay()
     torch.testing.assert_close(out.double(), rows_reference(q, k, v, used, d**-0.5), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
-def test_rows_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, broken):
-    """Batched generation's auto takes flash only where its probe (rows of one position, of the
-    whole capacity, a cache with more rows than the batch) runs and agrees with sdpa."""
-    from peagle_ext.serving import cache_attention as ca
-
-    def flash(q, *args, **kwargs):
-        if broken == "raises":
-            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
-        out = flash_varlen_standin(q.float(), *(a.float() for a in args[:2]), *args[2:], **kwargs)
-        return (out * 2 if broken == "wrong" else out).to(q.dtype)
-
-    monkeypatch.setattr(ca, "_flash_varlen", flash)
-    dev = torch.device("cpu")
-    got = choose_impl("auto", dev, torch.bfloat16, 9, 3, 64, rows=True)
-    assert got == ("flash" if broken == "right" else "sdpa")
-    if broken != "right":
-        why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
-        with pytest.raises(ValueError, match="cannot run this batched generation: .*" + why):
-            choose_impl("flash", dev, torch.bfloat16, 9, 3, 64, rows=True)
