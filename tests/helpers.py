@@ -388,16 +388,17 @@ def assert_same_first_pass(p_a, p_b, res_a, res_b, cad_in=None):
         assert torch.equal(a.cpu(), b.cpu()) if isinstance(a, torch.Tensor) else a == b, f.name
 
 
-def flash_varlen_standin(q, k, v, cu_q, cu_k, max_q, max_k, scale, seqused_k):
+def flash_varlen_standin(q, k, v, cu_q, cu_k, max_k, scale, seqused_k):
     """What serving/cache_attention._flash_varlen (FlashAttention-2's variable-length forward,
-    non-causal) computes, in plain PyTorch: sequence b's queries q[cu_q[b]:cu_q[b+1]] attend the
-    seqused_k[b] key rows of k from cu_k[b], GQA by repeating K/V heads; float64 inside. It stands
-    in for the CUDA kernel on the CPU, so the layouts and offsets around it are tested everywhere."""
+    one query per sequence, non-causal) computes, in plain PyTorch: sequence b's query
+    q[cu_q[b]:cu_q[b+1]] attends the seqused_k[b] key rows of k from cu_k[b], GQA by repeating K/V
+    heads; float64 inside. It stands in for the CUDA kernel on the CPU, so the layouts and offsets
+    around it are tested everywhere."""
     rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     for b in range(cu_q.numel() - 1):
         q0, q1, k0, n = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(seqused_k[b])
-        assert q1 - q0 <= max_q and n <= max_k
+        assert q1 - q0 == 1 and n <= max_k
         kb = k[k0 : k0 + n].double().transpose(0, 1).repeat_interleave(rep, 0)  # [heads, n, D]
         vb = v[k0 : k0 + n].double().transpose(0, 1).repeat_interleave(rep, 0)
         p = torch.softmax(torch.einsum("qhd,hnd->hqn", q[q0:q1].double(), kb) * scale, -1)

@@ -73,13 +73,13 @@ def attend_sdpa(q, k_cache, v_cache, allowed, scale: float):
 ROUND_TOKENS_MAX = 16  # the verifier's flash attends 2..this many query tokens (a round's K + 1)
 
 
-def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, seqused_k):
-    """aten::_flash_attention_forward, non-causal, no dropout: q [total_q, heads, D], k/v
-    [total_k, kv heads, D]; sequence b's queries are q[cu_q[b]:cu_q[b+1]], its keys the
-    seqused_k[b] rows of k from cu_k[b]. The one call site of the kernel (tests stand in for it
-    here with its plain-PyTorch semantics)."""
+def _flash_varlen(q, k, v, cu_q, cu_k, max_k: int, scale: float, seqused_k):
+    """aten::_flash_attention_forward with one query per sequence (non-causal, no dropout):
+    q [sequences, heads, D] with cu_q = 0, 1, ..., k/v [total_k, kv heads, D]; sequence b's
+    query attends the seqused_k[b] rows of k from cu_k[b]. The one call site of the kernel (tests
+    stand in for it here with its plain-PyTorch semantics)."""
     return torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=seqused_k
+        q, k, v, cu_q, cu_k, 1, max_k, 0.0, False, False, scale=scale, seqused_k=seqused_k
     )[0]
 
 
@@ -100,7 +100,7 @@ def attend_flash(q, k_cache, v_cache, lengths, scale: float):
     The cache is passed as its [C, kv heads, D] view (row stride D, head stride C*D): no copy."""
     cu_q, cu_k, used = lengths
     k, v = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
-    return _flash_varlen(q.transpose(0, 1), k, v, cu_q, cu_k, 1, k.shape[0], scale, used).transpose(0, 1)
+    return _flash_varlen(q.transpose(0, 1), k, v, cu_q, cu_k, k.shape[0], scale, used).transpose(0, 1)
 
 
 def attend_rows_sdpa(q, k_cache, v_cache, allowed, scale: float):
@@ -139,7 +139,7 @@ def attend_rows_flash(q, k_cache, v_cache, offsets, used, scale: float):
     positions 0..used[r]-1 -> [rows, heads, D]."""
     b, cap = q.shape[0], k_cache.shape[2]
     cu_q, cu_k = offsets
-    return _flash_varlen(q, rows_varlen_view(k_cache, b), rows_varlen_view(v_cache, b), cu_q, cu_k, 1, cap, scale, used)
+    return _flash_varlen(q, rows_varlen_view(k_cache, b), rows_varlen_view(v_cache, b), cu_q, cu_k, cap, scale, used)
 
 
 def choose_impl(
