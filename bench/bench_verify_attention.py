@@ -12,7 +12,8 @@ dim 64, bf16, GQA), each call replayed from a CUDA graph as decoding does.
    from the math backend; an implementation that refuses the inputs is reported as such.
 2. The whole round: a random SmolLM2-shaped verifier (30 layers) and a random 1-layer drafter,
    RoundEngine (K=3) and GreedyEngine on CUDA graphs at capacity 1024, replayed from position
-   512, with attention "sdpa" and "flash": device and wall time per round and per greedy step
+   512, with attention "sdpa" and "flash" (the verifier's and the drafter's alike): device and
+   wall time per round and per greedy step
    (peagle_ext.eval.kernel_breakdown) and the round's cost in greedy steps, which bounds the
    speed-up at a given acceptance length.
 
@@ -156,7 +157,7 @@ def smollm2_engines(attention: str, k: int, capacity: int, seed: int = 0):
     vm = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval().requires_grad_(False)
     dm = PEagleDraftModel.from_verifier(vm.config, num_depths=k, mask_token_id=cfg.vocab_size)
     st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids, attention=attention)
-    dr = PEagleDrafter(dm, device="cuda", dtype=torch.bfloat16)
+    dr = PEagleDrafter(dm, device="cuda", dtype=torch.bfloat16, attention=attention)
     dr.reset(capacity)
     return RoundEngine(st, dr, k, capacity, cuda_graph=True), GreedyEngine(st, capacity, cuda_graph=True)
 
@@ -165,7 +166,7 @@ def measure_rounds(attention: str, k: int = 3, capacity: int = 1024, start: int 
     from peagle_ext.eval import kernel_breakdown
 
     eng, ge = smollm2_engines(attention, k, capacity)
-    assert eng.verifier.attention == attention
+    assert eng.verifier.attention == eng.drafter.attention == attention
     kb = kernel_breakdown(eng, ge, replays=16, start=start)
     return {
         "attention": attention,

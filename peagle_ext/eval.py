@@ -59,8 +59,11 @@ def resolve_draft_dir(path) -> Path:
     raise FileNotFoundError(f"--draft {path}: not a P-EAGLE checkpoint (no config.json, nor final/config.json)")
 
 
-def load_drafter(path, verifier: Verifier, *, dtype: torch.dtype | None = None) -> PEagleDrafter:
-    """Load the drafter at `path` and check it fits `verifier` (hidden size, layers, vocab)."""
+def load_drafter(
+    path, verifier: Verifier, *, dtype: torch.dtype | None = None, attention: str = "auto"
+) -> PEagleDrafter:
+    """Load the drafter at `path` and check it fits `verifier` (hidden size, layers, vocab).
+    attention: its attention over its KV cache (PEagleDrafter)."""
     d = resolve_draft_dir(path)
     model = PEagleDraftModel.from_pretrained(d)
     cfg = model.config
@@ -75,7 +78,10 @@ def load_drafter(path, verifier: Verifier, *, dtype: torch.dtype | None = None) 
     top = int(model.draft_token_ids.max())
     if top >= verifier.vocab_size:
         raise ValueError(f"drafter {d} drafts token id {top}, the verifier's vocab has {verifier.vocab_size} ids")
-    return PEagleDrafter(model, device=verifier.device, dtype=dtype or verifier.dtype)
+    try:
+        return PEagleDrafter(model, device=verifier.device, dtype=dtype or verifier.dtype, attention=attention)
+    except ValueError as e:
+        raise ValueError(f"--attention: {e}") from None
 
 
 def make_verifier(model, aux_layer_ids, impl: str = "auto", *, attention: str = "auto"):
@@ -279,6 +285,7 @@ def evaluate(
         report["k_sweep"] = sweep
     report["verifier_impl"] = type(verifier).__name__
     report["verifier_attention"] = getattr(verifier, "attention", None)
+    report["drafter_attention"] = getattr(drafter, "attention", None)
     report["cuda_graphs"] = any(e.graph is not None for e in engines.values())
     eager_buckets = sorted({b for e in [*engines.values(), greedy_engine] if e for b in e.eager_prefill_buckets})
     if eager_buckets:  # prefill buckets whose capture failed (a warning said so): eager, slower

@@ -55,10 +55,11 @@ def add_arguments(p) -> None:
         "--attention",
         default="auto",
         choices=["auto", "sdpa", "flash"],
-        help="the static verifier's attention over its KV cache: sdpa (the position mask over the whole "
-        "cache), flash (a round's tokens through FlashAttention-2 over each one's filled positions, greedy "
-        "steps and prefills through sdpa; CUDA, bf16/fp16); auto = flash where it runs and agrees with sdpa "
-        "on a probe (a round 1.21 greedy steps against 1.34 on the H200, bench/RESULTS.md)",
+        help="the attention over the KV caches: sdpa (the position mask over the whole cache), flash "
+        "(through FlashAttention-2 over each query's filled positions: the static verifier's round tokens, "
+        "its greedy steps and prefills staying on sdpa, and every drafter row; CUDA, bf16/fp16); auto = "
+        "flash where it runs and agrees with sdpa on a probe (a round 1.21 greedy steps against 1.34 on the "
+        "H200, bench/RESULTS.md)",
     )
     p.add_argument(
         "--cuda-graphs",
@@ -116,7 +117,7 @@ def run(args) -> int:
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     draft_dir = resolve_draft_dir(args.draft)  # fail fast, before loading the verifier
     model, tok = load_verifier(args.verifier, device=device, dtype=dtype, require_chat_template=False)
-    drafter = load_drafter(draft_dir, Verifier(model), dtype=dtype)
+    drafter = load_drafter(draft_dir, Verifier(model), dtype=dtype, attention=args.attention)
     verifier = make_verifier(model, drafter.aux_layer_ids, args.verifier_impl, attention=args.attention)
     _check_pos_int("--profile-prompts", args.profile_prompts)
     k = args.num_spec_tokens or drafter.num_depths
@@ -203,7 +204,8 @@ def _print_summary(r: dict):
             "tools/mismatch_gaps.py --eval REPORT.json rescores each difference in float32"
         )
     att = f", attention {r['verifier_attention']}" if r.get("verifier_attention") else ""
-    print(f"  verifier: {r['verifier_impl']}{att}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
+    datt = f", drafter attention {r['drafter_attention']}" if r.get("drafter_attention") else ""
+    print(f"  verifier: {r['verifier_impl']}{att}{datt}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}")
     if r.get("k_sweep"):
         print("  K  accept_len  tok/s   speed-up  lossless")
         for s in r["k_sweep"]:

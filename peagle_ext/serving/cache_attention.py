@@ -143,11 +143,21 @@ def attend_rows_flash(q, k_cache, v_cache, offsets, used, scale: float):
 
 
 def choose_impl(
-    requested: str, device, dtype, num_heads: int, kv_heads: int, head_dim: int, *, rows: bool = False
+    requested: str,
+    device,
+    dtype,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    rows: bool = False,
+    what: str | None = None,
 ) -> str:
-    """ "sdpa" or "flash" for `requested`: the verifier's cache attention, or with rows=True
-    batched generation's (module docstring). "auto": flash where it runs and agrees with sdpa on
-    a probe, else sdpa. "flash" where it cannot run: ValueError saying why."""
+    """ "sdpa" or "flash" for `requested`: the verifier's cache attention (the drafter's has the
+    same semantics: its rows' positions need not be consecutive), or with rows=True batched
+    generation's (module docstring). "auto": flash where it runs and agrees with sdpa on a probe,
+    else sdpa. "flash" where it cannot run: ValueError saying why. what: the model the message
+    names."""
     if requested not in IMPLS:
         raise ValueError(f"attention must be one of {', '.join(IMPLS)}, got {requested!r}")
     if requested == "sdpa":
@@ -159,7 +169,7 @@ def choose_impl(
     if why is None:
         return "flash"
     if requested == "flash":
-        what = "this batched generation" if rows else "this verifier"
+        what = what or ("this batched generation" if rows else "this verifier")
         raise ValueError(f"attention='flash' cannot run {what}: {why}")
     return "sdpa"
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ..model import PEagleDraftModel
 from ..model.layers import apply_rope
 from ..ops.parallel_draft import DraftBatch
+from . import cache_attention
 
 
 class Drafter:
@@ -43,10 +44,15 @@ class Drafter:
 class PEagleDrafter(Drafter):
     """Inference of a PEagleDraftModel over vLLM-style parallel-drafting batches, with a
     one-slot-per-position KV cache (module docstring). Uses the model's own modules (embeddings,
-    fc, decoder layers, norm, lm_head, d2t); attention is plain SDPA with the causal-by-position
-    mask over the cache."""
+    fc, decoder layers, norm, lm_head, d2t).
 
-    def __init__(self, model, *, device=None, dtype: torch.dtype | None = None):
+    attention over the cache (the choice is self.attention): "sdpa", SDPA under the causal-by-
+    position mask over every slot; "flash", each row its own FlashAttention sequence over the slots
+    0..its position (serving/cache_attention.py): it reads only those, where SDPA with a mask and
+    GQA takes torch's math path over the whole cache; "auto" (the default), flash where it runs and
+    agrees with sdpa on a probe."""
+
+    def __init__(self, model, *, device=None, dtype: torch.dtype | None = None, attention: str = "auto"):
         if not isinstance(model, PEagleDraftModel):
             raise TypeError(f"model must be a PEagleDraftModel, got {type(model).__name__}")
         # RoPE frequencies stay fp32 whatever the model dtype (as in training)
@@ -67,6 +73,10 @@ class PEagleDrafter(Drafter):
         self.hidden_size = cfg.hidden_size
         a = model.layers[0].self_attn
         self._kv_shape = (a.num_kv_heads, a.head_dim)
+        self._scale = a.head_dim**-0.5  # SDPA's default, which the sdpa path uses
+        self.attention = cache_attention.choose_impl(
+            attention, device, dtype, a.num_heads, a.num_kv_heads, a.head_dim, what="this drafter"
+        )
         self._num_layers = n
         self._k_cache: list[torch.Tensor] = []
         self._v_cache: list[torch.Tensor] = []
@@ -161,6 +171,7 @@ class PEagleDrafter(Drafter):
         hid = hid.to(self.device, self.dtype)
         ctx = key_pos.shape[0]
         cos, sin = self._rope(pos)
+        flash = self.attention == "flash"
         x = None
         last = len(m.layers) - 1
         for li, layer in enumerate(m.layers):
@@ -182,16 +193,36 @@ class PEagleDrafter(Drafter):
             if q_rows is not None:  # the last layer only needs the rows that are read out
                 q_in, q_cos, q_sin, q_pos, res = a_in[q_rows], cos[q_rows], sin[q_rows], pos[q_rows], res[q_rows]
             q = apply_rope(attn.q(q_in), q_cos, q_sin)
-            allowed = key_pos[None, :] <= q_pos[:, None]  # causal by position over the cache
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                self._k_cache[li][:ctx].transpose(0, 1)[None],
-                self._v_cache[li][:ctx].transpose(0, 1)[None],
-                attn_mask=allowed,
-                enable_gqa=attn.num_heads != attn.num_kv_heads,
-            )
-            x = layer.post_attention(o[0].transpose(0, 1), res)
+            if flash:
+                if li == 0 or q_rows is not None:  # every layer shares them, but the last's query rows
+                    lengths = self._flash_lengths(q_pos)
+                o = self._attend_flash(q.to(self.dtype), li, lengths)
+            else:
+                allowed = key_pos[None, :] <= q_pos[:, None]  # causal by position over the cache
+                o = F.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None],
+                    self._k_cache[li][:ctx].transpose(0, 1)[None],
+                    self._v_cache[li][:ctx].transpose(0, 1)[None],
+                    attn_mask=allowed,
+                    enable_gqa=attn.num_heads != attn.num_kv_heads,
+                )[0].transpose(0, 1)
+            x = layer.post_attention(o, res)
         return x
+
+    def _flash_lengths(self, pos: torch.Tensor):
+        """The varlen arguments of one sequence per row over the cache: row i reads slots
+        0..pos[i] (slot = position). A rejected row's position may lie past the cache: its count is
+        clamped to the positions the cache holds, never reaching the scratch slot (its output is
+        not read)."""
+        cu_q, cu_k, used = cache_attention.flash_lengths(pos)
+        return cu_q, cu_k, used.clamp(1, self._k_cache[0].shape[0] - 1)
+
+    def _attend_flash(self, q, li: int, lengths):
+        """q [rows, heads, D] over layer li's cache [slots, kv heads, D] (already FlashAttention's
+        key layout) -> [rows, heads, D]."""
+        cu_q, cu_k, used = lengths
+        kc, vc = self._k_cache[li], self._v_cache[li]
+        return cache_attention._flash_varlen(q, kc, vc, cu_q, cu_k, kc.shape[0], self._scale, used)
 
     def draft_logits(self, batch: DraftBatch, num_spec_tokens: int, num_rows: int, context_len: int) -> torch.Tensor:
         """Draft-vocab logits [K, Vd] of draft tokens 1..K."""

@@ -229,6 +229,128 @@ def test_static_verifier_flash_attends_rounds_only(tmp_path, kernel_stood_in):
     assert kernel_stood_in == [4] * layers + [16] * layers + [9] * layers  # the rounds of 2..16 tokens only
 
 
+def _tiny_pair(tmp_path, model_type, dtype, device="cpu", num_layers=2, k=4):
+    """A tiny verifier and a random P-EAGLE drafter for it (MASK hidden drawn too)."""
+    from transformers import AutoModelForCausalLM
+
+    from peagle_ext.model import PEagleDraftModel
+
+    vdir = make_tiny_verifier(tmp_path / "v", model_type=model_type)
+    vm = AutoModelForCausalLM.from_pretrained(vdir, dtype=dtype).to(device).eval().requires_grad_(False)
+    torch.manual_seed(0)
+    dm = PEagleDraftModel.from_verifier(vm.config, num_depths=k, mask_token_id=300, num_layers=num_layers)
+    with torch.no_grad():
+        dm.mask_hidden.normal_()
+    return vm, dm
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_drafter_flash_equals_sdpa(tmp_path, kernel_stood_in, model_type):
+    """PEagleDrafter(attention="flash") with the kernel stood in (float32 drafter, float64
+    verifier): each row, one
+    sequence over the cache slots 0..its position, gives sdpa's final hidden states in the
+    general forward and in the fixed-shape one, where rejected rows write to the scratch slot and
+    may sit past the cache; speculative decoding through a RoundEngine gives sdpa's tokens and
+    acceptances round for round, with every drafter forward through the kernel."""
+    import copy
+
+    from peagle_ext.serving import PEagleDrafter, speculative_generate
+    from peagle_ext.serving.graphs import RoundEngine
+    from peagle_ext.vllm import prepare_parallel_draft_inputs
+
+    vm, dm = _tiny_pair(tmp_path, model_type, torch.float64)
+    k, cap = 4, 48
+    fl = PEagleDrafter(copy.deepcopy(dm), dtype=torch.float32, attention="flash")
+    sd = PEagleDrafter(copy.deepcopy(dm), dtype=torch.float32, attention="sdpa")
+    assert fl.attention == "flash" and sd.attention == "sdpa"
+    g = torch.Generator().manual_seed(3)
+    w = dm.config.num_aux * vm.config.hidden_size
+    bt = torch.arange(cap // 16, dtype=torch.int32)[None]
+
+    def batch(ids, pos0, nrej, aux):
+        t = ids.numel()
+        return prepare_parallel_draft_inputs(
+            ids.int(),
+            torch.arange(pos0, pos0 + t),
+            torch.tensor([7], dtype=torch.int32),
+            torch.tensor([0, t], dtype=torch.int32),
+            torch.tensor([nrej], dtype=torch.int32),
+            fl.combine_hidden(aux).contiguous(),
+            fl.mask_hidden,
+            bt,
+            num_spec_tokens=k,
+            mask_token_id=300,
+            block_size=16,
+            max_model_len=cap,
+        )
+
+    with torch.no_grad():
+        b1 = batch(torch.randint(0, 300, (9,), generator=g), 0, 0, torch.randn(9, w, generator=g))
+        for d in (fl, sd):
+            d.reset(cap)
+        kernel_stood_in.clear()
+        want, got = (d.forward_rows(b1, 9 + k - 1, 9 + k - 1) for d in (sd, fl))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert kernel_stood_in == [9 + k - 1] * 2  # every row, in both layers
+        # the last round before the cache ends: rows past it are rejected
+        b2 = batch(torch.randint(0, 300, (k + 1,), generator=g), cap - k - 1, 2, torch.randn(k + 1, w, generator=g))
+        rows = b2.token_indices_to_sample[:k].long()
+        kernel_stood_in.clear()
+        want, got = (d.forward_static(b2, rows) for d in (sd, fl))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert kernel_stood_in == [2 * k, k]  # all 2K rows, then the last layer's sampled rows
+        assert int(b2.positions.max()) >= cap  # a rejected row past the cache took part
+        for a, b in zip(fl._k_cache + fl._v_cache, sd._k_cache + sd._v_cache):
+            torch.testing.assert_close(a[:cap], b[:cap], rtol=1e-5, atol=1e-6)
+
+    st = StaticVerifier(vm, fl.aux_layer_ids, attention="sdpa")
+    for p in (torch.randint(3, 300, (n,), generator=g) for n in (1, 6, 13)):
+        kernel_stood_in.clear()
+        a = speculative_generate(st, fl, p, k, 20, engine=RoundEngine(st, fl, k, cap, cuda_graph=False))
+        assert kernel_stood_in  # the drafter's attention went through the kernel
+        b = speculative_generate(st, sd, p, k, 20, engine=RoundEngine(st, sd, k, cap, cuda_graph=False))
+        assert a.tokens == b.tokens and a.accepted == b.accepted
+
+
+def test_drafter_attention_argument(tmp_path):
+    from peagle_ext.serving import PEagleDrafter
+
+    _, dm = _tiny_pair(tmp_path, "llama", torch.float32, num_layers=1)
+    assert PEagleDrafter(dm).attention == "sdpa"  # auto on the CPU
+    with pytest.raises(ValueError, match="attention='flash' cannot run this drafter: it needs a CUDA device"):
+        PEagleDrafter(dm, attention="flash")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        PEagleDrafter(dm, attention="math")
+
+
+@requires_cuda
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_drafter_flash_equals_sdpa_on_cuda(tmp_path, model_type):
+    """The real kernel in a bf16 drafter: forward_static's hidden states equal sdpa's within bf16
+    rounding, eagerly and replayed from a CUDA graph after the positions moved on."""
+    import copy
+
+    from peagle_ext.serving import PEagleDrafter
+    from peagle_ext.serving.graphs import RoundEngine
+
+    vm, dm = _tiny_pair(tmp_path, model_type, torch.bfloat16, device="cuda")
+    k, cap = 3, 256
+    st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids, attention="sdpa")
+    outs = []
+    for att in ("flash", "sdpa"):
+        dr = PEagleDrafter(copy.deepcopy(dm), device="cuda", dtype=torch.bfloat16, attention=att)
+        assert dr.attention == att
+        eng = RoundEngine(st, dr, k, cap, cuda_graph=True)
+        prompt = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).cuda()
+        eng.first_round(prompt)
+        for _ in range(20):  # rounds replayed from the graph, the positions moving on
+            eng.step()
+        rows = eng.batch.token_indices_to_sample[:k].long()
+        with torch.no_grad():
+            outs.append(dr.forward_static(eng.batch, rows).float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("rows", [False, True], ids=["verifier", "batched"])
 @pytest.mark.parametrize("broken", ["raises", "wrong", "right"])
 def test_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, broken, rows):
