@@ -48,9 +48,9 @@ class PEagleDrafter(Drafter):
 
     attention over the cache (the choice is self.attention): "sdpa", SDPA under the causal-by-
     position mask over every slot; "flash", each row its own FlashAttention sequence over the slots
-    0..its position (serving/cache_attention.py): it reads only those, where SDPA with a mask and
-    GQA takes torch's math path over the whole cache; "auto" (the default), flash where it runs and
-    agrees with sdpa on a probe."""
+    0..its position (serving/cache_attention.py): it reads only those, where SDPA under a mask
+    walks every slot of the cache whatever the position; "auto" (the default), flash where it runs
+    and agrees with sdpa on a probe."""
 
     def __init__(self, model, *, device=None, dtype: torch.dtype | None = None, attention: str = "auto"):
         if not isinstance(model, PEagleDraftModel):
