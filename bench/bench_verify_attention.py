@@ -4,16 +4,18 @@ StaticVerifier attends q_len = K + 1 query tokens (a speculative round's verify 
 greedy step) to its fixed-capacity KV cache (serving/cache_attention.py): "sdpa" is
 F.scaled_dot_product_attention over the whole capacity under the position mask (the backend torch
 picks, or one forced: cudnn, efficient, flash, math); "flash-varlen" is FlashAttention-2's varlen
-forward over the filled positions only. SmolLM2-135M's shape (9 query heads, 3 KV heads, head
-dim 64, bf16, GQA), each call replayed from a CUDA graph as decoding does.
+forward over the filled positions only; "peagle" is ops.decode_attention over the same sequences
+(one launch). SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64, bf16, GQA), each
+call replayed from a CUDA graph as decoding does.
 
 1. One call: q_len 1, 4, 9 x capacity 512, 1024, 2048, the first `filled` = capacity / 2
    positions visible; us per call (median of 5 x 200 graph replays) and the max abs difference
    from the math backend; an implementation that refuses the inputs is reported as such.
 2. The whole round: a random SmolLM2-shaped verifier (30 layers) and a random 1-layer drafter,
-   RoundEngine (K=3) and GreedyEngine on CUDA graphs at capacity 1024, replayed from position
-   512, with attention "sdpa" and "flash" (the verifier's and the drafter's alike): device and
-   wall time per round and per greedy step
+   RoundEngine (K=3) and GreedyEngine on CUDA graphs at capacity 512, 1024 and 2048, replayed
+   from positions 136 (MT-Bench's short contexts), 512 and 1536, with attention "sdpa", "flash"
+   and "peagle" (the verifier's and the drafter's alike): device and wall time per round and per
+   greedy step
    (peagle_ext.eval.kernel_breakdown) and the round's cost in greedy steps, which bounds the
    speed-up at a given acceptance length.
 
@@ -47,6 +49,7 @@ BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "math": SDPBackend.MATH,
     "flash-varlen": "flash-varlen",  # not SDPA: serving/cache_attention.attend_flash
+    "peagle": "peagle",  # not SDPA: ops.decode_attention over the same sequences
 }
 
 
@@ -68,8 +71,9 @@ def inputs(q_len: int, capacity: int, device="cuda", seed=0):
 
 def attend(case, backend):
     q, k, v, allowed, lengths = case
-    if backend == "flash-varlen":
-        return attend_flash(q[0], k[0], v[0], lengths, HEAD_DIM**-0.5)[None]
+    if backend in ("flash-varlen", "peagle"):
+        impl = "flash" if backend == "flash-varlen" else "peagle"
+        return attend_flash(q[0], k[0], v[0], lengths, HEAD_DIM**-0.5, impl)[None]
 
     def run():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=HEAD_DIM**-0.5, enable_gqa=True)
@@ -204,8 +208,8 @@ def main() -> int:
     for r in bad:
         print(f"differs from math: {r}")
     engines = []
-    for attention in ("sdpa", "flash"):
-        for capacity, start in ((1024, 512), (2048, 1536)):
+    for attention in ("sdpa", "flash", "peagle"):
+        for capacity, start in ((512, 136), (1024, 512), (2048, 1536)):
             try:
                 engines.append(measure_rounds(attention, capacity=capacity, start=start))
             except (RuntimeError, ValueError) as e:

@@ -56,6 +56,13 @@ TORCH_LIBRARY(peagle, m) {
       "bool compute_grad_hidden, bool compute_grad_head) "
       "-> (Tensor loss, Tensor correct, Tensor total, Tensor grad_hidden, Tensor grad_head)");
 
+  // ---- decode attention over a KV cache (csrc/decode_attention) ----------------------------
+  // q [T, Hq, D] (rows contiguous, any token/head strides), k/v [S, Hkv, D] (rows contiguous):
+  // query t, head h attends key rows key_start[t] .. key_start[t] + key_count[t] - 1 (int32 [T])
+  // of kv head h / (Hq / Hkv), scores scaled by `scale`; a run of no keys gives 0. -> out
+  // [T, Hq, D] contiguous, q's dtype. CUDA: float16/bfloat16, D 64 or 128, Hq / Hkv <= 8.
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor key_start, Tensor key_count, float scale) -> Tensor");
+
   // ---- vLLM parallel-drafting batch step (csrc/vllm) ----------------------------------
   // [vllm schemas]
   // docs/design.md section 6: vLLM's parallel-drafting input step in one op. num_rejected_tokens

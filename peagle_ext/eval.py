@@ -94,8 +94,8 @@ def make_verifier(model, aux_layer_ids, impl: str = "auto", *, attention: str = 
     if impl == "static" and why is not None:
         raise ValueError(f"--verifier-impl static: {why}")
     if impl == "hf" or why is not None:
-        if attention == "flash":
-            raise ValueError(f"--attention flash needs the static verifier ({why or '--verifier-impl hf'})")
+        if attention in ("flash", "peagle"):
+            raise ValueError(f"--attention {attention} needs the static verifier ({why or '--verifier-impl hf'})")
         return Verifier(model, aux_layer_ids)
     try:
         return StaticVerifier(model, aux_layer_ids, attention=attention)
@@ -384,6 +384,7 @@ def profile_rounds(
 # kernel classes of a decoding step, by a name fragment (lower case; the first class that matches)
 KERNEL_CLASSES = (
     ("attention", ("flash", "fmha", "attention", "efficient", "sdpa", "cudnn")),  # before gemm: fmha_cutlass*
+    # (peagle's decode_attention_kernel is named by "attention")
     ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "splitk", "cublas")),
     ("parallel draft", ("parallel_draft",)),
     ("reduce", ("reduce", "norm", "argmax", "cumprod", "scan", "softmax")),

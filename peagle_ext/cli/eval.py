@@ -54,12 +54,13 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "sdpa", "flash"],
+        choices=["auto", "sdpa", "flash", "peagle"],
         help="the attention over the KV caches: sdpa (the position mask over the whole cache), flash "
         "(through FlashAttention-2 over each query's filled positions: the static verifier's round tokens, "
-        "its greedy steps and prefills staying on sdpa, and every drafter row; CUDA, bf16/fp16); auto = "
-        "flash where it runs and agrees with sdpa on a probe (a round 1.21 greedy steps against 1.34 on the "
-        "H200, bench/RESULTS.md)",
+        "its greedy steps and prefills staying on sdpa, and every drafter row; CUDA, bf16/fp16), peagle (the "
+        "same through this project's one-launch decode-attention op; CPU and CUDA); auto = flash where it "
+        "runs and agrees with sdpa on a probe (a round 1.21 greedy steps against 1.34 on the H200, "
+        "bench/RESULTS.md)",
     )
     p.add_argument(
         "--cuda-graphs",
@@ -117,8 +118,12 @@ def run(args) -> int:
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     draft_dir = resolve_draft_dir(args.draft)  # fail fast, before loading the verifier
     model, tok = load_verifier(args.verifier, device=device, dtype=dtype, require_chat_template=False)
-    drafter = load_drafter(draft_dir, Verifier(model), dtype=dtype, attention=args.attention)
+    drafter = load_drafter(draft_dir, Verifier(model), dtype=dtype, attention="sdpa")
     verifier = make_verifier(model, drafter.aux_layer_ids, args.verifier_impl, attention=args.attention)
+    try:  # after the verifier's choice, whose errors name the verifier
+        drafter.set_attention(args.attention)
+    except ValueError as e:
+        raise ValueError(f"--attention: {e}") from None
     _check_pos_int("--profile-prompts", args.profile_prompts)
     k = args.num_spec_tokens or drafter.num_depths
     if k > drafter.num_depths:

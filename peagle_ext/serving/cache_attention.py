@@ -24,6 +24,14 @@ Two implementations of each; choose_impl picks one per model (the one heuristics
   query i seeing p + i + 1 positions. CUDA, fp16/bf16, head dim <= 256 and a multiple of 8. Its
   grid depends on the capacity only, so a captured graph stays valid as the sequences grow.
 
+- "peagle": this project's decode-attention op (ops/decode_attention.py, csrc/decode_attention)
+  over the same sequences as "flash": one kernel launch per layer for all of a round's query
+  tokens, where FlashAttention's varlen path takes five (its GQA decode layout copies q in and
+  out, then split-KV and combine kernels: ~17 us a layer for a round of 4 tokens over a short
+  context, against ~7 us for a greedy step's one cuDNN kernel). The verifier's rounds and the
+  drafter's rows; CPU and CUDA (float16/bfloat16, head dim 64 or 128, at most 8 query heads per
+  kv head). Chosen only when asked for: its time on the GPU is not yet measured.
+
 What "auto" picks: flash where it runs and agrees with sdpa on a probe, else sdpa. The verifier's
 flash attends a round's query tokens (2..ROUND_TOKENS_MAX) with flash, and a greedy step's one
 token and a prefill with sdpa. Measured on the H200 inside decoding's CUDA graphs (SmolLM2 shape,
@@ -42,15 +50,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
-IMPLS = ("auto", "sdpa", "flash")
+IMPLS = ("auto", "sdpa", "flash", "peagle")
+VARLEN_IMPLS = ("flash", "peagle")  # the implementations that attend one sequence per query token
 
 
-def flash_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when the "flash" implementation can run these inputs, else why not."""
+def flash_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, model: str = "verifier") -> str | None:
+    """None when the "flash" implementation can run these inputs, else why not (naming `model`)."""
     if torch.device(device).type != "cuda":
-        return f"it needs a CUDA device (the verifier is on {device})"
+        return f"it needs a CUDA device (the {model} is on {device})"
     if dtype not in (torch.float16, torch.bfloat16):
-        return f"it needs float16 or bfloat16 (the verifier is {dtype})"
+        return f"it needs float16 or bfloat16 (the {model} is {dtype})"
     if head_dim > 256 or head_dim % 8:
         return f"it needs a head dim <= 256 and a multiple of 8 (got {head_dim})"
     if not hasattr(torch.ops.aten, "_flash_attention_forward"):
@@ -83,6 +92,24 @@ def _flash_varlen(q, k, v, cu_q, cu_k, max_k: int, scale: float, seqused_k):
     )[0]
 
 
+def _peagle_varlen(q, k, v, key_start, scale: float, used):
+    """ops.decode_attention over the same sequences as _flash_varlen: q [sequences, heads, D],
+    sequence b's query attends the used[b] rows of k from key_start[b]."""
+    from ..ops.decode_attention import decode_attention
+
+    return decode_attention(q, k, v, key_start, used, scale)
+
+
+def attend_varlen(impl: str, q, k, v, lengths, max_k: int, scale: float):
+    """One query per sequence through `impl` ("flash" or "peagle"): q [sequences, heads, D],
+    k/v [rows, kv heads, D] views, lengths = (cu_q, cu_k, used) with cu_k[b] the first key row
+    of sequence b. The one dispatch between the two kernels."""
+    cu_q, cu_k, used = lengths
+    if impl == "peagle":
+        return _peagle_varlen(q, k, v, cu_k[: q.shape[0]], scale, used)
+    return _flash_varlen(q, k, v, cu_q, cu_k, max_k, scale, used)
+
+
 def flash_lengths(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The varlen arguments of query tokens at consecutive positions `pos` [T] (device), one
     sequence per token over the verifier's cache: int32 [0, 1, ..., T] for the queries, [T + 1]
@@ -95,12 +122,12 @@ def flash_lengths(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return cu_q, cu_k, (pos + 1).to(torch.int32)
 
 
-def attend_flash(q, k_cache, v_cache, lengths, scale: float):
-    """q [heads, T, D], k/v_cache [kv heads, C, D], lengths from flash_lengths -> [heads, T, D].
-    The cache is passed as its [C, kv heads, D] view (row stride D, head stride C*D): no copy."""
-    cu_q, cu_k, used = lengths
+def attend_flash(q, k_cache, v_cache, lengths, scale: float, impl: str = "flash"):
+    """q [heads, T, D], k/v_cache [kv heads, C, D], lengths from flash_lengths -> [heads, T, D],
+    through `impl` ("flash", or "peagle" over the same sequences). The cache is passed as its
+    [C, kv heads, D] view (row stride D, head stride C*D): no copy."""
     k, v = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
-    return _flash_varlen(q.transpose(0, 1), k, v, cu_q, cu_k, k.shape[0], scale, used).transpose(0, 1)
+    return attend_varlen(impl, q.transpose(0, 1), k, v, lengths, k.shape[0], scale).transpose(0, 1)
 
 
 def attend_rows_sdpa(q, k_cache, v_cache, allowed, scale: float):
@@ -153,31 +180,47 @@ def choose_impl(
     rows: bool = False,
     what: str | None = None,
 ) -> str:
-    """ "sdpa" or "flash" for `requested`: the verifier's cache attention (the drafter's has the
-    same semantics: its rows' positions need not be consecutive), or with rows=True batched
-    generation's (module docstring). "auto": flash where it runs and agrees with sdpa on a probe,
-    else sdpa. "flash" where it cannot run: ValueError saying why. what: the model the message
-    names."""
+    """ "sdpa", "flash" or "peagle" for `requested`: the verifier's cache attention (the drafter's
+    has the same semantics: its rows' positions need not be consecutive), or with rows=True
+    batched generation's (module docstring; no "peagle" there). "auto": flash where it runs and
+    agrees with sdpa on a probe, else sdpa. "flash" or "peagle" where it cannot run or its probe
+    disagrees: ValueError saying why. what: the model the messages name ("verifier",
+    "drafter"; batched generation's by default with rows=True)."""
     if requested not in IMPLS:
         raise ValueError(f"attention must be one of {', '.join(IMPLS)}, got {requested!r}")
+    what = what or ("batched generation" if rows else "verifier")
     if requested == "sdpa":
         return "sdpa"
-    why = flash_unsupported(device, dtype, head_dim)
+    if requested == "peagle":
+        if rows:
+            raise ValueError(f"attention='peagle' cannot run this {what}: it serves decoding (auto, sdpa or flash)")
+        from ..ops.decode_attention import decode_attention_unsupported
+
+        why = decode_attention_unsupported(device, dtype, num_heads, kv_heads, head_dim)
+        if why is None:
+            why = _probe(torch.device(device), dtype, num_heads, kv_heads, head_dim, "peagle")
+        if why is not None:
+            raise ValueError(f"attention='peagle' cannot run this {what}: {why}")
+        return "peagle"
+    why = flash_unsupported(device, dtype, head_dim, what)
     if why is None:
         probe = _probe_rows if rows else _probe
         why = probe(torch.device(device), dtype, num_heads, kv_heads, head_dim)
     if why is None:
         return "flash"
     if requested == "flash":
-        what = what or ("this batched generation" if rows else "this verifier")
-        raise ValueError(f"attention='flash' cannot run {what}: {why}")
+        raise ValueError(f"attention='flash' cannot run this {what}: {why}")
     return "sdpa"
 
 
 @functools.cache
-def _probe(device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim: int) -> str | None:
-    """None when "flash" runs on this device and agrees with "sdpa" on a small random case (a
-    torch built without FlashAttention, or an unsupported GPU, raises here rather than mid-decode)."""
+def _probe(
+    device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim: int, impl: str = "flash"
+) -> str | None:
+    """None when `impl` ("flash" or "peagle") runs on this device and agrees with "sdpa" on a
+    small random case (a torch built without FlashAttention, or an unsupported GPU, raises here
+    rather than mid-decode)."""
+    kernel = "aten::_flash_attention_forward" if impl == "flash" else "peagle::decode_attention"
     g = torch.Generator(device=device).manual_seed(0)
     cap, scale = 512, head_dim**-0.5
     k = torch.randn(kv_heads, cap, head_dim, device=device, generator=g).to(dtype)
@@ -188,25 +231,25 @@ def _probe(device: torch.device, dtype, num_heads: int, kv_heads: int, head_dim:
         pos = torch.arange(start, start + t, device=device)
         allowed = torch.arange(cap, device=device)[None, :] <= pos[:, None]
         try:
-            got = attend_flash(q, k, v, flash_lengths(pos), scale).float()
+            got = attend_flash(q, k, v, flash_lengths(pos), scale, impl).float()
         except RuntimeError as e:
-            return f"aten::_flash_attention_forward failed: {str(e).splitlines()[0][:200]}"
+            return f"{kernel} failed: {str(e).splitlines()[0][:200]}"
         want = attend_sdpa(q.float(), k.float(), v.float(), allowed, scale)
         err = float((got - want).abs().max())
         if not err < 0.05:
             return f"it disagrees with sdpa on a probe of {t} query tokens (max abs difference {err:.3g})"
         if device.type == "cuda":
             why = _replays_in_a_graph(
-                functools.partial(_attend_flash_at, q, k, v, pos, scale), functools.partial(pos.add_, 100), device
+                functools.partial(_attend_flash_at, q, k, v, pos, scale, impl), functools.partial(pos.add_, 100), device
             )
             if why is not None:
                 return why
     return None
 
 
-def _attend_flash_at(q, k_cache, v_cache, pos, scale: float):
+def _attend_flash_at(q, k_cache, v_cache, pos, scale: float, impl: str = "flash"):
     """attend_flash with its lengths computed from `pos` on every call (as a captured forward does)."""
-    return attend_flash(q, k_cache, v_cache, flash_lengths(pos), scale)
+    return attend_flash(q, k_cache, v_cache, flash_lengths(pos), scale, impl)
 
 
 def _replays_in_a_graph(fn, advance, device) -> str | None:

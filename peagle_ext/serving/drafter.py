@@ -49,8 +49,9 @@ class PEagleDrafter(Drafter):
     attention over the cache (the choice is self.attention): "sdpa", SDPA under the causal-by-
     position mask over every slot; "flash", each row its own FlashAttention sequence over the slots
     0..its position (serving/cache_attention.py): it reads only those, where SDPA under a mask
-    walks every slot of the cache whatever the position; "auto" (the default), flash where it runs
-    and agrees with sdpa on a probe."""
+    walks every slot of the cache whatever the position; "peagle", the same sequences through
+    ops.decode_attention; "auto" (the default), flash where it runs and agrees with sdpa on a
+    probe."""
 
     def __init__(self, model, *, device=None, dtype: torch.dtype | None = None, attention: str = "auto"):
         if not isinstance(model, PEagleDraftModel):
@@ -74,15 +75,22 @@ class PEagleDrafter(Drafter):
         a = model.layers[0].self_attn
         self._kv_shape = (a.num_kv_heads, a.head_dim)
         self._scale = a.head_dim**-0.5  # SDPA's default, which the sdpa path uses
-        self.attention = cache_attention.choose_impl(
-            attention, device, dtype, a.num_heads, a.num_kv_heads, a.head_dim, what="this drafter"
-        )
+        self.set_attention(attention)
         self._num_layers = n
         self._k_cache: list[torch.Tensor] = []
         self._v_cache: list[torch.Tensor] = []
         with torch.no_grad():
             self._mask_hidden = self.combine_hidden(self.model.mask_hidden.reshape(1, -1))[0].contiguous()
         self._draft_ids = model.draft_token_ids.to(device)
+
+    def set_attention(self, attention: str):
+        """Choose the attention over the cache ("auto", "sdpa", "flash" or "peagle"; the class
+        docstring); ValueError where the one asked for cannot run. Before any engine is built on
+        this drafter (a captured graph keeps the kernels it recorded)."""
+        a = self.model.layers[0].self_attn
+        self.attention = cache_attention.choose_impl(
+            attention, self.device, self.dtype, a.num_heads, a.num_kv_heads, a.head_dim, what="drafter"
+        )
 
     def combine_hidden(self, aux):
         m = self.model
@@ -171,7 +179,7 @@ class PEagleDrafter(Drafter):
         hid = hid.to(self.device, self.dtype)
         ctx = key_pos.shape[0]
         cos, sin = self._rope(pos)
-        flash = self.attention == "flash"
+        flash = self.attention in cache_attention.VARLEN_IMPLS
         x = None
         last = len(m.layers) - 1
         for li, layer in enumerate(m.layers):
@@ -218,11 +226,10 @@ class PEagleDrafter(Drafter):
         return cu_q, cu_k, used.clamp(1, self._k_cache[0].shape[0] - 1)
 
     def _attend_flash(self, q, li: int, lengths):
-        """q [rows, heads, D] over layer li's cache [slots, kv heads, D] (already FlashAttention's
-        key layout) -> [rows, heads, D]."""
-        cu_q, cu_k, used = lengths
+        """q [rows, heads, D] over layer li's cache [slots, kv heads, D] (already the varlen key
+        layout) through self.attention ("flash" or "peagle") -> [rows, heads, D]."""
         kc, vc = self._k_cache[li], self._v_cache[li]
-        return cache_attention._flash_varlen(q, kc, vc, cu_q, cu_k, kc.shape[0], self._scale, used)
+        return cache_attention.attend_varlen(self.attention, q, kc, vc, lengths, kc.shape[0], self._scale)
 
     def draft_logits(self, batch: DraftBatch, num_spec_tokens: int, num_rows: int, context_len: int) -> torch.Tensor:
         """Draft-vocab logits [K, Vd] of draft tokens 1..K."""

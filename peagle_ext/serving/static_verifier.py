@@ -24,7 +24,14 @@ import contextlib
 import torch
 
 from ..data import check_aux_layer_ids, decoder_parts
-from .cache_attention import ROUND_TOKENS_MAX, attend_flash, attend_sdpa, choose_impl, flash_lengths
+from .cache_attention import (
+    ROUND_TOKENS_MAX,
+    VARLEN_IMPLS,
+    attend_flash,
+    attend_sdpa,
+    choose_impl,
+    flash_lengths,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -188,7 +195,7 @@ class StaticVerifier:
         cos, sin = self.rope(pos)  # [1, T, D]
         # flash for a round's tokens; a greedy step's one token and a prefill take sdpa
         # (serving/cache_attention.py says why)
-        flash = self.attention == "flash" and 2 <= ids.shape[0] <= ROUND_TOKENS_MAX
+        flash = self.attention in VARLEN_IMPLS and 2 <= ids.shape[0] <= ROUND_TOKENS_MAX
         if flash:  # reads positions <= pos[i] only, whatever the capacity
             lengths = flash_lengths(pos)
         else:
@@ -205,7 +212,7 @@ class StaticVerifier:
             kc.index_copy_(1, pos, k.to(kc.dtype))
             vc.index_copy_(1, pos, v.to(vc.dtype))
             if flash:
-                o = attend_flash(q, kc, vc, lengths, self.scale)
+                o = attend_flash(q, kc, vc, lengths, self.scale, self.attention)
             else:
                 if ctx is not None:
                     kc, vc = kc[:, :ctx], vc[:, :ctx]

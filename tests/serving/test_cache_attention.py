@@ -106,8 +106,14 @@ def test_choice_on_the_cpu():
     assert choose_impl("sdpa", torch.device("cpu"), torch.float32, 9, 3, 64) == "sdpa"
     with pytest.raises(ValueError, match="attention='flash'.*CUDA device"):
         choose_impl("flash", torch.device("cpu"), torch.bfloat16, 9, 3, 64)
-    with pytest.raises(ValueError, match="attention must be one of auto, sdpa, flash, got 'fast'"):
+    with pytest.raises(ValueError, match="attention must be one of auto, sdpa, flash, peagle, got 'fast'"):
         choose_impl("fast", torch.device("cpu"), torch.bfloat16, 9, 3, 64)
+    # peagle's op has a CPU path: chosen where asked for (after its probe), never by auto
+    assert choose_impl("peagle", torch.device("cpu"), torch.float32, 9, 3, 64) == "peagle"
+    with pytest.raises(ValueError, match="attention='peagle' cannot run this batched generation"):
+        choose_impl("peagle", torch.device("cpu"), torch.float32, 9, 3, 64, rows=True)
+    with pytest.raises(ValueError, match="attention='peagle' cannot run this verifier: .*multiple of its kv heads"):
+        choose_impl("peagle", torch.device("cpu"), torch.float32, 9, 2, 64)
     assert "float16 or bfloat16" in flash_unsupported(torch.device("cuda"), torch.float32, 64)
     assert "head dim" in flash_unsupported(torch.device("cuda"), torch.bfloat16, 72 + 4)
     assert "head dim" in flash_unsupported(torch.device("cuda"), torch.bfloat16, 512)
@@ -312,13 +318,48 @@ def test_drafter_flash_equals_sdpa(tmp_path, kernel_stood_in, model_type):
         assert a.tokens == b.tokens and a.accepted == b.accepted
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_peagle_attention_equals_sdpa_in_decoding(tmp_path, model_type):
+    """attention="peagle" (ops.decode_attention, its real CPU path) in the verifier and the
+    drafter: a round's logits and aux states equal sdpa's (float64 verifier), and speculative
+    decoding through a RoundEngine gives sdpa's tokens and acceptances round for round."""
+    import copy
+
+    from peagle_ext.serving import PEagleDrafter, speculative_generate
+    from peagle_ext.serving.graphs import RoundEngine
+
+    vm, dm = _tiny_pair(tmp_path, model_type, torch.float64)
+    aux = dm.config.eagle_aux_hidden_state_layer_ids
+    pv, sv = StaticVerifier(vm, aux, attention="peagle"), StaticVerifier(vm, aux, attention="sdpa")
+    assert pv.attention == "peagle"
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(0))
+    cp, cs = pv.new_cache(64), sv.new_cache(64)
+    pv.forward(ids[:20], cp, 0)
+    sv.forward(ids[:20], cs, 0)
+    pos = torch.arange(20, 25)
+    for x, y in zip(pv.forward_static(ids[20:25], pos, cp), sv.forward_static(ids[20:25], pos, cs)):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-9)
+    pd = PEagleDrafter(copy.deepcopy(dm), dtype=torch.float32, attention="peagle")
+    sd = PEagleDrafter(copy.deepcopy(dm), dtype=torch.float32, attention="sdpa")
+    assert pd.attention == "peagle"
+    k, cap = 4, 48
+    g = torch.Generator().manual_seed(5)
+    for p in (torch.randint(3, 300, (n,), generator=g) for n in (1, 9)):
+        a = speculative_generate(pv, pd, p, k, 20, engine=RoundEngine(pv, pd, k, cap, cuda_graph=False))
+        b = speculative_generate(sv, sd, p, k, 20, engine=RoundEngine(sv, sd, k, cap, cuda_graph=False))
+        assert a.tokens == b.tokens and a.accepted == b.accepted
+
+
 def test_drafter_attention_argument(tmp_path):
     from peagle_ext.serving import PEagleDrafter
 
     _, dm = _tiny_pair(tmp_path, "llama", torch.float32, num_layers=1)
     assert PEagleDrafter(dm).attention == "sdpa"  # auto on the CPU
-    with pytest.raises(ValueError, match="attention='flash' cannot run this drafter: it needs a CUDA device"):
+    with pytest.raises(ValueError, match="'flash' cannot run this drafter: it needs a CUDA device \\(the drafter"):
         PEagleDrafter(dm, attention="flash")
+    dr = PEagleDrafter(dm, attention="sdpa")
+    dr.set_attention("peagle")  # its CPU path
+    assert dr.attention == "peagle"
     with pytest.raises(ValueError, match="attention must be one of"):
         PEagleDrafter(dm, attention="math")
 
@@ -326,8 +367,8 @@ def test_drafter_attention_argument(tmp_path):
 @requires_cuda
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_drafter_flash_equals_sdpa_on_cuda(tmp_path, model_type):
-    """The real kernel in a bf16 drafter: forward_static's hidden states equal sdpa's within bf16
-    rounding, eagerly and replayed from a CUDA graph after the positions moved on."""
+    """The real kernels (flash, peagle) in a bf16 drafter: forward_static's hidden states equal
+    sdpa's within bf16 rounding after rounds replayed from a CUDA graph as the positions moved on."""
     import copy
 
     from peagle_ext.serving import PEagleDrafter
@@ -337,7 +378,7 @@ def test_drafter_flash_equals_sdpa_on_cuda(tmp_path, model_type):
     k, cap = 3, 256
     st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids, attention="sdpa")
     outs = []
-    for att in ("flash", "sdpa"):
+    for att in ("flash", "peagle", "sdpa"):
         dr = PEagleDrafter(copy.deepcopy(dm), device="cuda", dtype=torch.bfloat16, attention=att)
         assert dr.attention == att
         eng = RoundEngine(st, dr, k, cap, cuda_graph=True)
@@ -348,7 +389,8 @@ def test_drafter_flash_equals_sdpa_on_cuda(tmp_path, model_type):
         rows = eng.batch.token_indices_to_sample[:k].long()
         with torch.no_grad():
             outs.append(dr.forward_static(eng.batch, rows).float())
-    torch.testing.assert_close(outs[0], outs[1], rtol=3e-2, atol=3e-2)
+    for out in outs[:-1]:
+        torch.testing.assert_close(out, outs[-1], rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("rows", [False, True], ids=["verifier", "batched"])

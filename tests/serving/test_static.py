@@ -352,6 +352,13 @@ def test_cli_eval_profile_and_verifier_impl(vdir, tmp_path):
     assert hf["verifier_impl"] == "Verifier" and "profile" not in hf
     # the same tokens whichever verifier runs them (float32: equal up to near-ties, none here)
     assert [p["accepted_per_round"] for p in hf["prompts"]] == [p["accepted_per_round"] for p in rep["prompts"]]
+    # and whichever attention: peagle's decode-attention op (its CPU path) in verifier and drafter
+    r = run_cli([*base, "--attention", "peagle", "--json", str(tmp_path / "p.json")], timeout=300)
+    assert r.returncode == 0, r.stderr
+    pe = json.loads((tmp_path / "p.json").read_text())
+    assert pe["verifier_attention"] == pe["drafter_attention"] == "peagle" and pe["lossless"]
+    assert "attention peagle, drafter attention peagle" in r.stdout
+    assert [p["accepted_per_round"] for p in pe["prompts"]] == [p["accepted_per_round"] for p in rep["prompts"]]
 
 
 def test_kernel_class_names():
@@ -365,6 +372,7 @@ def test_kernel_class_names():
     assert kernel_class("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "copy / index"
     assert kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert kernel_class("peagle_parallel_draft_kernel") == "parallel draft"
+    assert kernel_class("void peagle::decode_attention::decode_attention_kernel<__nv_bfloat16, 64>") == "attention"
     assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert kernel_class("Memcpy DtoD (Device -> Device)") == "copy / index"
     assert kernel_class("something_else") == "other"
