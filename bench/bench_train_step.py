@@ -558,8 +558,8 @@ def main(argv=None):
     p.add_argument("--final-reserve-s", type=float, default=5.0, help="kept for writing the outputs")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="toy shapes (CPU smoke test of the harness)")
-    # a step's time moves by ~3% from step to step (one 4-layer run: 306-319 ms in two groups), so
-    # the median of 5 moves with which group has three
+    # a step's time moves by ~3% from step to step (the 4-layer step on the H200: 306-319 ms, in
+    # two groups), so a median of 5 moves with which group has three of them
     p.add_argument("--steps", type=int, default=11, help="timed steps per case (fewer when time runs out)")
     p.add_argument("--num-depths", type=int, default=8)
     p.add_argument("--cases", default="", help="comma list of case names or impl:N[:layers[:vocab[:anchors]]]")
