@@ -223,11 +223,19 @@ def build_hidden_states(
     if cache and not background and ctx.world == 1:
         ntok_all = inp.train_tokens + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
         dt_h = time.time() - t0
+        split = {k: train_h.warm_seconds[k] + val_h.warm_seconds[k] for k in train_h.warm_seconds}
+        parts = (
+            f": verifier passes {split['verifier']:.1f}s, shift and copies to host memory {split['to_host']:.1f}s"
+            if split["verifier"] > 0
+            else ""
+        )
         log.event(
             "hidden",
             f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
-            f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s)",
+            f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s{parts})",
             seconds=dt_h,
+            verifier_s=round(split["verifier"], 3),
+            to_host_s=round(split["to_host"], 3),
         )
     if (cache and not background and ctx.world == 1) or s.hidden_cache_dir:
         # every row is cached: the verifier itself is no longer needed

@@ -30,6 +30,9 @@ class HiddenStates:
         self.disk = disk
         self._mem: dict[int, object] = {}
         self._shard: tuple[int, list] | None = None
+        # seconds of the batched warm-up (GPU) in the verifier's passes and in the shift plus the
+        # copies into host memory
+        self.warm_seconds = {"verifier": 0.0, "to_host": 0.0}
 
     def compute(self, i: int):
         if self.disk is not None:
@@ -174,14 +177,22 @@ class HiddenStates:
         bar = progress_bar(None, total=len(todo), desc=desc, unit="row", disable=not progress)
         t0 = time.time()
         ntok = 0
+        split = self.warm_seconds
+        vdev = next(self.verifier.parameters()).device
         for k in range(0, len(todo), self.WARM_ROWS):
             idx = todo[k : k + self.WARM_ROWS]
             rows = [self.rows[i] for i in idx]
             budget = max(sum(len(r) for r in rows), 4096)
+            a = time.perf_counter()
             states = D.verifier_hidden_states_many(self.verifier, rows, self.aux, token_budget=budget)
+            if vdev.type == "cuda":
+                torch.cuda.synchronize(vdev)  # the pass's own time, apart from the copies
+            b = time.perf_counter()
             for i, r, (aux, last) in zip(idx, rows, states):
                 self._mem[i] = D.eagle_shift(r, aux, last).to("cpu", self.store_dtype)
                 ntok += len(r)
+            split["verifier"] += b - a
+            split["to_host"] += time.perf_counter() - b
             bar.update(len(idx))
             bar.set_postfix(tok_s=f"{ntok / max(time.time() - t0, 1e-9):.0f}")
         bar.close()

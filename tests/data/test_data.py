@@ -495,6 +495,7 @@ def test_cache_warmed_in_batched_passes_equals_row_by_row(rng, monkeypatch):
     cached.device = torch.device("cuda")  # warm() batches for a GPU verifier (none is touched here)
     cached.warm("test", progress=False)
     assert calls == [2, 2] and sorted(cached._mem) == [0, 1, 2, 3, 4]
+    assert cached.warm_seconds["verifier"] > 0 and cached.warm_seconds["to_host"] > 0  # the log's split
     alone = HiddenStates(model, ids, rows, cache=False, store_dtype=torch.float64, device=torch.device("cpu"))
     for i in range(len(rows)):
         ex, want = cached.get(i), alone.get(i)
