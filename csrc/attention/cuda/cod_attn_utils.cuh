@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "common/device_math.cuh"
+
 namespace peagle::attention::cuda {
 
 template <typename T>
@@ -157,11 +159,7 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+using peagle::device::warp_sum;
 __device__ __forceinline__ int warp_min(int x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = min(x, __shfl_xor_sync(0xffffffffu, x, o));

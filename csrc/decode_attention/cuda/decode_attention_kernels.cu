@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "common/device_math.cuh"
 #include "decode_attention/decode_attention_kernels.h"
 
 namespace peagle::decode_attention {
@@ -29,29 +30,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kGroup = static_cast<int>(kMaxGroup);
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+using device::from_float;
+using device::to_float;
+using device::warp_max;
+using device::warp_sum;
 
 // 8 elements of a 16-byte load.
 template <typename T>

@@ -12,6 +12,8 @@
 // No torch include here: raw pointers and a launcher (loss_kernels.h).
 #include "loss/loss_kernels.h"
 
+#include "common/device_math.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -27,24 +29,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---- element and 16-byte vector conversions ---------------------------------------------
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using device::from_float;
+using device::to_float;
 
 template <typename T>
 struct VecWidth {
@@ -185,11 +171,7 @@ __device__ __forceinline__ void warp_merge(SoftmaxState& s) {
   }
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
-  return x;
-}
+using device::warp_sum;
 
 // Merges the block's per-thread states; every thread returns the same merged state (all merge
 // the warp results in the same order). `sh` holds kWarps entries per field.
