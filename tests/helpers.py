@@ -404,3 +404,27 @@ def flash_varlen_standin(q, k, v, cu_q, cu_k, max_k, scale, seqused_k):
         p = torch.softmax(torch.einsum("qhd,hnd->hqn", q[q0:q1].double(), kb) * scale, -1)
         out[q0:q1] = torch.einsum("hqn,hnd->qhd", p, vb).to(q.dtype)
     return out
+
+
+def one_request_batch(drafter, ids, pos0: int, num_rejected: int, aux, *, k: int, capacity: int, mask_token_id: int):
+    """The parallel-drafting batch of one request whose target rows are tokens `ids` at positions
+    pos0.. with verifier aux states `aux`, bonus token 7 and the last `num_rejected` rows
+    rejected, for `drafter` (its combine_hidden and MASK hidden), over a block table covering
+    `capacity` positions in blocks of 16."""
+    from peagle_ext.vllm import prepare_parallel_draft_inputs
+
+    t = ids.numel()
+    return prepare_parallel_draft_inputs(
+        ids.int(),
+        torch.arange(pos0, pos0 + t),
+        torch.tensor([7], dtype=torch.int32),
+        torch.tensor([0, t], dtype=torch.int32),
+        torch.tensor([num_rejected], dtype=torch.int32),
+        drafter.combine_hidden(aux).contiguous(),
+        drafter.mask_hidden,
+        torch.arange(capacity // 16, dtype=torch.int32)[None],
+        num_spec_tokens=k,
+        mask_token_id=mask_token_id,
+        block_size=16,
+        max_model_len=capacity,
+    )

@@ -22,7 +22,7 @@ from peagle_ext.serving.cache_attention import (
 )
 from peagle_ext.serving.static_verifier import StaticVerifier
 from peagle_ext.testing import make_tiny_verifier
-from tests.helpers import flash_varlen_standin, requires_cuda
+from tests.helpers import flash_varlen_standin, one_request_batch, requires_cuda
 
 
 def reference(q, k_cache, v_cache, pos, scale):
@@ -262,7 +262,6 @@ def test_drafter_flash_equals_sdpa(tmp_path, kernel_stood_in, model_type):
 
     from peagle_ext.serving import PEagleDrafter, speculative_generate
     from peagle_ext.serving.graphs import RoundEngine
-    from peagle_ext.vllm import prepare_parallel_draft_inputs
 
     vm, dm = _tiny_pair(tmp_path, model_type, torch.float64)
     k, cap = 4, 48
@@ -271,24 +270,9 @@ def test_drafter_flash_equals_sdpa(tmp_path, kernel_stood_in, model_type):
     assert fl.attention == "flash" and sd.attention == "sdpa"
     g = torch.Generator().manual_seed(3)
     w = dm.config.num_aux * vm.config.hidden_size
-    bt = torch.arange(cap // 16, dtype=torch.int32)[None]
 
     def batch(ids, pos0, nrej, aux):
-        t = ids.numel()
-        return prepare_parallel_draft_inputs(
-            ids.int(),
-            torch.arange(pos0, pos0 + t),
-            torch.tensor([7], dtype=torch.int32),
-            torch.tensor([0, t], dtype=torch.int32),
-            torch.tensor([nrej], dtype=torch.int32),
-            fl.combine_hidden(aux).contiguous(),
-            fl.mask_hidden,
-            bt,
-            num_spec_tokens=k,
-            mask_token_id=300,
-            block_size=16,
-            max_model_len=cap,
-        )
+        return one_request_batch(fl, ids, pos0, nrej, aux, k=k, capacity=cap, mask_token_id=300)
 
     with torch.no_grad():
         b1 = batch(torch.randint(0, 300, (9,), generator=g), 0, 0, torch.randn(9, w, generator=g))

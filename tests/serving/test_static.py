@@ -13,7 +13,7 @@ from peagle_ext.serving import PEagleDrafter, Verifier, greedy_generate, specula
 from peagle_ext.serving.graphs import GreedyEngine, RoundEngine
 from peagle_ext.serving.static_verifier import StaticVerifier, static_verifier_support
 from peagle_ext.testing import make_tiny_verifier
-from tests.helpers import requires_cuda
+from tests.helpers import one_request_batch, requires_cuda
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 300
@@ -86,32 +86,15 @@ def test_static_greedy_equals_transformers_greedy(vdir):
 
 
 def test_forward_static_matches_forward_rows(vdir):
-    from peagle_ext.vllm import prepare_parallel_draft_inputs
-
     vm = _load(vdir, torch.float32)
     k = 4
     dr = PEagleDrafter(_drafter(vm, k=k, num_layers=2))
     g = torch.Generator().manual_seed(2)
     w = dr.model.config.num_aux * 64
     cap = 48
-    bt = torch.arange(cap // 16, dtype=torch.int32)[None]
 
     def batch(ids, pos0, nrej, aux):
-        t = ids.numel()
-        return prepare_parallel_draft_inputs(
-            ids.int(),
-            torch.arange(pos0, pos0 + t),
-            torch.tensor([7], dtype=torch.int32),
-            torch.tensor([0, t], dtype=torch.int32),
-            torch.tensor([nrej], dtype=torch.int32),
-            dr.combine_hidden(aux).contiguous(),
-            dr.mask_hidden,
-            bt,
-            num_spec_tokens=k,
-            mask_token_id=VOCAB,
-            block_size=16,
-            max_model_len=cap,
-        )
+        return one_request_batch(dr, ids, pos0, nrej, aux, k=k, capacity=cap, mask_token_id=VOCAB)
 
     b1 = batch(torch.randint(0, VOCAB, (9,), generator=g), 0, 0, torch.randn(9, w, generator=g))
     for nrej in (0, 2, k):  # a round with rejected rows, after the same first round in two drafters
