@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from peagle_ext.serving.cache_attention import attend_flash, flash_lengths
+from peagle_ext.serving.cache_attention import attend_cache_varlen, flash_lengths
 
 HAS_CUDA = torch.cuda.is_available()
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -48,7 +48,7 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
     "math": SDPBackend.MATH,
-    "flash-varlen": "flash-varlen",  # not SDPA: serving/cache_attention.attend_flash
+    "flash-varlen": "flash-varlen",  # not SDPA: serving/cache_attention.attend_cache_varlen
     "peagle": "peagle",  # not SDPA: ops.decode_attention over the same sequences
 }
 
@@ -73,7 +73,7 @@ def attend(case, backend):
     q, k, v, allowed, lengths = case
     if backend in ("flash-varlen", "peagle"):
         impl = "flash" if backend == "flash-varlen" else "peagle"
-        return attend_flash(q[0], k[0], v[0], lengths, HEAD_DIM**-0.5, impl)[None]
+        return attend_cache_varlen(q[0], k[0], v[0], lengths, HEAD_DIM**-0.5, impl)[None]
 
     def run():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=HEAD_DIM**-0.5, enable_gqa=True)

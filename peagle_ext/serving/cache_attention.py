@@ -122,7 +122,7 @@ def flash_lengths(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return cu_q, cu_k, (pos + 1).to(torch.int32)
 
 
-def attend_flash(q, k_cache, v_cache, lengths, scale: float, impl: str = "flash"):
+def attend_cache_varlen(q, k_cache, v_cache, lengths, scale: float, impl: str = "flash"):
     """q [heads, T, D], k/v_cache [kv heads, C, D], lengths from flash_lengths -> [heads, T, D],
     through `impl` ("flash", or "peagle" over the same sequences). The cache is passed as its
     [C, kv heads, D] view (row stride D, head stride C*D): no copy."""
@@ -231,7 +231,7 @@ def _probe(
         pos = torch.arange(start, start + t, device=device)
         allowed = torch.arange(cap, device=device)[None, :] <= pos[:, None]
         try:
-            got = attend_flash(q, k, v, flash_lengths(pos), scale, impl).float()
+            got = attend_cache_varlen(q, k, v, flash_lengths(pos), scale, impl).float()
         except RuntimeError as e:
             return f"{kernel} failed: {str(e).splitlines()[0][:200]}"
         want = attend_sdpa(q.float(), k.float(), v.float(), allowed, scale)
@@ -239,17 +239,16 @@ def _probe(
         if not err < 0.05:
             return f"it disagrees with sdpa on a probe of {t} query tokens (max abs difference {err:.3g})"
         if device.type == "cuda":
-            why = _replays_in_a_graph(
-                functools.partial(_attend_flash_at, q, k, v, pos, scale, impl), functools.partial(pos.add_, 100), device
-            )
+            run = functools.partial(_attend_varlen_at, q, k, v, pos, scale, impl)
+            why = _replays_in_a_graph(run, functools.partial(pos.add_, 100), device)
             if why is not None:
                 return why
     return None
 
 
-def _attend_flash_at(q, k_cache, v_cache, pos, scale: float, impl: str = "flash"):
-    """attend_flash with its lengths computed from `pos` on every call (as a captured forward does)."""
-    return attend_flash(q, k_cache, v_cache, flash_lengths(pos), scale, impl)
+def _attend_varlen_at(q, k_cache, v_cache, pos, scale: float, impl: str = "flash"):
+    """attend_cache_varlen with its lengths computed from `pos` on every call (as a captured forward does)."""
+    return attend_cache_varlen(q, k_cache, v_cache, flash_lengths(pos), scale, impl)
 
 
 def _replays_in_a_graph(fn, advance, device) -> str | None:

@@ -179,7 +179,7 @@ class PEagleDrafter(Drafter):
         hid = hid.to(self.device, self.dtype)
         ctx = key_pos.shape[0]
         cos, sin = self._rope(pos)
-        flash = self.attention in cache_attention.VARLEN_IMPLS
+        varlen = self.attention in cache_attention.VARLEN_IMPLS
         x = None
         last = len(m.layers) - 1
         for li, layer in enumerate(m.layers):
@@ -201,10 +201,10 @@ class PEagleDrafter(Drafter):
             if q_rows is not None:  # the last layer only needs the rows that are read out
                 q_in, q_cos, q_sin, q_pos, res = a_in[q_rows], cos[q_rows], sin[q_rows], pos[q_rows], res[q_rows]
             q = apply_rope(attn.q(q_in), q_cos, q_sin)
-            if flash:
+            if varlen:
                 if li == 0 or q_rows is not None:  # every layer shares them, but the last's query rows
-                    lengths = self._flash_lengths(q_pos)
-                o = self._attend_flash(q.to(self.dtype), li, lengths)
+                    lengths = self._varlen_lengths(q_pos)
+                o = self._attend_varlen(q.to(self.dtype), li, lengths)
             else:
                 allowed = key_pos[None, :] <= q_pos[:, None]  # causal by position over the cache
                 o = F.scaled_dot_product_attention(
@@ -217,7 +217,7 @@ class PEagleDrafter(Drafter):
             x = layer.post_attention(o, res)
         return x
 
-    def _flash_lengths(self, pos: torch.Tensor):
+    def _varlen_lengths(self, pos: torch.Tensor):
         """The varlen arguments of one sequence per row over the cache: row i reads slots
         0..pos[i] (slot = position). A rejected row's position may lie past the cache: its count is
         clamped to the positions the cache holds, never reaching the scratch slot (its output is
@@ -225,7 +225,7 @@ class PEagleDrafter(Drafter):
         cu_q, cu_k, used = cache_attention.flash_lengths(pos)
         return cu_q, cu_k, used.clamp(1, self._k_cache[0].shape[0] - 1)
 
-    def _attend_flash(self, q, li: int, lengths):
+    def _attend_varlen(self, q, li: int, lengths):
         """q [rows, heads, D] over layer li's cache [slots, kv heads, D] (already the varlen key
         layout) through self.attention ("flash" or "peagle") -> [rows, heads, D]."""
         kc, vc = self._k_cache[li], self._v_cache[li]

@@ -27,7 +27,7 @@ from ..data import check_aux_layer_ids, decoder_parts
 from .cache_attention import (
     ROUND_TOKENS_MAX,
     VARLEN_IMPLS,
-    attend_flash,
+    attend_cache_varlen,
     attend_sdpa,
     choose_impl,
     flash_lengths,
@@ -75,9 +75,9 @@ class StaticVerifier:
     """The Verifier interface (serving/verifier.py) over a StaticKV cache (module docstring)."""
 
     def __init__(self, model, aux_layer_ids=None, *, capacity: int | None = None, attention: str = "auto"):
-        """attention: "auto", "sdpa" or "flash" (serving/cache_attention.py: flash attends a round's
-        2..ROUND_TOKENS_MAX tokens, sdpa everything else; auto: flash where it runs and agrees with
-        sdpa on a probe); the choice is self.attention."""
+        """attention: "auto", "sdpa", "flash" or "peagle" (serving/cache_attention.py: flash or
+        peagle attends a round's 2..ROUND_TOKENS_MAX tokens, sdpa everything else; auto: flash where
+        it runs and agrees with sdpa on a probe); the choice is self.attention."""
         why = static_verifier_support(model)
         if why is not None:
             raise ValueError(f"StaticVerifier does not run this model: {why}")
@@ -193,10 +193,10 @@ class StaticVerifier:
         """out_rows: the rows whose logits are computed: None (all), a slice or an index tensor."""
         x = self._embed(ids.long())
         cos, sin = self.rope(pos)  # [1, T, D]
-        # flash for a round's tokens; a greedy step's one token and a prefill take sdpa
+        # flash or peagle for a round's tokens; a greedy step's one token and a prefill take sdpa
         # (serving/cache_attention.py says why)
-        flash = self.attention in VARLEN_IMPLS and 2 <= ids.shape[0] <= ROUND_TOKENS_MAX
-        if flash:  # reads positions <= pos[i] only, whatever the capacity
+        varlen = self.attention in VARLEN_IMPLS and 2 <= ids.shape[0] <= ROUND_TOKENS_MAX
+        if varlen:  # reads positions <= pos[i] only, whatever the capacity
             lengths = flash_lengths(pos)
         else:
             key_pos = torch.arange(cache.capacity if ctx is None else ctx, device=self.device)
@@ -211,8 +211,8 @@ class StaticVerifier:
             kc, vc = cache.k[li], cache.v[li]
             kc.index_copy_(1, pos, k.to(kc.dtype))
             vc.index_copy_(1, pos, v.to(vc.dtype))
-            if flash:
-                o = attend_flash(q, kc, vc, lengths, self.scale, self.attention)
+            if varlen:
+                o = attend_cache_varlen(q, kc, vc, lengths, self.scale, self.attention)
             else:
                 if ctx is not None:
                     kc, vc = kc[:, :ctx], vc[:, :ctx]

@@ -10,7 +10,7 @@ import torch
 
 from peagle_ext.serving.cache_attention import (
     ROUND_TOKENS_MAX,
-    attend_flash,
+    attend_cache_varlen,
     attend_rows_flash,
     attend_rows_sdpa,
     attend_sdpa,
@@ -96,7 +96,7 @@ def test_flash_layout_matches_reference(kernel_stood_in, heads, kv_heads, d, t, 
     q, k, v, pos = case(heads, kv_heads, d, t, cap, start, torch.float64, "cpu", seed=t * 10 + start)
     k[:, start + t :] = float("nan")
     v[:, start + t :] = float("nan")
-    got = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+    got = attend_cache_varlen(q, k, v, flash_lengths(pos), d**-0.5)
     assert got.shape == q.shape and kernel_stood_in == [t]
     torch.testing.assert_close(got, reference(q, k, v, pos, d**-0.5), rtol=1e-10, atol=1e-10)
 
@@ -152,7 +152,7 @@ def test_flash_matches_reference(dtype, heads, kv_heads, d, t, cap, start):
     # the positions past the last query hold garbage: flash must not read them
     k[:, start + t :] = float("nan")
     v[:, start + t :] = float("nan")
-    got = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+    got = attend_cache_varlen(q, k, v, flash_lengths(pos), d**-0.5)
     assert got.shape == q.shape and got.dtype == dtype
     want = reference(q, k, v, pos, d**-0.5)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
@@ -167,16 +167,16 @@ def test_flash_replays_from_a_cuda_graph_as_the_sequence_grows(t):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+        attend_cache_varlen(q, k, v, flash_lengths(pos), d**-0.5)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+        out = attend_cache_varlen(q, k, v, flash_lengths(pos), d**-0.5)
     for start in (0, 5, 100, 700, cap - t):
         pos.copy_(torch.arange(start, start + t))
         q.normal_()
         graph.replay()
-        want = attend_flash(q, k, v, flash_lengths(pos), d**-0.5)
+        want = attend_cache_varlen(q, k, v, flash_lengths(pos), d**-0.5)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
         torch.testing.assert_close(out.double(), reference(q, k, v, pos, d**-0.5), rtol=2e-2, atol=2e-2)
 
