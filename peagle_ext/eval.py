@@ -78,10 +78,7 @@ def load_drafter(
     top = int(model.draft_token_ids.max())
     if top >= verifier.vocab_size:
         raise ValueError(f"drafter {d} drafts token id {top}, the verifier's vocab has {verifier.vocab_size} ids")
-    try:
-        return PEagleDrafter(model, device=verifier.device, dtype=dtype or verifier.dtype, attention=attention)
-    except ValueError as e:
-        raise ValueError(f"--attention: {e}") from None
+    return PEagleDrafter(model, device=verifier.device, dtype=dtype or verifier.dtype, attention=attention)
 
 
 def make_verifier(model, aux_layer_ids, impl: str = "auto", *, attention: str = "auto"):
@@ -384,7 +381,6 @@ def profile_rounds(
 # kernel classes of a decoding step, by a name fragment (lower case; the first class that matches)
 KERNEL_CLASSES = (
     ("attention", ("flash", "fmha", "attention", "efficient", "sdpa", "cudnn")),  # before gemm: fmha_cutlass*
-    # (peagle's decode_attention_kernel is named by "attention")
     ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "splitk", "cublas")),
     ("parallel draft", ("parallel_draft",)),
     ("reduce", ("reduce", "norm", "argmax", "cumprod", "scan", "softmax")),

@@ -1,12 +1,14 @@
 """Attention over a KV cache in decoding, in two shapes:
 - the verifier's (StaticVerifier): a few query tokens at consecutive positions p, p+1, ...,
   p+T-1 over one layer's cache [kv heads, capacity, head dim], query i seeing the cache
-  positions <= p + i (the cache holds every earlier position);
+  positions <= p + i (the cache holds every earlier position); the drafter's rows
+  (serving/drafter.py) the same way, at any positions;
 - batched generation's (serving/batch_generation.py, `peagle datagen`): one query token per row
   over a batch of caches [rows, kv heads, capacity, head dim], row r seeing its first used[r]
   positions.
 
-Two implementations of each; choose_impl picks one per model (the one heuristics place):
+Two implementations of each, and a third for the verifier's shape; choose_impl picks one per
+model (the one heuristics place):
 - "sdpa": F.scaled_dot_product_attention over the whole capacity under the position mask. Any
   device and dtype; its shapes do not depend on how much of the cache is filled (CUDA graphs).
   On the H200 cuDNN runs it: ~6 us a layer for one query token inside a greedy step's CUDA graph;
@@ -23,7 +25,6 @@ Two implementations of each; choose_impl picks one per model (the one heuristics
   verifier's T query tokens are T sequences over the one cache, all starting at its position 0,
   query i seeing p + i + 1 positions. CUDA, fp16/bf16, head dim <= 256 and a multiple of 8. Its
   grid depends on the capacity only, so a captured graph stays valid as the sequences grow.
-
 - "peagle": this project's decode-attention op (ops/decode_attention.py, csrc/decode_attention)
   over the same sequences as "flash": one kernel launch per layer for all of a round's query
   tokens, where FlashAttention's varlen path takes five (its GQA decode layout copies q in and
