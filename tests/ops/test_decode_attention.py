@@ -127,9 +127,12 @@ def test_fake_implementation_gives_the_shape():
 @requires_cuda
 @pytest.mark.parametrize("layout", ["verifier", "drafter"])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128), (8, 1, 64), (4, 4, 128), (16, 2, 64)])
-@pytest.mark.parametrize("t,rows", [(1, 1), (4, 130), (9, 2048), (16, 600)])
+@pytest.mark.parametrize("t,rows", [(1, 1), (4, 130), (9, 2048), (16, 600), (600, 300), (2, 12000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_matches_reference(layout, hq, hkv, d, t, rows, dtype):
+    """Cases that take every path of the kernel's plan: one block per (token, KV head) over one
+    tile or over several (600 tokens fill the device without splitting), and runs split across
+    blocks, one tile each (9 x 2048) or many (2 x 12000), whose partials are combined."""
     q, k, v, start, count = make_case(t, hq, hkv, d, rows, layout, dtype, "cuda", seed=rows + t + d)
     got = decode_attention(q, k, v, start, count, d**-0.5)
     torch.cuda.synchronize()

@@ -60,11 +60,12 @@ void check_decode_attention_inputs(const at::Tensor& q, const at::Tensor& k, con
     TORCH_CHECK_VALUE(heads / kv_heads <= kMaxGroup, kOp, "on CUDA at most ", kMaxGroup,
                       " query heads may share a kv head, got ", heads / kv_heads);
     TORCH_CHECK_VALUE(k.size(1) <= 65535, kOp, "at most 65535 kv heads on CUDA");
-    // the kernel reads k in 16-byte units
+    // the kernel reads k and v in 16-byte units
     const auto aligned = [](const at::Tensor& t) {
       return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0;
     };
     TORCH_CHECK_VALUE(aligned(k), kOp, "k must be 16-byte aligned, with row and head strides multiples of 8");
+    TORCH_CHECK_VALUE(aligned(v), kOp, "v must be 16-byte aligned, with row and head strides multiples of 8");
   }
 }
 
