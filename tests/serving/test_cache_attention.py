@@ -235,13 +235,14 @@ def test_static_verifier_flash_attends_rounds_only(tmp_path, kernel_stood_in):
     assert kernel_stood_in == [4] * layers + [16] * layers + [9] * layers  # the rounds of 2..16 tokens only
 
 
-def _tiny_pair(tmp_path, model_type, dtype, device="cpu", num_layers=2, k=4):
-    """A tiny verifier and a random P-EAGLE drafter for it (MASK hidden drawn too)."""
+def _tiny_pair(tmp_path, model_type, dtype, device="cpu", num_layers=2, k=4, hidden=64):
+    """A tiny verifier (two query heads, one kv head, head dim hidden / 2) and a random P-EAGLE
+    drafter for it (MASK hidden drawn too)."""
     from transformers import AutoModelForCausalLM
 
     from peagle_ext.model import PEagleDraftModel
 
-    vdir = make_tiny_verifier(tmp_path / "v", model_type=model_type)
+    vdir = make_tiny_verifier(tmp_path / "v", model_type=model_type, hidden=hidden)
     vm = AutoModelForCausalLM.from_pretrained(vdir, dtype=dtype).to(device).eval().requires_grad_(False)
     torch.manual_seed(0)
     dm = PEagleDraftModel.from_verifier(vm.config, num_depths=k, mask_token_id=300, num_layers=num_layers)
@@ -352,13 +353,14 @@ def test_drafter_attention_argument(tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_drafter_flash_equals_sdpa_on_cuda(tmp_path, model_type):
     """The real kernels (flash, peagle) in a bf16 drafter: forward_static's hidden states equal
-    sdpa's within bf16 rounding after rounds replayed from a CUDA graph as the positions moved on."""
+    sdpa's within bf16 rounding after rounds replayed from a CUDA graph as the positions moved on.
+    Head dim 64: the smallest the CUDA decode-attention kernel serves."""
     import copy
 
     from peagle_ext.serving import PEagleDrafter
     from peagle_ext.serving.graphs import RoundEngine
 
-    vm, dm = _tiny_pair(tmp_path, model_type, torch.bfloat16, device="cuda")
+    vm, dm = _tiny_pair(tmp_path, model_type, torch.bfloat16, device="cuda", hidden=128)
     k, cap = 3, 256
     st = StaticVerifier(vm, dm.config.eagle_aux_hidden_state_layer_ids, attention="sdpa")
     outs = []
