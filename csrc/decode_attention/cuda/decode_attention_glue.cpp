@@ -24,8 +24,8 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
   DecodeAttnParams p = make_decode_attention_params(q, k, v, key_start, key_count, scale, out);
   int sm_count = 0;
   const cudaError_t attr_err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.get_device());
-  TORCH_CHECK(attr_err == cudaSuccess, "decode_attention: cannot read the multiprocessor count: ",
-              cudaGetErrorString(attr_err));
+  TORCH_CHECK(attr_err == cudaSuccess,
+              "decode_attention: cannot read the multiprocessor count: ", cudaGetErrorString(attr_err));
   const int64_t workspace_bytes = plan_decode_attention(p, sm_count);
   at::Tensor workspace;
   if (workspace_bytes > 0) {

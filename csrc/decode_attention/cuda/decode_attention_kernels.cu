@@ -38,7 +38,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTile = static_cast<int>(kKeyTile);
-constexpr int kBlocksPerSm = 2;     // blocks the planner aims at per multiprocessor
+constexpr int kBlocksPerSm = 2;      // blocks the planner aims at per multiprocessor
 constexpr int64_t kMaxSplits = 128;  // bounds the workspace and the combine's loop
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kTile == 64, "the tile softmax gives each lane two of a tile's keys");
@@ -58,7 +58,7 @@ union Vec8 {
 // G: query heads per KV head the accumulators are sized for (the group is at most G).
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttnParams p) {
-  constexpr int kLanesPerRow = D / 8;                  // lanes that read one key row, 16 bytes each
+  constexpr int kLanesPerRow = D / 8;                    // lanes that read one key row, 16 bytes each
   constexpr int kRowsPerPass = kThreads / kLanesPerRow;  // key rows the block reads side by side
   constexpr int kRowsPerThread = kTile / kRowsPerPass;
   static_assert(32 % kLanesPerRow == 0 && kTile % kRowsPerPass == 0, "a key row's lanes sit in one warp");
@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   }
 
   const int64_t splits = p.num_splits;
-  float* part_acc = static_cast<float*>(p.workspace);                     // [T, Hq, splits, D]
-  float* part_ml = part_acc + p.num_queries * p.num_heads * splits * D;  // [T, Hq, splits, 2]
+  float* part_acc = static_cast<float*>(p.workspace);                                          // [T, Hq, splits, D]
+  float* part_ml = part_acc + p.num_queries * p.num_heads * splits * D;                        // [T, Hq, splits, 2]
   int* arrivals = reinterpret_cast<int*>(part_ml + p.num_queries * p.num_heads * splits * 2);  // [T, Hkv]
   if (lo < n) {  // a block past the run leaves nothing: the combine reads only the splits with keys
     for (int i = tid; i < group * D; i += kThreads) {
