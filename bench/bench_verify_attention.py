@@ -4,8 +4,8 @@ StaticVerifier attends q_len = K + 1 query tokens (a speculative round's verify 
 greedy step) to its fixed-capacity KV cache (serving/cache_attention.py): "sdpa" is
 F.scaled_dot_product_attention over the whole capacity under the position mask (the backend torch
 picks, or one forced: cudnn, efficient, flash, math); "flash-varlen" is FlashAttention-2's varlen
-forward over the filled positions only; "peagle" is ops.decode_attention over the same sequences
-(one launch). SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64, bf16, GQA), each
+forward over the filled positions only; "peagle" is ops.decode_attention over the same sequences.
+SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64, bf16, GQA), each
 call replayed from a CUDA graph as decoding does.
 
 1. One call: q_len 1, 4, 9 x capacity 512, 1024, 2048, the first `filled` = capacity / 2

@@ -131,7 +131,7 @@ EVAL_K=${EVAL_K:-3}                # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
-EVAL_ATTENTION=${EVAL_ATTENTION:-auto}  # peagle eval --attention: the verifier's (auto = flash for rounds where it runs)
+EVAL_ATTENTION=${EVAL_ATTENTION:-auto}  # peagle eval --attention (auto: peagle for rounds and drafter rows on CUDA)
 KEEP_REGEN=${KEEP_REGEN:-1}        # study: the keep phase after datagen (its files reach $OUT with `wait`)
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)

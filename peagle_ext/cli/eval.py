@@ -58,9 +58,9 @@ def add_arguments(p) -> None:
         help="the attention over the KV caches: sdpa (the position mask over the whole cache), flash "
         "(through FlashAttention-2 over each query's filled positions: the static verifier's round tokens, "
         "its greedy steps and prefills staying on sdpa, and every drafter row; CUDA, bf16/fp16), peagle (the "
-        "same through this project's one-launch decode-attention op; CPU and CUDA); auto = flash where it "
-        "runs and agrees with sdpa on a probe (a round 1.21 greedy steps against 1.34 on the H200, "
-        "bench/RESULTS.md)",
+        "same through this project's decode-attention op; CPU and CUDA); auto = on CUDA peagle, else flash, "
+        "where it runs and agrees with sdpa on a probe, else sdpa (a round's device time 1.12-1.17 greedy "
+        "steps with peagle, 1.21-1.23 with flash, 1.18-1.46 with sdpa on an H100, bench/RESULTS.md)",
     )
     p.add_argument(
         "--cuda-graphs",

@@ -1,5 +1,6 @@
 """Decode attention over a KV cache (csrc/decode_attention): a few query tokens, each attending
-its own run of key rows, in one op (one CUDA launch). Decoding's verify rounds and drafter rows
+its own run of key rows, in one op (on CUDA one kernel, after a memset where the runs are split
+across blocks). Decoding's verify rounds and drafter rows
 use it through serving/cache_attention.py (attention "peagle"); it is inference only (no
 autograd).
 

@@ -26,22 +26,29 @@ model (the one heuristics place):
   query i seeing p + i + 1 positions. CUDA, fp16/bf16, head dim <= 256 and a multiple of 8. Its
   grid depends on the capacity only, so a captured graph stays valid as the sequences grow.
 - "peagle": this project's decode-attention op (ops/decode_attention.py, csrc/decode_attention)
-  over the same sequences as "flash": one kernel launch per layer for all of a round's query
-  tokens, where FlashAttention's varlen path takes five (its GQA decode layout copies q in and
-  out, then split-KV and combine kernels: ~17 us a layer for a round of 4 tokens over a short
-  context, against ~7 us for a greedy step's one cuDNN kernel). The verifier's rounds and the
-  drafter's rows; CPU and CUDA (float16/bfloat16, head dim 64 or 128, at most 8 query heads per
-  kv head). Chosen only when asked for: its time on the GPU is not yet measured.
+  over the same sequences as "flash": one memset and one kernel per layer for all of a round's
+  query tokens, where FlashAttention's varlen path takes five launches (its GQA decode layout
+  copies q in and out, then split-KV and combine kernels). Like FlashAttention's decode path it
+  splits each run of keys across blocks, but it reads a KV head's keys once for all of its query
+  heads, and the last block of a (token, KV head) combines the splits. The verifier's rounds and
+  the drafter's rows; CPU and CUDA (float16/bfloat16, head dim 64 or 128, at most 8 query heads
+  per kv head).
 
-What "auto" picks: flash where it runs and agrees with sdpa on a probe, else sdpa. The verifier's
-flash attends a round's query tokens (2..ROUND_TOKENS_MAX) with flash, and a greedy step's one
-token and a prefill with sdpa. Measured on the H200 inside decoding's CUDA graphs (SmolLM2 shape,
-K=3, capacity 2048 from position 1536): a round's attention 435 us with flash against cuDNN's
-1,031, the round 1.21 greedy steps against 1.34 (at capacity 1024 from 512: 372 against 563 us,
-the round's wall the same); a greedy step's attention 192 us with cuDNN against 347 with flash;
-a round as one causal sequence 1,185 us, since FlashAttention splits the keys only for one query
-per sequence. Batched generation's rows: 15,249 new tokens/s against 13,190 with sdpa (batch 256,
-prompts of 1,024-1,792 tokens; bench/bench_datagen.py).
+What "auto" picks (auto_candidates): for the verifier's rounds and the drafter's rows on CUDA,
+peagle where it runs and agrees with sdpa on a probe, else flash on the same terms, else sdpa;
+for batched generation's rows and on the CPU, flash or sdpa. A greedy step's one token and a
+prefill always take sdpa. Measured on an H100 inside decoding's CUDA graphs (SmolLM2 shape, K=3;
+bench/bench_verify_attention.py), a round's attention in us and its device time in greedy steps:
+
+  capacity, from position   peagle        flash         sdpa (cuDNN)
+  512, from 136             238 / 1.12    324 / 1.21    328 / 1.18
+  1024, from 512            264 / 1.13    339 / 1.23    558 / 1.29
+  2048, from 1536           372 / 1.17    373 / 1.23    1,014 / 1.46
+
+A greedy step's attention is ~180-210 us with cuDNN. A round as one causal sequence through
+FlashAttention costs 1,185 us at 2048 (H200), since FlashAttention splits the keys only for one
+query per sequence. Batched generation's rows: 15,249 new tokens/s with flash against 13,190
+with sdpa (batch 256, prompts of 1,024-1,792 tokens; bench/bench_datagen.py).
 """
 
 from __future__ import annotations
@@ -170,6 +177,16 @@ def attend_rows_flash(q, k_cache, v_cache, offsets, used, scale: float):
     return _flash_varlen(q, rows_varlen_view(k_cache, b), rows_varlen_view(v_cache, b), cu_q, cu_k, cap, scale, used)
 
 
+def auto_candidates(device, rows: bool = False) -> tuple[str, ...]:
+    """What "auto" tries, in this order, before falling back to sdpa: on CUDA the verifier's and
+    the drafter's rounds go to peagle first (module docstring: the least device time per round),
+    then flash; batched generation's rows and every other device try flash only (peagle has no
+    rows shape, and its CPU path is not faster than sdpa there)."""
+    if rows or torch.device(device).type != "cuda":
+        return ("flash",)
+    return ("peagle", "flash")
+
+
 def choose_impl(
     requested: str,
     device,
@@ -183,35 +200,39 @@ def choose_impl(
 ) -> str:
     """ "sdpa", "flash" or "peagle" for `requested`: the verifier's cache attention (the drafter's
     has the same semantics: its rows' positions need not be consecutive), or with rows=True
-    batched generation's (module docstring; no "peagle" there). "auto": flash where it runs and
-    agrees with sdpa on a probe, else sdpa. "flash" or "peagle" where it cannot run or its probe
-    disagrees: ValueError saying why. what: the model the messages name ("verifier",
-    "drafter"; batched generation's by default with rows=True)."""
+    batched generation's (module docstring; no "peagle" there). "auto": the first of
+    auto_candidates() that runs and agrees with sdpa on a probe, else sdpa. "flash" or "peagle"
+    where it cannot run or its probe disagrees: ValueError saying why. what: the model the
+    messages name ("verifier", "drafter"; batched generation's by default with rows=True)."""
     if requested not in IMPLS:
         raise ValueError(f"attention must be one of {', '.join(IMPLS)}, got {requested!r}")
     what = what or ("batched generation" if rows else "verifier")
     if requested == "sdpa":
         return "sdpa"
-    if requested == "peagle":
-        if rows:
-            raise ValueError(f"attention='peagle' cannot run this {what}: it serves decoding (auto, sdpa or flash)")
+    if requested == "peagle" and rows:
+        raise ValueError(f"attention='peagle' cannot run this {what}: it serves decoding (auto, sdpa or flash)")
+    for impl in auto_candidates(device, rows) if requested == "auto" else (requested,):
+        why = _unsupported(impl, device, dtype, num_heads, kv_heads, head_dim, rows, what)
+        if why is None:
+            return impl
+        if requested != "auto":
+            raise ValueError(f"attention={requested!r} cannot run this {what}: {why}")
+    return "sdpa"
+
+
+def _unsupported(impl, device, dtype, num_heads, kv_heads, head_dim, rows, what) -> str | None:
+    """None when `impl` ("flash" or "peagle") can run these inputs and its probe agrees with
+    sdpa, else why not."""
+    device = torch.device(device)
+    if impl == "peagle":
         from ..ops.decode_attention import decode_attention_unsupported
 
         why = decode_attention_unsupported(device, dtype, num_heads, kv_heads, head_dim)
-        if why is None:
-            why = _probe(torch.device(device), dtype, num_heads, kv_heads, head_dim, "peagle")
-        if why is not None:
-            raise ValueError(f"attention='peagle' cannot run this {what}: {why}")
-        return "peagle"
+        return why if why is not None else _probe(device, dtype, num_heads, kv_heads, head_dim, "peagle")
     why = flash_unsupported(device, dtype, head_dim, what)
     if why is None:
-        probe = _probe_rows if rows else _probe
-        why = probe(torch.device(device), dtype, num_heads, kv_heads, head_dim)
-    if why is None:
-        return "flash"
-    if requested == "flash":
-        raise ValueError(f"attention='flash' cannot run this {what}: {why}")
-    return "sdpa"
+        why = (_probe_rows if rows else _probe)(device, dtype, num_heads, kv_heads, head_dim)
+    return why
 
 
 @functools.cache

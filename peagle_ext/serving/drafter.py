@@ -50,8 +50,8 @@ class PEagleDrafter(Drafter):
     position mask over every slot; "flash", each row its own FlashAttention sequence over the slots
     0..its position (serving/cache_attention.py): it reads only those, where SDPA under a mask
     walks every slot of the cache whatever the position; "peagle", the same sequences through
-    ops.decode_attention; "auto" (the default), flash where it runs and agrees with sdpa on a
-    probe."""
+    ops.decode_attention; "auto" (the default), the verifier's rule: on CUDA peagle, else flash,
+    where it runs and agrees with sdpa on a probe, else sdpa."""
 
     def __init__(self, model, *, device=None, dtype: torch.dtype | None = None, attention: str = "auto"):
         if not isinstance(model, PEagleDraftModel):

@@ -76,8 +76,9 @@ class StaticVerifier:
 
     def __init__(self, model, aux_layer_ids=None, *, capacity: int | None = None, attention: str = "auto"):
         """attention: "auto", "sdpa", "flash" or "peagle" (serving/cache_attention.py: flash or
-        peagle attends a round's 2..ROUND_TOKENS_MAX tokens, sdpa everything else; auto: flash where
-        it runs and agrees with sdpa on a probe); the choice is self.attention."""
+        peagle attends a round's 2..ROUND_TOKENS_MAX tokens, sdpa everything else; auto: on CUDA
+        peagle, else flash, where it runs and agrees with sdpa on a probe, else sdpa); the choice
+        is self.attention."""
         why = static_verifier_support(model)
         if why is not None:
             raise ValueError(f"StaticVerifier does not run this model: {why}")

@@ -182,17 +182,20 @@ def test_flash_replays_from_a_cuda_graph_as_the_sequence_grows(t):
 
 
 @requires_cuda
+@pytest.mark.parametrize("impl", ["flash", "peagle"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_static_verifier_flash_equals_sdpa(tmp_path, model_type):
-    """Both implementations in a bf16 verifier: the same logits within bf16 rounding through
-    forward() (a prefill), and the same logits and aux states through forward_static() (a round)."""
+def test_static_verifier_flash_equals_sdpa(tmp_path, model_type, impl):
+    """A varlen implementation and sdpa in a bf16 verifier (head dim 64): the same logits within
+    bf16 rounding through forward() (a prefill), and the same logits and aux states through
+    forward_static() (a round). auto takes peagle here."""
     from transformers import AutoModelForCausalLM
 
-    vdir = make_tiny_verifier(tmp_path / "v", model_type=model_type)
+    vdir = make_tiny_verifier(tmp_path / "v", model_type=model_type, hidden=128)
     vm = AutoModelForCausalLM.from_pretrained(vdir, dtype=torch.bfloat16).cuda().eval().requires_grad_(False)
     aux = [0, 1, 2]
-    fa, sd = StaticVerifier(vm, aux, attention="flash"), StaticVerifier(vm, aux, attention="sdpa")
-    assert fa.attention == "flash" and sd.attention == "sdpa"
+    fa, sd = StaticVerifier(vm, aux, attention=impl), StaticVerifier(vm, aux, attention="sdpa")
+    assert fa.attention == impl and sd.attention == "sdpa"
+    assert StaticVerifier(vm, aux).attention == "peagle"
     ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.inference_mode():
         ca, cs = fa.new_cache(96), sd.new_cache(96)
@@ -405,6 +408,34 @@ def test_auto_probes_flash_before_choosing_it(kernel_stood_in, monkeypatch, brok
         why = "failed: FlashAttention only supports Ampere" if broken == "raises" else "disagrees with sdpa"
         with pytest.raises(ValueError, match=f"cannot run {what}: .*{why}"):
             choose_impl("flash", dev, torch.bfloat16, 9, 3, 64, rows=rows)
+
+
+def test_auto_tries_peagle_first_for_rounds_on_cuda():
+    from peagle_ext.serving.cache_attention import auto_candidates
+
+    assert auto_candidates(torch.device("cuda")) == ("peagle", "flash")
+    assert auto_candidates("cuda:1") == ("peagle", "flash")
+    assert auto_candidates(torch.device("cuda"), rows=True) == ("flash",)  # peagle has no rows shape
+    assert auto_candidates(torch.device("cpu")) == ("flash",)
+
+
+@pytest.mark.parametrize("peagle", ["right", "wrong"])
+def test_auto_takes_peagle_where_its_probe_agrees(kernel_stood_in, monkeypatch, peagle):
+    """With peagle first in auto's order (as on CUDA), auto takes it where its probe agrees with
+    sdpa and moves on to flash where it does not; an explicit "peagle" that disagrees is an
+    error. Runs on the CPU with the op's CPU path (flash stood in)."""
+    from peagle_ext.serving import cache_attention as ca
+
+    monkeypatch.setattr(ca, "auto_candidates", lambda device, rows=False: ("flash",) if rows else ("peagle", "flash"))
+    if peagle == "wrong":
+        real = ca._peagle_varlen
+        monkeypatch.setattr(ca, "_peagle_varlen", lambda *a: real(*a) * 2)
+    dev = torch.device("cpu")
+    assert choose_impl("auto", dev, torch.float32, 9, 3, 64) == ("peagle" if peagle == "right" else "flash")
+    assert choose_impl("auto", dev, torch.float32, 9, 3, 64, rows=True) == "flash"
+    if peagle == "wrong":
+        with pytest.raises(ValueError, match="attention='peagle' cannot run this verifier: .*disagrees with sdpa"):
+            choose_impl("peagle", dev, torch.float32, 9, 3, 64)
 
 
 # ---- one query per row over a batch of caches (batched generation) ---------------------------
