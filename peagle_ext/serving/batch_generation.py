@@ -212,9 +212,9 @@ class BatchGenerator:
         sv = self.sv
         width = ids.shape[1]
         x = sv._embed(ids)
-        cos, sin = sv.rope(torch.arange(width, device=ids.device))
+        rope = sv.rope(torch.arange(width, device=ids.device))
         for li, layer in enumerate(sv._layers):
-            q, k, v = sv.qkv(layer, x, cos, sin)
+            q, k, v = sv.qkv(layer, x, rope)
             ks[li][:, :, :width] = k
             vs[li][:, :, :width] = v
             o = F.scaled_dot_product_attention(
@@ -230,7 +230,7 @@ class BatchGenerator:
         values (a CUDA graph captures it)."""
         sv = self.sv
         x = sv._embed(tok)[:, None]  # [b, 1, H]
-        cos, sin = sv.rope(pos[:, None])  # [b, 1, 1, D]
+        rope = sv.rope(pos[:, None])  # tables [b, 1, heads, D]
         ar = torch.arange(b, device=tok.device)
         flash = self.attention == "flash"
         if flash:  # computed once, shared by every layer
@@ -239,7 +239,7 @@ class BatchGenerator:
         else:
             allowed = torch.arange(keys, device=tok.device)[None, :] <= pos[:, None]
         for li, layer in enumerate(sv._layers):
-            q, k, v = sv.qkv(layer, x, cos, sin)  # q [b, heads, 1, D], k/v [b, kv heads, 1, D]
+            q, k, v = sv.qkv(layer, x, rope)  # q [b, heads, 1, D], k/v [b, kv heads, 1, D]
             kc, vc = ks[li][:b], vs[li][:b]
             kc[ar, :, pos] = k[:, :, 0]
             vc[ar, :, pos] = v[:, :, 0]

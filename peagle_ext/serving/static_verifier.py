@@ -162,26 +162,39 @@ class StaticVerifier:
         return self._run(ids, pos, cache, None, logit_rows, with_aux)
 
     def rope(self, pos):
-        """cos, sin [..., 1, T, D] of positions `pos` [..., T]: they broadcast over the heads of
-        q/k [..., heads, T, D]."""
+        """RoPE's tables for positions `pos` [..., T], in the projections' layout [..., T, heads,
+        D]: (cos_q, sin_q, cos_k, sin_k), each expanded over its heads and contiguous, with sin's
+        first half negated (qkv swaps x's halves instead of building rotate_half's [-x2, x1]).
+        Built once per forward: every layer's RoPE then runs on contiguous operands of one shape,
+        which on CUDA takes torch's vectorised kernels (a broadcast or transposed operand takes
+        the strided ones)."""
         freqs = pos.to(torch.float32)[..., None] * self._inv_freq
-        emb = torch.cat([freqs, freqs], -1).unsqueeze(-3)
-        return (emb.cos() * self._rope_scale).to(self.dtype), (emb.sin() * self._rope_scale).to(self.dtype)
+        cos = (torch.cat([freqs, freqs], -1).cos() * self._rope_scale).to(self.dtype).unsqueeze(-2)
+        sin = (torch.cat([-freqs.sin(), freqs.sin()], -1) * self._rope_scale).to(self.dtype).unsqueeze(-2)
+        tables = []
+        for heads in (self.num_heads, self.kv_heads):
+            shape = (*cos.shape[:-2], heads, self.head_dim)
+            tables += [cos.expand(shape).contiguous(), sin.expand(shape).contiguous()]
+        return tuple(tables)
 
-    def qkv(self, layer, x, cos, sin):
-        """q [..., heads, T, D] and k, v [..., kv heads, T, D] of hidden states x [..., T, H] in
-        decoder layer `layer`: its input norm, projections, Qwen3's q/k norms and RoPE."""
+    def qkv(self, layer, x, rope):
+        """q [..., heads, T, D] and k, v [..., kv heads, T, D] (transposed views) of hidden states
+        x [..., T, H] in decoder layer `layer`: its input norm, projections, Qwen3's q/k norms and
+        RoPE with the tables of rope(), all in the projections' [..., T, heads, D] layout."""
+        cos_q, sin_q, cos_k, sin_k = rope
         a = layer.self_attn
         lead = x.shape[:-1]
         h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(*lead, self.num_heads, self.head_dim).transpose(-2, -3)
-        k = a.k_proj(h).view(*lead, self.kv_heads, self.head_dim).transpose(-2, -3)
-        v = a.v_proj(h).view(*lead, self.kv_heads, self.head_dim).transpose(-2, -3)
+        q = a.q_proj(h).view(*lead, self.num_heads, self.head_dim)
+        k = a.k_proj(h).view(*lead, self.kv_heads, self.head_dim)
+        v = a.v_proj(h).view(*lead, self.kv_heads, self.head_dim)
         if getattr(a, "q_norm", None) is not None:
             q = a.q_norm(q)
         if getattr(a, "k_norm", None) is not None:
             k = a.k_norm(k)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        q = q * cos_q + _swap_halves(q) * sin_q
+        k = k * cos_k + _swap_halves(k) * sin_k
+        return q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
 
     def layer_out(self, layer, x, o):
         """The rest of decoder layer `layer` after attention: x [..., T, H] plus the output
@@ -193,7 +206,7 @@ class StaticVerifier:
     def _run(self, ids, pos, cache: StaticKV, ctx: int | None, out_rows, with_aux: bool):
         """out_rows: the rows whose logits are computed: None (all), a slice or an index tensor."""
         x = self._embed(ids.long())
-        cos, sin = self.rope(pos)  # [1, T, D]
+        rope = self.rope(pos)
         # flash or peagle for a round's tokens; a greedy step's one token and a prefill take sdpa
         # (serving/cache_attention.py says why)
         varlen = self.attention in VARLEN_IMPLS and 2 <= ids.shape[0] <= ROUND_TOKENS_MAX
@@ -208,7 +221,7 @@ class StaticVerifier:
         for li, layer in enumerate(self._layers):
             if aux_ids is not None and li in aux_ids:
                 captured[li] = x
-            q, k, v = self.qkv(layer, x, cos, sin)
+            q, k, v = self.qkv(layer, x, rope)
             kc, vc = cache.k[li], cache.v[li]
             kc.index_copy_(1, pos, k.to(kc.dtype))
             vc.index_copy_(1, pos, v.to(vc.dtype))
@@ -231,6 +244,9 @@ class StaticVerifier:
         return logits, aux
 
 
-def _rotate_half(x):
+def _swap_halves(x):
+    """[x2, x1] of x = [x1, x2] along the last dim, in one kernel: with rope()'s sin, whose first
+    half is negated, x * cos + _swap_halves(x) * sin is RoPE's x * cos + rotate_half(x) * sin to
+    the bit ((-a) * b and -(a * b) round alike)."""
     d = x.shape[-1] // 2
-    return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
+    return x.unflatten(-1, (2, d)).flip(-2).flatten(-2)

@@ -73,6 +73,29 @@ def test_static_verifier_matches_transformers(vdir):
         st.forward(ids, c2, 50)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_tables_give_rotate_half_rope_to_the_bit(vdir, dtype):
+    """StaticVerifier's RoPE (contiguous per-head tables, sin's first half negated, halves
+    swapped) equals the textbook x * cos + rotate_half(x) * sin bit for bit, for q and k, at
+    positions of one prompt and of a batch of rows."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from peagle_ext.serving.static_verifier import _swap_halves
+
+    st = StaticVerifier(_load(vdir, dtype), [1])
+    g = torch.Generator().manual_seed(0)
+    for pos in (torch.arange(5, 12), torch.tensor([[3], [40], [0]])):
+        cos_q, sin_q, cos_k, sin_k = st.rope(pos)
+        assert cos_q.shape == (*pos.shape, st.num_heads, st.head_dim) and cos_q.is_contiguous()
+        assert sin_k.shape == (*pos.shape, st.kv_heads, st.head_dim) and sin_k.is_contiguous()
+        freqs = pos.float()[..., None] * st._inv_freq
+        emb = torch.cat([freqs, freqs], -1)[..., None, :]
+        cos, sin = (emb.cos() * st._rope_scale).to(dtype), (emb.sin() * st._rope_scale).to(dtype)
+        for heads, c, s in ((st.num_heads, cos_q, sin_q), (st.kv_heads, cos_k, sin_k)):
+            x = torch.randn(*pos.shape, heads, st.head_dim, generator=g).to(dtype)
+            assert torch.equal(x * c + _swap_halves(x) * s, x * cos + rotate_half(x) * sin)
+
+
 def test_static_greedy_equals_transformers_greedy(vdir):
     vm = _load(vdir, torch.float64)
     hf, st = Verifier(vm), StaticVerifier(vm)
