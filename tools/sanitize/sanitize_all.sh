@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CUDA op (every tools/sanitize/sanitize_<op>.py driver: attention, cod, loss, vllm) under
+# Every CUDA op (every tools/sanitize/sanitize_<op>.py driver: attention, cod, decode_attention, loss, vllm) under
 # compute-sanitizer memcheck, racecheck, initcheck and synccheck, one process per (tool, op) so
 # that one op's failure or timeout cannot hide another's result. Needs a GPU and the CUDA build.
 #
