@@ -62,13 +62,14 @@
 # machine; the long phases run with --detach (they outlast a call) and `wait` follows them:
 #   1. carry .bundle/{gguf,verifier,gguf-0.19.0.dist-info,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
-#   2. carry .bundle/{gguf.part01,sharegpt.jsonl.xz}: `... setup data` (join, convert, split), or
-#      with DATAGEN_SECONDS=400 `... setup data datagen keep` in the foreground: the regenerated
-#      data comes back with this call (a machine taken back later loses nothing of it)
-#   3. carry .bundle/{regen.json,regen.tar.xz.partNN,mtbench.jsonl,humaneval.jsonl}: `... data`
-#      (puts an earlier session's kept data back), then DATAGEN_SECONDS=0 TRAIN_MINUTES=6
-#      SETTINGS="1:mix" EVAL_SWEEP=1..3 EVAL_HE_SWEEP= `... --detach study`
-#      (training and evaluation only: 678 s measured) and `... wait`
+#   2. carry .bundle/gguf.part01: `... setup` (join, convert; beside ShareGPT the part and the
+#      repository pass the 64 MiB)
+#   3. carry .bundle/{sharegpt.jsonl.xz,regen.json,regen.tar.xz.partNN,mtbench.jsonl,humaneval.jsonl}:
+#      `... data` (split, and an earlier session's kept data put back), then either DATAGEN_SECONDS=400
+#      `... datagen keep` in the foreground (the regenerated data comes back with the call, so a
+#      machine taken back later loses nothing of it) or, once every conversation is regenerated,
+#      DATAGEN_SECONDS=0 TRAIN_MINUTES=7 SETTINGS="1:mix" EVAL_SWEEP=1..3 EVAL_HE_SWEEP=
+#      `... --detach study` (training and evaluation only: 678 s measured with 6 minutes) and `... wait`
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results)

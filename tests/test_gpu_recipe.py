@@ -264,6 +264,32 @@ def test_bundle_join_checks_parts(tmp_path):
     assert not (tmp_path / "verifier.gguf").exists() and not (tmp_path / "verifier.tmp").exists()
 
 
+def test_bundle_runs_carry_every_file_once_within_a_call():
+    """The manifest's runs, on the bundle's real sizes: every top-level entry carried once, at most
+    8 paths a run, and each run under 64 MiB with room for the repository beside it."""
+    mib = 2**20
+    sizes = {
+        "gguf/__init__.py": 4096,
+        "gguf/gguf_reader.py": 60_000,
+        "gguf-0.19.0.dist-info/METADATA": 2_000,
+        "gguf.part00": 52 * mib,
+        "gguf.part01": int(41.8 * mib),
+        "sharegpt.jsonl.xz": int(15.6 * mib),
+        "mtbench.jsonl": 28_000,
+        "humaneval.jsonl": 95_000,
+        "verifier/config.json": 900,
+        "verifier/tokenizer.json": int(3.4 * mib),
+    }
+    runs = _device_bundle().plan_runs(sizes, ["gguf.part00", "gguf.part01"])
+    carried = [t for r in runs for t in r["carry"]]
+    tops = {k.split("/")[0] for k in sizes} | {"MANIFEST.json"}
+    assert sorted(carried) == sorted(tops)  # each once, MANIFEST.json with the first part
+    assert {"gguf", "verifier", "gguf-0.19.0.dist-info", "gguf.part00"} <= set(runs[0]["carry"])
+    assert runs[-1]["carry"] == ["sharegpt.jsonl.xz", "mtbench.jsonl", "humaneval.jsonl"]
+    assert all(len(r["carry"]) <= 8 and r["mib"] <= 64 - 7 for r in runs)
+    assert runs[1] == {"carry": ["gguf.part01"], "mib": pytest.approx(41.8, abs=0.01)}
+
+
 def test_kept_regenerated_data_goes_back_only_where_it_belongs(tmp_path, capsys):
     """save-regen / seed-regen: parts checked one by one, used only for the same train.jsonl and
     datagen settings, never over a file that holds as many conversations."""

@@ -153,9 +153,6 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
 
     files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     sizes = {str(p.relative_to(bundle)): p.stat().st_size for p in files}
-    common = [k for k in sizes if not k.startswith("gguf.part") and k != "sharegpt.jsonl.xz"]
-    # what a run carries, by top-level entry (a device call takes at most 8 carried paths)
-    tops = sorted({k.split("/")[0] for k in common} | {"MANIFEST.json"})
     mib = 2**20
     manifest = {
         "max_tokens": max_tokens,
@@ -164,14 +161,7 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
         "gguf": {"name": gguf.name, "size": gguf.stat().st_size, "sha256": _sha256(gguf), "parts": parts},
         "files": {k: {"bytes": v, "sha256": _sha256(bundle / k)} for k, v in sizes.items()},
         # what each run carries (besides the repository): the parts go with runs on one machine
-        "runs": [
-            {"carry": [*tops, parts[0]], "mib": (sum(sizes[k] for k in common) + sizes[parts[0]]) / mib},
-            *[{"carry": [p], "mib": sizes[p] / mib} for p in parts[1:-1]],
-            {
-                "carry": [parts[-1], "sharegpt.jsonl.xz"],
-                "mib": (sizes[parts[-1]] + sizes["sharegpt.jsonl.xz"]) / mib,
-            },
-        ],
+        "runs": plan_runs(sizes, parts),
     }
     (bundle / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     for k, v in sizes.items():
@@ -180,6 +170,22 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
         f"{len(convs)} conversations, content {raw_chars / 1e6:.1f}M -> {kept_chars / 1e6:.1f}M characters "
         f"(cut after {max_tokens} tokens + margin); runs: " + ", ".join(f"{r['mib']:.1f} MiB" for r in manifest["runs"])
     )
+
+
+def plan_runs(sizes: dict[str, int], parts: list[str]) -> list[dict]:
+    """What each run carries, by top-level entry of the bundle (sizes: path -> bytes; parts: the
+    GGUF's parts in order). A device call takes at most 8 carried paths and 64 MiB with the
+    repository, which needs ~10 of them: the first part goes with what setup reads (the package,
+    its metadata, the verifier's config), each other part alone, then the data and the prompts
+    (the regenerated data a `keep` brings back is carried beside them later)."""
+    tops = {k.split("/")[0] for k in sizes}
+    setup = sorted(t for t in tops if t in ("gguf", "verifier") or t.endswith(".dist-info")) + ["MANIFEST.json"]
+    data = [t for t in ("sharegpt.jsonl.xz", "mtbench.jsonl", "humaneval.jsonl") if t in tops]
+
+    def run(carry):
+        return {"carry": carry, "mib": sum(v for k, v in sizes.items() if k.split("/")[0] in carry) / 2**20}
+
+    return [run([*setup, parts[0]]), *[run([p]) for p in parts[1:]], run(data)]
 
 
 def join(bundle: Path, if_complete: bool = False):
