@@ -181,7 +181,7 @@ def auto_candidates(device, rows: bool = False) -> tuple[str, ...]:
     """What "auto" tries, in this order, before falling back to sdpa: on CUDA the verifier's and
     the drafter's rounds go to peagle first (module docstring: the least device time per round),
     then flash; batched generation's rows and every other device try flash only (peagle has no
-    rows shape, and its CPU path is not faster than sdpa there)."""
+    rows shape, and its CPU path is a plain reference loop, not a fast path)."""
     if rows or torch.device(device).type != "cuda":
         return ("flash",)
     return ("peagle", "flash")
