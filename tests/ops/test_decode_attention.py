@@ -155,6 +155,20 @@ def test_cuda_clamps_runs_past_the_cache():
 
 
 @requires_cuda
+def test_cuda_names_misaligned_k_and_v():
+    """The kernel reads k and v rows in 16-byte units: a view that starts off that grid is refused
+    by name, not read out of line."""
+    q, k = torch.randn(2, 4, 64, device="cuda").bfloat16(), torch.randn(5, 2, 64, device="cuda").bfloat16()
+    off = torch.randn(5 * 2 * 64 + 1, device="cuda").bfloat16()[1:].view(5, 2, 64)  # 2 bytes past the grid
+    st = torch.zeros(2, dtype=torch.int32, device="cuda")
+    ct = torch.ones(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="v must be 16-byte aligned"):
+        decode_attention(q, k, off, st, ct, 0.125)
+    with pytest.raises(ValueError, match="k must be 16-byte aligned"):
+        decode_attention(q, off, k, st, ct, 0.125)
+
+
+@requires_cuda
 def test_cuda_graph_replay_reads_the_runs_at_replay():
     q, k, v, start, count = make_case(4, 9, 3, 64, 512, "verifier", torch.bfloat16, "cuda", seed=7)
     k, v = k.nan_to_num(), v.nan_to_num()
