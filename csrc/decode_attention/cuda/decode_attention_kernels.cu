@@ -55,6 +55,15 @@ union Vec8 {
   T h[8];
 };
 
+// The 8 elements of a 16-byte load, in float.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4 raw, float (&out)[8]) {
+  Vec8<T> v;
+  v.raw = raw;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = to_float(v.h[e]);
+}
+
 // G: query heads per KV head the accumulators are sized for (the group is at most G).
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttnParams p) {
@@ -121,11 +130,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     }
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      Vec8<T> kv;
-      kv.raw = kr[i];
       float kf[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) kf[e] = to_float(kv.h[e]);
+      unpack8<T>(kr[i], kf);
       const int row = slot + i * kRowsPerPass;
       const bool valid = base + row < hi;
 #pragma unroll
@@ -173,11 +179,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     }
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      Vec8<T> vv;
-      vv.raw = vr[i];
       float vf[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) vf[e] = to_float(vv.h[e]);
+      unpack8<T>(vr[i], vf);
       const int row = slot + i * kRowsPerPass;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
