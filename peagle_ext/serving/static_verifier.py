@@ -34,6 +34,7 @@ from .cache_attention import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_EXPAND_MAX = 4096  # positions up to which StaticVerifier.rope expands its tables per head
 
 
 def static_verifier_support(model) -> str | None:
@@ -163,14 +164,18 @@ class StaticVerifier:
 
     def rope(self, pos):
         """RoPE's tables for positions `pos` [..., T], in the projections' layout [..., T, heads,
-        D]: (cos_q, sin_q, cos_k, sin_k), each expanded over its heads and contiguous, with sin's
-        first half negated (qkv swaps x's halves instead of building rotate_half's [-x2, x1]).
-        Built once per forward: every layer's RoPE then runs on contiguous operands of one shape,
-        which on CUDA takes torch's vectorised kernels (a broadcast or transposed operand takes
-        the strided ones)."""
+        D]: (cos_q, sin_q, cos_k, sin_k), with sin's first half negated (qkv swaps x's halves
+        instead of building rotate_half's [-x2, x1]). Built once per forward. For a decoding step
+        or round (at most ROPE_EXPAND_MAX positions) each table is expanded over its heads and
+        contiguous, so every layer's RoPE runs on contiguous operands of one shape, which on CUDA
+        takes torch's vectorised kernels (a broadcast or transposed operand takes the strided
+        ones); a longer prefill's tables stay [..., T, 1, D] and broadcast (the same values, and
+        no copy the size of q per table)."""
         freqs = pos.to(torch.float32)[..., None] * self._inv_freq
         cos = (torch.cat([freqs, freqs], -1).cos() * self._rope_scale).to(self.dtype).unsqueeze(-2)
         sin = (torch.cat([-freqs.sin(), freqs.sin()], -1) * self._rope_scale).to(self.dtype).unsqueeze(-2)
+        if pos.numel() > ROPE_EXPAND_MAX:
+            return cos, sin, cos, sin
         tables = []
         for heads in (self.num_heads, self.kv_heads):
             shape = (*cos.shape[:-2], heads, self.head_dim)

@@ -80,14 +80,17 @@ def test_rope_tables_give_rotate_half_rope_to_the_bit(vdir, dtype):
     positions of one prompt and of a batch of rows."""
     from transformers.models.llama.modeling_llama import rotate_half
 
-    from peagle_ext.serving.static_verifier import _swap_halves
+    from peagle_ext.serving.static_verifier import ROPE_EXPAND_MAX, _swap_halves
 
     st = StaticVerifier(_load(vdir, dtype), [1])
     g = torch.Generator().manual_seed(0)
-    for pos in (torch.arange(5, 12), torch.tensor([[3], [40], [0]])):
+    for pos in (torch.arange(5, 12), torch.tensor([[3], [40], [0]]), torch.arange(ROPE_EXPAND_MAX + 1)):
         cos_q, sin_q, cos_k, sin_k = st.rope(pos)
-        assert cos_q.shape == (*pos.shape, st.num_heads, st.head_dim) and cos_q.is_contiguous()
-        assert sin_k.shape == (*pos.shape, st.kv_heads, st.head_dim) and sin_k.is_contiguous()
+        if pos.numel() <= ROPE_EXPAND_MAX:  # per head and contiguous
+            assert cos_q.shape == (*pos.shape, st.num_heads, st.head_dim) and cos_q.is_contiguous()
+            assert sin_k.shape == (*pos.shape, st.kv_heads, st.head_dim) and sin_k.is_contiguous()
+        else:  # a long prefill's: broadcast over the heads
+            assert cos_q.shape == sin_k.shape == (*pos.shape, 1, st.head_dim)
         freqs = pos.float()[..., None] * st._inv_freq
         emb = torch.cat([freqs, freqs], -1)[..., None, :]
         cos, sin = (emb.cos() * st._rope_scale).to(dtype), (emb.sin() * st._rope_scale).to(dtype)
