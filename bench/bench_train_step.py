@@ -443,6 +443,17 @@ def run_child(a, cases, deadline, logdir):
     return p.returncode
 
 
+CHILD_START_S = 15.0  # a child's imports, CUDA start and first model before its first case (~13 s on an H100)
+
+
+def impl_seconds(todo, later_cases, later_impls: int) -> tuple[float, float]:
+    """(this implementation's seconds, the later implementations' seconds) for share_deadline:
+    the cases' estimates plus one child start each, which a short budget would otherwise take out
+    of the first implementation's share (its child starting used up what its case needed)."""
+    mine = sum(c["est_s"] for c in todo) + CHILD_START_S
+    return mine, sum(c["est_s"] for c in later_cases) + CHILD_START_S * later_impls
+
+
 def share_deadline(now, end, mine_s, later_s):
     """The deadline of the implementation about to run: its share of the time left to `end`, in
     proportion to its cases' estimates against those of the implementations after it (so a short
@@ -461,9 +472,9 @@ def parent_main(a):
     impls = list(dict.fromkeys(c["impl"] for c in cases))
     for gi, impl in enumerate(impls):
         todo = [c for c in cases if c["impl"] == impl]
-        later = sum(c["est_s"] for c in cases if c["impl"] in impls[gi + 1 :])
+        later_cases = [c for c in cases if c["impl"] in impls[gi + 1 :]]
         while todo and time.time() < end - 5:
-            deadline = share_deadline(time.time(), end, sum(c["est_s"] for c in todo), later)
+            deadline = share_deadline(time.time(), end, *impl_seconds(todo, later_cases, len(impls) - gi - 1))
             print(f"[{time.time() - T0:6.1f}s] -> {impl}: {[c['name'] for c in todo]}", flush=True)
             rc = run_child(a, todo, deadline, logdir)
             done = {c["name"] for c in todo if os.path.exists(os.path.join(logdir, f"{c['name']}.json"))}

@@ -16,6 +16,18 @@ def test_share_deadline_splits_the_time_left_by_estimate():
     assert bts.share_deadline(100.0, 101.0, 60.0, 190.0) == pytest.approx(110.0)  # never under 10 s
 
 
+def test_a_short_budget_leaves_the_first_implementation_its_child_start():
+    """With a 200 s budget for peagle-1L-8K then spec-1L-8K (whose estimate includes its
+    compiles), peagle's share covers its child's start and its case: the child skips a case that
+    does not have min(est_s, 20) s left after starting."""
+    cases = {c["name"]: c for c in bts.default_cases()}
+    mine, later = bts.impl_seconds([cases["peagle-1L-8K"]], [cases["spec-1L-8K"]], 1)
+    assert mine == cases["peagle-1L-8K"]["est_s"] + bts.CHILD_START_S
+    assert later == cases["spec-1L-8K"]["est_s"] + bts.CHILD_START_S
+    deadline = bts.share_deadline(0.0, 200.0 - 5.0, mine, later)
+    assert deadline >= bts.CHILD_START_S + min(cases["peagle-1L-8K"]["est_s"], 20)
+
+
 def test_tables_print_a_skipped_case_that_asked_for_a_profile(capsys):
     ran = bts.case("peagle-1L-8K", "peagle", 512, profile=True)
     ran.update(
