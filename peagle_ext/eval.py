@@ -39,6 +39,7 @@ from .serving import (
     greedy_generate,
     speculative_generate,
 )
+from .serving.cache_attention import VARLEN_IMPLS
 from .serving.graphs import GreedyEngine, RoundEngine
 from .serving.static_verifier import StaticVerifier, static_verifier_support
 
@@ -91,7 +92,7 @@ def make_verifier(model, aux_layer_ids, impl: str = "auto", *, attention: str = 
     if impl == "static" and why is not None:
         raise ValueError(f"--verifier-impl static: {why}")
     if impl == "hf" or why is not None:
-        if attention in ("flash", "peagle"):
+        if attention in VARLEN_IMPLS:  # the static verifier's kernels
             raise ValueError(f"--attention {attention} needs the static verifier ({why or '--verifier-impl hf'})")
         return Verifier(model, aux_layer_ids)
     try:
