@@ -504,6 +504,34 @@ def test_cache_warmed_in_batched_passes_equals_row_by_row(rng, monkeypatch):
         torch.testing.assert_close(ex.last_hidden, want.last_hidden, rtol=1e-12, atol=1e-12)
 
 
+def test_examples_to_host_equals_row_by_row(rng):
+    """examples_to_host (the cache warm-up's one copy per field for a pass's rows) gives every
+    row what TrainingExample.to("cpu", dtype) gives it alone: the same values and dtypes, rows of
+    different lengths split at the right places, each a contiguous tensor of its own length."""
+    from peagle_ext.train.hidden import examples_to_host
+
+    exs = []
+    for n in (7, 1, 12):
+        exs.append(
+            D.TrainingExample(
+                input_ids=torch.randint(0, 100, (n,), generator=rng),
+                document_ids=torch.randint(-1, 3, (n,), generator=rng).to(torch.int32),
+                loss_mask=torch.rand(n, generator=rng) > 0.5,
+                hidden=torch.randn(n, 6, generator=rng, dtype=torch.float64),
+                last_hidden=torch.randn(n, 2, generator=rng, dtype=torch.float64),
+            )
+        )
+    for dtype in (torch.float64, torch.bfloat16):
+        got = examples_to_host(exs, dtype)
+        assert len(got) == len(exs)
+        for ex, g in zip(exs, got):
+            want = ex.to("cpu", dtype)
+            for f in ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden"):
+                a, b = getattr(g, f), getattr(want, f)
+                assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b), f
+    assert examples_to_host([], torch.bfloat16) == []
+
+
 def test_default_aux_layer_ids():
     assert D.default_aux_layer_ids(30) == [2, 15, 27]
     assert D.default_aux_layer_ids(5) == [2, 2, 2]
