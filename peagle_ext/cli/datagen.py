@@ -117,6 +117,11 @@ def run(args) -> int:
         print(f"  {st.failed_captures} CUDA graph capture(s) failed: those groups ran their steps eagerly (slower)")
     if st.truncated_turns:
         print(f"  {st.truncated_turns} answers hit --max-new-tokens {args.max_new_tokens} (cut there)")
+    if st.looping_turns:
+        print(
+            f"  {st.looping_turns} answers end in a repetition loop (a phrase or line repeated to the end; "
+            "easy to draft, so they inflate validation accuracy)"
+        )
     if st.skipped:
         print(f"  {st.skipped} conversations skipped: first prompt + --max-new-tokens > --max-length {args.max_length}")
     if st.remaining:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from .loops import ends_in_loop
 from .records import DataError
 
 TURN_MODES = ("first", "all")
@@ -57,6 +58,7 @@ class DatagenStats:
     skipped: int = 0  # prompts too long for max_length
     turns: int = 0  # answers generated
     truncated_turns: int = 0  # answers that hit max_new_tokens
+    looping_turns: int = 0  # answers that end in a repetition loop (data.loops.ends_in_loop)
     new_tokens: int = 0
     engine: str = ""  # the engine that ran: "static" or "hf"
     step_mode: str = ""  # the static engine's decode steps: "graphs", "eager" (serving/batch_generation.py)
@@ -310,6 +312,7 @@ def _regenerate_group(model, tokenizer, items, st: DatagenStats, *, max_length, 
             recs[i]["messages"] = recs[i]["messages"] + [{"role": "assistant", "content": text}]
             st.turns += 1
             st.new_tokens += len(toks)
+            st.looping_turns += ends_in_loop(text)
             if hit_limit:
                 st.truncated_turns += 1
                 recs[i].setdefault("truncated", []).append(turn)

@@ -15,6 +15,7 @@ import torch
 
 from peagle_ext.data import DataError, load_conversations
 from peagle_ext.data.datagen import make_groups, read_done_indices, regenerate
+from peagle_ext.data.loops import ends_in_loop
 from peagle_ext.serving import Verifier, greedy_generate
 from peagle_ext.serving.batch_generation import BatchGenerator
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
@@ -73,6 +74,8 @@ def test_answers_are_the_verifiers_greedy_continuations(setup, tmp_path, turns, 
             assert msgs[j]["content"] != conv[j]["content"]
     assert st.turns == sum(len(r["messages"]) // 2 for r in recs.values())
     assert st.truncated_turns == sum(len(r.get("truncated", [])) for r in recs.values())
+    answers = [m["content"] for r in recs.values() for m in r["messages"] if m["role"] == "assistant"]
+    assert st.looping_turns == sum(ends_in_loop(a) for a in answers)
     # the file is training data as it stands
     loaded = load_conversations(str(out))
     assert len(loaded) == len(convs)
@@ -262,3 +265,43 @@ def test_bad_input(setup, tmp_path):
         assert not (tmp_path / "o.jsonl").exists()
     r = run_cli([*base, "--data", str(data), "--output", str(tmp_path / "o.jsonl"), "--engine", "vllm"])
     assert r.returncode == 2 and "--engine" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_answers_that_loop_are_counted(setup, tmp_path, monkeypatch):
+    """DatagenStats.looping_turns counts the answers that end in a repetition loop (the CLI
+    prints it): here every second answer the engine returns is a phrase repeated to the cap."""
+    import peagle_ext.data.datagen as dg
+
+    _, data, tok, model = setup
+    convs = load_conversations(str(data))
+    loop = tok("the same words once more " * 4, add_special_tokens=False)["input_ids"]
+    plain = tok("A plain answer.", add_special_tokens=False)["input_ids"]
+    calls = [0]
+
+    def fake_generate(model, tokenizer, prompts, **gen):
+        out = []
+        for _ in prompts:
+            out.append((loop if calls[0] % 2 == 0 else plain, False))
+            calls[0] += 1
+        return out
+
+    monkeypatch.setattr(dg, "_generate", fake_generate)
+    st = regenerate(
+        model,
+        tok,
+        convs,
+        tmp_path / "out.jsonl",
+        max_new_tokens=40,
+        max_length=400,
+        batch_size=3,
+        turns="all",
+        progress=False,
+    )
+    answers = [
+        m["content"]
+        for r in _records(tmp_path / "out.jsonl").values()
+        for m in r["messages"]
+        if m["role"] == "assistant"
+    ]
+    assert st.turns == len(answers) == calls[0] and st.looping_turns == (calls[0] + 1) // 2 > 0
+    assert st.looping_turns == sum(ends_in_loop(a) for a in answers)
