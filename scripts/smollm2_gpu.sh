@@ -44,7 +44,9 @@
 #                        tokenizing at once took 229 s, so side-by-side settings start one after another
 #                        (each waits for the one before to log its data, at most STAGGER_TIMEOUT). The
 #                        verifier's states are cached in host memory (HIDDEN_CACHE_GB, one batched pass
-#                        per 16 rows: 127 s for 9,437 rows, 150K tokens/s; ~9.4 MB a row, so every
+#                        per 16 rows: 127 s for 9,437 rows, 150K tokens/s; on an H100 143.7 s for 7,825
+#                        rows, 82 s of it verifier passes and 62 s copies to the host, which now go as one
+#                        copy per field a pass (13 against 89 ms for 16 rows); ~9.4 MB a row, so every
 #                        conversation (1:mix) takes 83 GiB, which HIDDEN_CACHE_GB=auto gives one setting).
 #                        Measured with batch 16 x 2048: alone, 39 ms a step (4,899 steps in 6 minutes
 #                        with the cache warm-up); two settings side by side: ~115K tokens/s each
@@ -86,6 +88,13 @@ SEQ=${SEQ:-2048}
 # and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has).
 # The default: the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
 SETTINGS=${SETTINGS:-"1:mix"}
+MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has an answer that ends in a
+                                   # repetition loop (peagle_ext.data.loops; 56% of them with every turn
+                                   # regenerated): original = take the original answers there; keep = take
+                                   # the regenerated one anyway. Measured: keep (every conversation
+                                   # regenerated) 1.79 on MT-Bench, against 1.84 with a third of them
+                                   # regenerated (shortest prompts first) and original answers elsewhere;
+                                   # original (43% regenerated, none looping) is not measured yet
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-16}                 # rows of SEQ tokens a step (the measured runs: 16)
 LR=${LR:-1e-3}
@@ -157,6 +166,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE... | all" >&2; exit 2; }
+[[ "$MIX_LOOPS" =~ ^(original|keep)$ ]] || { echo "smollm2_gpu.sh: MIX_LOOPS must be original or keep, got $MIX_LOOPS" >&2; exit 2; }
 for s in $SETTINGS $EVAL_FULL; do
   [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)$ ]] || {
     echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA with DATA orig, regen, origfirst or mix" >&2
@@ -334,24 +344,35 @@ print(f"origfirst: {n} conversations (the regenerated prompts, original first an
 EOF
 }
 
-mix_data() {  # every training conversation: the regenerated one where datagen wrote it, else the original
-  [ -f "$DATA/mix.jsonl" ] && [ "$DATA/mix.jsonl" -nt "$DATA/regen.jsonl" ] && return 0
+mix_data() {  # every training conversation: the regenerated one where datagen wrote it (and, with
+  # MIX_LOOPS=original, none of its answers loops), else the original
+  [ -f "$DATA/mix.jsonl" ] && [ "$DATA/mix.jsonl" -nt "$DATA/regen.jsonl" ] \
+    && [ "$(cat "$DATA/mix.rule" 2> /dev/null)" = "$MIX_LOOPS" ] && return 0
   [ -f "$DATA/regen.jsonl" ] || { note "mix: no $DATA/regen.jsonl yet (run datagen)"; return 1; }
-  timed python3 - "$DATA/train.jsonl" "$DATA/regen.jsonl" "$DATA/mix.jsonl" <<'EOF' | tee -a "$SUMMARY"
+  timed python3 - "$DATA/train.jsonl" "$DATA/regen.jsonl" "$DATA/mix.jsonl" "$MIX_LOOPS" <<'EOF' | tee -a "$SUMMARY"
 import json, os, sys
+from peagle_ext.data.loops import conversation_loops
 convs = [json.loads(x)["messages"] for x in open(sys.argv[1], encoding="utf-8") if x.strip()]
-regen = 0
+regen = looping = 0
 for line in open(sys.argv[2], encoding="utf-8"):
     rec = json.loads(line) if line.strip() else {}
-    if rec.get("messages"):  # one that datagen skipped keeps its original
-        convs[rec["index"]] = rec["messages"]
-        regen += 1
+    if not rec.get("messages"):  # one that datagen skipped keeps its original
+        continue
+    if sys.argv[4] == "original" and conversation_loops(rec["messages"]):
+        looping += 1
+        continue
+    convs[rec["index"]] = rec["messages"]
+    regen += 1
 with open(sys.argv[3] + ".tmp", "w", encoding="utf-8") as out:
     for msgs in convs:
         out.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
 os.replace(sys.argv[3] + ".tmp", sys.argv[3])
-print(f"mix: {len(convs)} conversations, {regen} of them regenerated, {len(convs) - regen} original")
+loops = f" ({looping} regenerated ones with an answer that loops left original)" if sys.argv[4] == "original" else ""
+print(f"mix: {len(convs)} conversations, {regen} of them regenerated, {len(convs) - regen} original{loops}")
 EOF
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] && echo "$MIX_LOOPS" > "$DATA/mix.rule"
+  return "$rc"
 }
 
 data_prepared() {  # dir pid lines: wait until the training `pid` logs its data (past line `lines`)

@@ -13,6 +13,7 @@ import tarfile
 
 import pytest
 
+from peagle_ext.data.loops import conversation_loops
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
 from tests.helpers import ROOT
 
@@ -127,16 +128,31 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     # mix: every training conversation, the regenerated one where datagen wrote one, else the original
     mixed = tmp_path / "work_mix"
     shutil.copytree(work / "data", mixed / "data")
-    (mixed / "data" / "regen.jsonl").write_text("".join(open(work / "data" / "regen.jsonl").readlines()[:12]))
+    # (the first kept conversation's answer made a loop: MIX_LOOPS=original, the default, leaves every
+    # conversation with a looping answer original; this tiny random verifier's answers loop too)
+    recs = [json.loads(x) for x in open(work / "data" / "regen.jsonl").readlines()[:12]]
+    looped = next(r for r in recs if r["messages"])
+    looped["messages"][-1]["content"] = "over and over " * 4
+    (mixed / "data" / "regen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     r = _run(bundle, mixed, "train", SETTINGS="1:mix", EVAL_FULL="1:mix")
-    src = [json.loads(x)["messages"] for x in open(mixed / "data" / "train.jsonl")]
-    done = {x["index"]: x["messages"] for x in map(json.loads, open(mixed / "data" / "regen.jsonl")) if x["messages"]}
     assert r.returncode == 0, r.stderr[-3000:]
-    n, k = len(src), len(done)
-    assert f"mix: {n} conversations, {k} of them regenerated, {n - k} original" in r.stdout
+    src = [json.loads(x)["messages"] for x in open(mixed / "data" / "train.jsonl")]
+    done = {x["index"]: x["messages"] for x in recs if x["messages"]}
+    clean = {i: m for i, m in done.items() if not conversation_loops(m)}
+    n, k, left = len(src), len(clean), len(done) - len(clean)
+    assert looped["index"] not in clean and 0 < k < len(done)
+    assert f"mix: {n} conversations, {k} of them regenerated, {n - k} original ({left} regenerated" in r.stdout
     mix = [json.loads(x)["messages"] for x in open(mixed / "data" / "mix.jsonl")]
-    assert 0 < len(done) < len(src) and mix == [done.get(i, m) for i, m in enumerate(src)]
+    assert mix == [clean.get(i, m) for i, m in enumerate(src)]
     assert (mixed / "train" / "L1-mix" / "final" / "config.json").is_file()
+    # MIX_LOOPS=keep rewrites the mix (the rule changed) with every regenerated conversation
+    r = _run(bundle, mixed, "train", SETTINGS="1:mix", EVAL_FULL="1:mix", MIX_LOOPS="keep")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"mix: {n} conversations, {len(done)} of them regenerated, {n - len(done)} original\n" in r.stdout
+    mix = [json.loads(x)["messages"] for x in open(mixed / "data" / "mix.jsonl")]
+    assert mix == [done.get(i, m) for i, m in enumerate(src)]
+    r = _run(bundle, mixed, "train", SETTINGS="1:mix", MIX_LOOPS="sometimes")
+    assert r.returncode == 2 and "MIX_LOOPS must be original or keep, got sometimes" in r.stderr and not r.stdout
     # bad phase: exit 2 and one line
     r = _run(bundle, work, "nope")
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
