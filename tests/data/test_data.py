@@ -504,6 +504,36 @@ def test_cache_warmed_in_batched_passes_equals_row_by_row(rng, monkeypatch):
         torch.testing.assert_close(ex.last_hidden, want.last_hidden, rtol=1e-12, atol=1e-12)
 
 
+def test_warm_passes_are_sized_by_the_bytes_of_their_states(rng, monkeypatch):
+    """Without WARM_ROWS a warm-up pass takes the rows whose states fill WARM_STATE_BYTES (the
+    longest row x (aux layers + last) x hidden x the verifier's element size), at least one, and
+    caches the same states as row by row."""
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300).double()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(7)]
+    ids = [1, 2, 3]
+    per_row = 96 * (len(ids) + 1) * model.config.hidden_size * 8
+    cached = HiddenStates(model, ids, rows, cache=True, store_dtype=torch.float64, device=torch.device("cpu"))
+    cached.WARM_STATE_BYTES = 3 * per_row + per_row // 2
+    assert cached.warm_rows_per_pass() == 3
+    cached.WARM_STATE_BYTES = per_row // 2
+    assert cached.warm_rows_per_pass() == 1
+    cached.WARM_ROWS = 5
+    assert cached.warm_rows_per_pass() == 5
+    cached.WARM_ROWS, cached.WARM_STATE_BYTES, cached.WARM_TOKENS = None, 3 * per_row, 40
+    calls = []
+    real = D.verifier_hidden_states_many
+    monkeypatch.setattr(D, "verifier_hidden_states_many", lambda *a, **k: calls.append((len(a[1]), k)) or real(*a, **k))
+    cached.device = torch.device("cuda")  # warm() batches for a GPU verifier (none is touched here)
+    cached.warm("test", progress=False)
+    assert calls == [(3, {"token_budget": 40})] * 2 + [(1, {"token_budget": 40})]
+    alone = HiddenStates(model, ids, rows, cache=False, store_dtype=torch.float64, device=torch.device("cpu"))
+    for i in range(len(rows)):
+        torch.testing.assert_close(cached.get(i).hidden, alone.get(i).hidden, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(cached.get(i).last_hidden, alone.get(i).last_hidden, rtol=1e-12, atol=1e-12)
+
+
 def test_examples_to_host_equals_row_by_row(rng):
     """examples_to_host (the cache warm-up's one copy per field for a pass's rows) gives every
     row what TrainingExample.to("cpu", dtype) gives it alone: the same values and dtypes, rows of
