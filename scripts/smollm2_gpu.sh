@@ -43,10 +43,11 @@
 #                        template, forked over the cores: 1.8 s for 14K conversations; three trainings
 #                        tokenizing at once took 229 s, so side-by-side settings start one after another
 #                        (each waits for the one before to log its data, at most STAGGER_TIMEOUT). The
-#                        verifier's states are cached in host memory (HIDDEN_CACHE_GB, one batched pass
-#                        per 16 rows: 127 s for 9,437 rows, 150K tokens/s; on an H100 143.7 s for 7,825
-#                        rows, 82 s of it verifier passes and 62 s copies to the host, which now go as one
-#                        copy per field a pass (13 against 89 ms for 16 rows); ~9.4 MB a row, so every
+#                        verifier's states are cached in host memory (HIDDEN_CACHE_GB; measured with one
+#                        batched pass per 16 rows: 127 s for 9,437 rows, 150K tokens/s; on an H100 143.7 s
+#                        for 7,825 rows, 82 s of it verifier passes and 62 s copies to the host. A pass now
+#                        holds 113 rows with forwards of 32K tokens, 14% padding against 64%, and copies
+#                        each field once, 13 against 89 ms for 16 rows; ~9.4 MB a row, so every
 #                        conversation (1:mix) takes 83 GiB, which HIDDEN_CACHE_GB=auto gives one setting).
 #                        Measured with batch 16 x 2048: alone, 39 ms a step (4,899 steps in 6 minutes
 #                        with the cache warm-up); two settings side by side: ~115K tokens/s each
