@@ -71,8 +71,10 @@
 #      `... data` (split, and an earlier session's kept data put back), then either DATAGEN_SECONDS=400
 #      `... datagen keep` in the foreground (the regenerated data comes back with the call, so a
 #      machine taken back later loses nothing of it) or, once every conversation is regenerated,
-#      DATAGEN_SECONDS=0 TRAIN_MINUTES=7 SETTINGS="1:mix" EVAL_SWEEP=1..3 EVAL_HE_SWEEP=
-#      `... --detach study` (training and evaluation only: 678 s measured with 6 minutes) and `... wait`
+#      DATAGEN_SECONDS=0 TRAIN_MINUTES=9 SETTINGS="1:mix" EVAL_SWEEP=1..5 EVAL_HE_SWEEP=
+#      `... --detach study` (training and evaluation only: 899 s measured with 9 minutes, 678 s with
+#      6 and EVAL_SWEEP=1..3) and `... wait`; from the machine's start to the last wait, steps 1-4
+#      took about 20 of the 30 device-minutes
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results)
