@@ -13,7 +13,8 @@
 Modules: `records` (PackedSequence, TrainingExample), `conversations` (sources), `chat`
 (chat-template tokenization with loss masks), `packing`, `verifier` (locate / convert / load),
 `hidden_states`, `shift` (the EAGLE shift), `cache` (the on-disk hidden-state cache), `dedup`
-(duplicate conversations, a held-out split that shares no prompt with training).
+(duplicate conversations, a held-out split that shares no prompt with training), `datagen` (the
+verifier's own answers), `loops` (answers that end in a repetition loop).
 
 Conventions (those of vLLM / speculators, so a drafter trained here serves in vLLM):
 - aux layer id k = residual stream entering decoder layer k (HF hidden_states[k]); the default
@@ -41,9 +42,9 @@ from .conversations import (
 )
 from .dedup import conversation_key, disjoint_held_out, drop_duplicates, prompt_key
 from .gguf import convert_gguf_to_hf
-from .hidden_states import verifier_hidden_states, verifier_hidden_states_many
+from .hidden_states import rows_per_pass, verifier_hidden_states, verifier_hidden_states_many
 from .packing import pack_conversations
-from .records import DataError, PackedSequence, TrainingExample
+from .records import DataError, PackedSequence, TrainingExample, examples_to_host
 from .shift import eagle_shift
 from .sources import iter_records
 from .verifier import (
@@ -66,6 +67,8 @@ __all__ = [
     "DataError",
     "PackedSequence",
     "TrainingExample",
+    "examples_to_host",
+    "rows_per_pass",
     "HiddenStateCache",
     "packed_fingerprint",
     "TokenizeStats",

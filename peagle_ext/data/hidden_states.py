@@ -8,6 +8,27 @@ import torch
 from .records import PackedSequence
 from .verifier import check_aux_layer_ids, decoder_parts
 
+# Batched passes on a GPU (the trainer's cache warm-up, HiddenStateCache.generate): a pass's rows
+# hold about PASS_STATE_BYTES of states (on the device about three times over: the states, their
+# shifted copies, one field on its way to the host); its documents, grouped by length, go through
+# the verifier in forwards of at most PASS_TOKENS padded tokens. Many rows a pass let the grouping
+# put documents of near-equal length together: on SmolLM2 rows of regenerated ShareGPT, 16 rows a
+# pass padded the documents by 64%, 113 rows (1 GiB) by 14%, in 40% fewer forwards.
+PASS_STATE_BYTES = 1 << 30
+PASS_TOKENS = 32768
+
+
+def rows_per_pass(verifier, rows: list, n_aux: int, state_bytes: int | None = None) -> int:
+    """How many rows' states (the longest row's positions x (n_aux + last) x hidden x the
+    verifier's element size) fill state_bytes (default PASS_STATE_BYTES), at least one: 113 rows
+    of 2048 SmolLM2 positions with three aux layers, 16 of an 8B verifier's."""
+    if state_bytes is None:
+        state_bytes = PASS_STATE_BYTES
+    hidden = int(verifier.config.hidden_size)
+    item = next(verifier.parameters()).element_size()
+    longest = max((len(r) for r in rows), default=1)
+    return max(1, int(state_bytes) // (longest * (n_aux + 1) * hidden * item))
+
 
 def _batches_by_length(spans: list[tuple], token_budget: int) -> list[list[tuple]]:
     """Group documents of similar length so that padding waste stays small: sort by length,

@@ -165,33 +165,25 @@ class HiddenStates:
         bar.close()
         self._shard = None
 
-    # Warming the cache on a GPU: rows per batched verifier pass (None: as many as WARM_STATE_BYTES
-    # of their states hold), and padded tokens per verifier forward inside a pass
+    # Warming the cache on a GPU (data.hidden_states.PASS_STATE_BYTES says why): rows per batched
+    # verifier pass (None: as many as WARM_STATE_BYTES of their states hold), and padded tokens per
+    # verifier forward inside a pass
     WARM_ROWS: int | None = None
-    WARM_STATE_BYTES = 1 << 30
-    WARM_TOKENS = 32768
+    WARM_STATE_BYTES = D.hidden_states.PASS_STATE_BYTES
+    WARM_TOKENS = D.hidden_states.PASS_TOKENS
 
     def warm_rows_per_pass(self) -> int:
-        """WARM_ROWS, or the rows whose states (the longest row's positions x (aux layers + last)
-        x hidden x the verifier's element size) fill WARM_STATE_BYTES: 113 rows of 2048 SmolLM2
-        positions, 16 of an 8B verifier's. A pass holds its states on the device about three
-        times over (the states, the shifted copies, one field being copied to the host)."""
         if self.WARM_ROWS:
             return int(self.WARM_ROWS)
-        hidden = int(self.verifier.config.hidden_size)
-        item = next(self.verifier.parameters()).element_size()
-        longest = max((len(r) for r in self.rows), default=1)
-        return max(1, self.WARM_STATE_BYTES // (longest * (len(self.aux) + 1) * hidden * item))
+        return D.rows_per_pass(self.verifier, self.rows, len(self.aux), self.WARM_STATE_BYTES)
 
     def _warm_batched(self, desc: str, progress: bool):
         """Fill the in-memory cache with one batched verifier pass per warm_rows_per_pass() rows,
         their documents grouped by length into forwards of at most WARM_TOKENS padded tokens. On a
-        GPU an eager forward of this small a model costs host time for its launches whatever its
-        size, and padding costs device time: a pass over many rows gives the length grouping
-        documents of near-equal length to put together (SmolLM2 rows of regenerated ShareGPT: 16
-        rows a pass padded the documents by 64%, 113 rows by 14%, in 40% fewer forwards). The
-        states agree with row-by-row ones to float rounding, and every run batches the same rows
-        together, so a resumed run caches the same bits."""
+        GPU an eager forward of a small verifier costs host time for its launches whatever its
+        size, so row by row the cache cost minutes that batched it does not. The states agree
+        with row-by-row ones to float rounding, and every run batches the same rows together, so
+        a resumed run caches the same bits."""
         todo = [i for i in range(len(self.rows)) if i not in self._mem]
         bar = progress_bar(None, total=len(todo), desc=desc, unit="row", disable=not progress)
         t0 = time.time()
@@ -209,7 +201,7 @@ class HiddenStates:
             b = time.perf_counter()
             shifted = [D.eagle_shift(r, aux, last) for r, (aux, last) in zip(rows, states)]
             del states
-            for i, ex in zip(idx, examples_to_host(shifted, self.store_dtype)):
+            for i, ex in zip(idx, D.examples_to_host(shifted, self.store_dtype)):
                 self._mem[i] = ex
             ntok += sum(len(r) for r in rows)
             split["verifier"] += b - a
@@ -217,24 +209,3 @@ class HiddenStates:
             bar.update(len(idx))
             bar.set_postfix(tok_s=f"{ntok / max(time.time() - t0, 1e-9):.0f}")
         bar.close()
-
-
-FIELDS = ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden")
-
-
-def examples_to_host(examples: list, store_dtype) -> list:
-    """TrainingExamples (on one device) -> the same on the host, the two hidden-state tensors cast
-    to store_dtype. Each field of all of them crosses in one copy, then is split back into
-    per-row views of that copy: from a GPU, five copies of a pass's rows together instead of five
-    per row, each of which waits for the device (per row, 16 rows of 2048 SmolLM2 positions took
-    89 ms on an H100 where one copy of them took 13). The values are the same bits either way."""
-    if not examples:
-        return []
-    sizes = [len(ex) for ex in examples]
-    moved = {}
-    for f in FIELDS:
-        parts = [getattr(ex, f) for ex in examples]
-        one = parts[0] if len(parts) == 1 else torch.cat(parts)
-        dtype = store_dtype if f in ("hidden", "last_hidden") else None
-        moved[f] = one.to(device="cpu", dtype=dtype).split(sizes)
-    return [D.TrainingExample(**{f: moved[f][j] for f in FIELDS}) for j in range(len(examples))]

@@ -538,7 +538,7 @@ def test_examples_to_host_equals_row_by_row(rng):
     """examples_to_host (the cache warm-up's one copy per field for a pass's rows) gives every
     row what TrainingExample.to("cpu", dtype) gives it alone: the same values and dtypes, rows of
     different lengths split at the right places, each a contiguous tensor of its own length."""
-    from peagle_ext.train.hidden import examples_to_host
+    from peagle_ext.data import examples_to_host
 
     exs = []
     for n in (7, 1, 12):
@@ -659,6 +659,44 @@ def test_hidden_state_cache_roundtrip_resume_corruption(tmp_path, rng, monkeypat
     index = json.loads((tmp_path / "c" / "index.json").read_text())
     assert set(index["shards"]) == {str(i) for i in range(cache.num_shards)}
     assert not [p for p in (tmp_path / "c").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_hidden_state_cache_batched_generation_equals_row_by_row(tmp_path, rng, monkeypatch):
+    """generate(batched=True) (the default on a GPU): several shards' rows in one verifier pass,
+    one copy per field to the host; the same shards, rows and storage dtype as row by row, the
+    states equal to float rounding, after_shard called for every shard in order, and a resume
+    recomputes only the missing shard's rows."""
+    model = _tiny_model("llama", 300).double()
+    rows = D.pack_conversations(_rand_tokenized(rng, 20, 5, 40), 64, pad_token_id=0)
+    ids = [1, 3]
+    per_row = 64 * (len(ids) + 1) * model.config.hidden_size * 8
+    monkeypatch.setattr(D.hidden_states, "PASS_STATE_BYTES", 5 * per_row)  # 2 shards of 2 rows a pass
+    monkeypatch.setattr(D.hidden_states, "PASS_TOKENS", 80)
+    alone = D.HiddenStateCache(tmp_path / "alone", meta={"aux": ids})
+    n = alone.generate(model, rows, ids, rows_per_shard=2, batched=False)
+    passes, done = [], []
+    real = D.hidden_states.verifier_hidden_states_many
+    monkeypatch.setattr(
+        D.hidden_states, "verifier_hidden_states_many", lambda *a, **k: passes.append(len(a[1])) or real(*a, **k)
+    )
+    batched = D.HiddenStateCache(tmp_path / "batched", meta={"aux": ids})
+    assert batched.generate(model, rows, ids, rows_per_shard=2, batched=True, after_shard=done.append) == n
+    assert done == list(range(n)) and passes[0] == 4 and sum(passes) == len(rows)
+    assert batched.index["storage"] == alone.index["storage"]
+    for i in range(n):
+        a, b = alone.read_shard(i), batched.read_shard(i)
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            for f in ("input_ids", "document_ids", "loss_mask"):
+                assert torch.equal(getattr(x, f), getattr(y, f)), f
+            for f in ("hidden", "last_hidden"):
+                assert getattr(x, f).dtype == getattr(y, f).dtype
+                torch.testing.assert_close(getattr(y, f), getattr(x, f), rtol=1e-12, atol=1e-12)
+    batched.shard_path(1).unlink()
+    batched = D.HiddenStateCache(tmp_path / "batched", meta={"aux": ids})
+    passes.clear()
+    batched.generate(model, rows, ids, rows_per_shard=2, batched=True)
+    assert passes == [2] and len(list(batched)) == len(rows)
 
 
 # ----------------------------------------------------------------------------------------------
