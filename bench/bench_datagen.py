@@ -37,18 +37,10 @@ import pytest
 import torch
 
 from peagle_ext.data.datagen import _generate, pick_engine
+from peagle_ext.testing import smollm2_model as make_model
+from peagle_ext.train.profiling import describe_by_class
 
 ENGINES = ("static", "static-sdpa", "static-eager", "hf")
-
-
-def make_model(device, dtype, **overrides):
-    from transformers import LlamaForCausalLM
-
-    from peagle_ext.testing import smollm2_config
-
-    torch.manual_seed(0)
-    cfg = smollm2_config(**overrides)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def make_prompts(n, vocab, lo=64, hi=256, seed=0):
@@ -136,14 +128,8 @@ def profile_generate(model, engine, batch, new_tokens, prompt_range=(64, 256)) -
 
 
 def describe_profile(p: dict) -> str:
-    c = p["time_by_class"]
-    classes = ", ".join(f"{k} {v:.2f}" for k, v in c["classes_ms"].items() if v > 0)
-    line = f"{p['engine']} batch {p['batch']}: ms per new token: {classes} (all {c['total_ms']:.2f})"
-    if "device_idle" in p:
-        d = p["device_idle"]
-        ops = ", ".join(f"{n} {ms:.2f}" for n, ms in d["by_host_op"][:6])
-        line += f"; device idle {d['idle_ms']:.2f}, the host then in {ops}"
-    return line
+    label = f"{p['engine']} batch {p['batch']}"
+    return describe_by_class(label, "new token", p["time_by_class"], p.get("device_idle"))
 
 
 # ---- pytest-benchmark ------------------------------------------------------------------------

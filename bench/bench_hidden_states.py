@@ -37,18 +37,11 @@ import pytest
 import torch
 
 from peagle_ext import data as D
+from peagle_ext.testing import smollm2_model as make_model
 from peagle_ext.train.hidden import HiddenStates
+from peagle_ext.train.profiling import describe_by_class
 
 AUX = [2, 15, 27]
-
-
-def make_model(device, dtype, **overrides):
-    from transformers import LlamaForCausalLM
-
-    from peagle_ext.testing import smollm2_config
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(smollm2_config(**overrides)).to(device=device, dtype=dtype).eval()
 
 
 def make_rows(n_rows: int, seq_len: int, doc_tokens: tuple[int, int], vocab: int, seed: int = 0):
@@ -151,14 +144,7 @@ def profile_warm(model, rows, case: tuple) -> dict:
 
 
 def describe_profile(p: dict) -> str:
-    c = p["time_by_class"]
-    classes = ", ".join(f"{k} {v:.1f}" for k, v in c["classes_ms"].items() if v > 0)
-    line = f"{p['case']}: ms per pass: {classes} (all {c['total_ms']:.1f})"
-    if "device_idle" in p:
-        d = p["device_idle"]
-        ops = ", ".join(f"{n} {ms:.1f}" for n, ms in d["by_host_op"][:6])
-        line += f"; device idle {d['idle_ms']:.1f}, the host then in {ops}"
-    return line
+    return describe_by_class(p["case"], "pass", p["time_by_class"], p.get("device_idle"), digits=1)
 
 
 # ---- pytest-benchmark ------------------------------------------------------------------------

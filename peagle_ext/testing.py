@@ -161,6 +161,16 @@ def smollm2_config(**overrides):
     return LlamaConfig(**{**shape, **overrides})
 
 
+def smollm2_model(device, dtype, **overrides):
+    """A LlamaForCausalLM of smollm2_config(**overrides) with random weights (seed 0), on device in
+    dtype, in eval mode without gradients: the benchmarks' stand-in verifier, whose cost depends
+    on the shape, not the weights."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(smollm2_config(**overrides)).to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
 def make_peagle(
     verifier_config,
     *,

@@ -313,3 +313,15 @@ def describe(summary: dict) -> str:
             ops = ", ".join(f"{k} {v:.1f}" for k, v in idle["by_host_op"][:3])
             text += f"; device idle {idle['idle_ms']:.1f} ms in {where} (host: {ops})"
     return text
+
+
+def describe_by_class(label: str, unit: str, by_class: dict, idle: dict | None = None, digits: int = 2) -> str:
+    """One line of a benchmark's profile: `label`, device ms per `unit` by kernel class (a
+    time_by_class result) and, where given, the device's idle time and the host ops it waited
+    on (an idle_by_host result)."""
+    classes = ", ".join(f"{k} {v:.{digits}f}" for k, v in by_class["classes_ms"].items() if v > 0)
+    line = f"{label}: ms per {unit}: {classes} (all {by_class['total_ms']:.{digits}f})"
+    if idle is not None:
+        ops = ", ".join(f"{n} {ms:.{digits}f}" for n, ms in idle["by_host_op"][:6])
+        line += f"; device idle {idle['idle_ms']:.{digits}f}, the host then in {ops}"
+    return line

@@ -12,6 +12,7 @@ from peagle_ext.train.profiling import (
     KERNEL_CLASSES,
     PHASES,
     describe,
+    describe_by_class,
     gaps,
     idle_by_host,
     intersect,
@@ -100,6 +101,16 @@ def test_describe_names_the_device_classes():
     assert "gemm 30.0" in text and "copy" not in text.split("wall:")[1].split(";")[0]
     assert "device idle 60.0 ms in data 45.0, forward_backward 15.0 (host: aten::cat 20.0, peagle.data 9.0" in text
     assert "layout" not in text.split("device idle")[1] and "aten::add" not in text
+
+
+def test_describe_by_class_gives_a_benchmark_its_profile_line():
+    by_class = {"classes_ms": {"gemm": 3.25, "copy": 0.0, "loss": 1.5}, "total_ms": 4.75}
+    line = describe_by_class("static batch 256", "new token", by_class)
+    assert line == "static batch 256: ms per new token: gemm 3.25, loss 1.50 (all 4.75)"
+    idle = {"idle_ms": 2.04, "by_host_op": [["aten::item", 1.5]] + [[f"op{i}", 0.1] for i in range(7)]}
+    line = describe_by_class("auto:32768", "pass", by_class, idle, digits=1)
+    assert line.startswith("auto:32768: ms per pass: gemm 3.2, loss 1.5 (all 4.8); device idle 2.0, the host then in")
+    assert line.endswith("aten::item 1.5, op0 0.1, op1 0.1, op2 0.1, op3 0.1, op4 0.1")  # the first six
 
 
 def test_interval_helpers():
