@@ -97,7 +97,8 @@ MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has a
                                    # the regenerated one anyway. Measured: keep (every conversation
                                    # regenerated) 1.79 on MT-Bench, against 1.84 with a third of them
                                    # regenerated (shortest prompts first) and original answers elsewhere;
-                                   # original (43% regenerated, none looping) is not measured yet
+                                   # original (43% regenerated, none looping) is not measured yet. With
+                                   # DATAGEN_LOOPS=cut (below) no regenerated answer ends in a loop
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-16}                 # rows of SEQ tokens a step (the measured runs: 16)
 LR=${LR:-1e-3}
@@ -134,6 +135,9 @@ DATAGEN_BATCH_TOKENS=${DATAGEN_BATCH_TOKENS:-1048576}  # KV-cache tokens a batch
                                    # bf16 for SmolLM2-135M): fewer rows for long prompts
 DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}  # 0: the study generates nothing (an earlier call's datagen did)
 DATAGEN_TURNS=${DATAGEN_TURNS:-all}  # all: regenerate every turn, each on the regenerated history | first
+DATAGEN_LOOPS=${DATAGEN_LOOPS:-cut}  # peagle datagen --loops: cut = an answer that ends in a repetition loop
+                                   # keeps its repeated unit once (and the next turn is generated on that);
+                                   # keep = as generated (40% of the answers with every turn regenerated)
 DATAGEN_ENGINE=${DATAGEN_ENGINE:-auto}  # auto (= static for SmolLM2) | static | hf (peagle datagen --engine)
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
@@ -170,6 +174,7 @@ while [ $# -gt 0 ]; do
 done
 [ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE... | all" >&2; exit 2; }
 [[ "$MIX_LOOPS" =~ ^(original|keep)$ ]] || { echo "smollm2_gpu.sh: MIX_LOOPS must be original or keep, got $MIX_LOOPS" >&2; exit 2; }
+[[ "$DATAGEN_LOOPS" =~ ^(cut|keep)$ ]] || { echo "smollm2_gpu.sh: DATAGEN_LOOPS must be cut or keep, got $DATAGEN_LOOPS" >&2; exit 2; }
 for s in $SETTINGS $EVAL_FULL; do
   [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)$ ]] || {
     echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA with DATA orig, regen, origfirst or mix" >&2
@@ -235,7 +240,7 @@ phase_data() {
   fi
 }
 
-regen_settings=(--turns "$DATAGEN_TURNS" --max-new-tokens "$DATAGEN_TOKENS" --max-length "$SEQ")
+regen_settings=(--turns "$DATAGEN_TURNS" --loops "$DATAGEN_LOOPS" --max-new-tokens "$DATAGEN_TOKENS" --max-length "$SEQ")
 
 phase_keep() {
   # the regenerated data, for a later session on a fresh machine: at most 15 MiB a file, as a
@@ -268,7 +273,7 @@ EOF
 datagen_args=()
 set_datagen_args() {
   datagen_args=(--verifier "$VERIFIER" --device "$DEVICE" --dtype "$DTYPE" --max-new-tokens "$DATAGEN_TOKENS"
-    --max-length "$SEQ" --turns "$DATAGEN_TURNS" --engine "$DATAGEN_ENGINE" --batch-size "$DATAGEN_BATCH" --batch-tokens "$DATAGEN_BATCH_TOKENS" --no-progress)
+    --max-length "$SEQ" --turns "$DATAGEN_TURNS" --loops "$DATAGEN_LOOPS" --engine "$DATAGEN_ENGINE" --batch-size "$DATAGEN_BATCH" --batch-tokens "$DATAGEN_BATCH_TOKENS" --no-progress)
 }
 
 phase_datagen() {

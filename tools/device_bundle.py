@@ -17,11 +17,11 @@ a limit on the files each run may carry: written here, joined there.
         joins the parts into BUNDLE/verifier.gguf (checking the sha256) and converts it into the
         transformers directory BUNDLE/verifier/ (peagle_ext.data.convert_gguf_to_hf)
 
-    python tools/device_bundle.py save-regen DATA OUT --turns T --max-new-tokens N --max-length L
+    python tools/device_bundle.py save-regen DATA OUT --turns T --loops M --max-new-tokens N --max-length L
         the study's regenerated data (DATA/regen.jsonl, DATA/heldout_regen.jsonl) as one xz tar cut in
         parts of at most --part-mib MiB (OUT/regen.tar.xz.part00, ...) and OUT/regen.json (their
         sha256, the sha256 of the DATA/train.jsonl and heldout.jsonl it answers, the datagen settings)
-    python tools/device_bundle.py seed-regen BUNDLE DATA --turns T --max-new-tokens N --max-length L
+    python tools/device_bundle.py seed-regen BUNDLE DATA --turns T --loops M --max-new-tokens N --max-length L
         with those files carried into BUNDLE: puts them back into DATA when they answer the same
         train.jsonl with the same settings and hold more conversations than DATA has, so `peagle
         datagen` continues a later session where an earlier one stopped (exit 0 either way; it says
@@ -334,13 +334,14 @@ def main(argv=None) -> int:
     sd.add_argument("data")
     for q in (sv, sd):  # what makes regenerated answers the same: datagen's settings
         q.add_argument("--turns", required=True, choices=["first", "all"])
+        q.add_argument("--loops", required=True, choices=["keep", "cut"])
         q.add_argument("--max-new-tokens", type=int, required=True)
         q.add_argument("--max-length", type=int, required=True)
     a = ap.parse_args(argv)
     if a.cmd in ("save-regen", "seed-regen"):
         if a.max_new_tokens < 1 or a.max_length < 2:
             ap.error("--max-new-tokens must be >= 1 and --max-length >= 2")
-        st = {"turns": a.turns, "max_new_tokens": a.max_new_tokens, "max_length": a.max_length}
+        st = {"turns": a.turns, "loops": a.loops, "max_new_tokens": a.max_new_tokens, "max_length": a.max_length}
     if a.cmd == "pack":
         pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit, a.keep_data)
     elif a.cmd == "join":

@@ -36,6 +36,13 @@ def add_arguments(p) -> None:
         help="regenerate the first assistant turn only (default; later turns dropped) or all, turn by turn",
     )
     p.add_argument(
+        "--loops",
+        choices=["keep", "cut"],
+        default="keep",
+        help="answers that end in a repetition loop: keep them as generated (default) or cut the loop off "
+        "(the repeated phrase or line once) before a later turn is generated on them",
+    )
+    p.add_argument(
         "--engine",
         choices=["auto", "static", "hf"],
         default="auto",
@@ -101,6 +108,7 @@ def run(args) -> int:
         batch_size=args.batch_size,
         batch_tokens=args.batch_tokens,
         turns=args.turns,
+        loops=args.loops,
         engine=args.engine,
         seed=args.seed,
         eos_token_ids=eos_ids(model, tok),
@@ -118,9 +126,10 @@ def run(args) -> int:
     if st.truncated_turns:
         print(f"  {st.truncated_turns} answers hit --max-new-tokens {args.max_new_tokens} (cut there)")
     if st.looping_turns:
+        what = "cut to the repeated unit once (--loops cut)" if st.cut_turns else "kept (--loops cut cuts them off)"
         print(
             f"  {st.looping_turns} answers end in a repetition loop (a phrase or line repeated to the end; "
-            "easy to draft, so they inflate validation accuracy)"
+            f"easy to draft, so they inflate validation accuracy): {what}"
         )
     if st.skipped:
         print(f"  {st.skipped} conversations skipped: first prompt + --max-new-tokens > --max-length {args.max_length}")

@@ -10,8 +10,14 @@ keeps its system and user turns; its assistant turns are replaced by the verifie
   conversation stops early (keeping the turns done) when its next prompt plus max_new_tokens would
   exceed max_length tokens.
 
+Loops: a small verifier decoding greedily often repeats a phrase or line until max_new_tokens
+(peagle_ext.data.loops). loops="keep" writes such answers as generated; loops="cut" cuts the loop
+off (`loops.cut_loop`: the repeated unit once) before the answer is written and before a later turn
+is generated on it, so that the data keeps the verifier's words without the easy repeated tail.
+
 Output: one JSON object a line, {"index": i, "messages": [...]} with i the conversation's index
-in the loaded dataset, plus "truncated": [turn numbers that hit max_new_tokens] when any did. A
+in the loaded dataset, plus "truncated": [turn numbers that hit max_new_tokens] when any did and
+"loops_cut": [turn numbers whose loop was cut off] when any was. A
 conversation whose first prompt is already too long is written as {"index": i, "messages": [],
 "skipped": reason}: data loaders skip a conversation with no exchange, and a resumed run knows it
 was handled.
@@ -43,10 +49,11 @@ from pathlib import Path
 
 import torch
 
-from .loops import ends_in_loop
+from .loops import cut_loop, ends_in_loop
 from .records import DataError
 
 TURN_MODES = ("first", "all")
+LOOP_MODES = ("keep", "cut")
 ENGINES = ("auto", "static", "hf")
 
 
@@ -59,6 +66,7 @@ class DatagenStats:
     turns: int = 0  # answers generated
     truncated_turns: int = 0  # answers that hit max_new_tokens
     looping_turns: int = 0  # answers that end in a repetition loop (data.loops.ends_in_loop)
+    cut_turns: int = 0  # of them, cut off (loops="cut")
     new_tokens: int = 0
     engine: str = ""  # the engine that ran: "static" or "hf"
     step_mode: str = ""  # the static engine's decode steps: "graphs", "eager" (serving/batch_generation.py)
@@ -183,6 +191,7 @@ def regenerate(
     batch_size: int = 16,
     batch_tokens: int | None = None,
     turns: str = "first",
+    loops: str = "keep",
     engine: str = "auto",
     seed: int = 0,
     eos_token_ids=None,
@@ -193,7 +202,7 @@ def regenerate(
     appending to what an earlier run wrote there. time_budget_s: start no new group after that
     many seconds (the rest is left for a resumed run). batch_tokens: the KV-cache tokens a group
     may hold (module docstring; None = batch_size alone decides). engine: "auto", "static" or
-    "hf" (module docstring)."""
+    "hf"; loops: "keep" or "cut" (module docstring)."""
     for name, v, lo in (("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1), ("seed", seed, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -208,6 +217,8 @@ def regenerate(
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if turns not in TURN_MODES:
         raise ValueError(f"turns must be one of {TURN_MODES}, got {turns!r}")
+    if loops not in LOOP_MODES:
+        raise ValueError(f"loops must be one of {LOOP_MODES}, got {loops!r}")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the verifier's tokenizer has no chat template: prompts are rendered with it")
     runner = pick_engine(model, engine)
@@ -256,6 +267,7 @@ def regenerate(
                 seed=seed * 1_000_003 + gi,
                 engine=runner,
                 all_turns=turns == "all",
+                cut_loops=loops == "cut",
             )
             new = [json.dumps(rec, ensure_ascii=False) + "\n" for rec in lines if rec["index"] not in done]
             f.write("".join(new))
@@ -289,7 +301,9 @@ def make_groups(order: list[int], row_tokens, batch_size: int, batch_tokens: int
     return groups
 
 
-def _regenerate_group(model, tokenizer, items, st: DatagenStats, *, max_length, all_turns, **gen) -> list[dict]:
+def _regenerate_group(
+    model, tokenizer, items, st: DatagenStats, *, max_length, all_turns, cut_loops, **gen
+) -> list[dict]:
     """The output records of one group [(index, system, user turns)], turn by turn."""
     max_new = gen["max_new_tokens"]
     recs = {}
@@ -309,10 +323,15 @@ def _regenerate_group(model, tokenizer, items, st: DatagenStats, *, max_length, 
         nxt = []
         for (i, rest), (toks, hit_limit) in zip(live, answers):
             text = tokenizer.decode(toks, skip_special_tokens=True)
-            recs[i]["messages"] = recs[i]["messages"] + [{"role": "assistant", "content": text}]
             st.turns += 1
             st.new_tokens += len(toks)
-            st.looping_turns += ends_in_loop(text)
+            if ends_in_loop(text):
+                st.looping_turns += 1
+                if cut_loops:
+                    text = cut_loop(text)
+                    st.cut_turns += 1
+                    recs[i].setdefault("loops_cut", []).append(turn)
+            recs[i]["messages"] = recs[i]["messages"] + [{"role": "assistant", "content": text}]
             if hit_limit:
                 st.truncated_turns += 1
                 recs[i].setdefault("truncated", []).append(turn)

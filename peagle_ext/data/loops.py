@@ -4,11 +4,14 @@ A small verifier decoding greedily often falls into a loop: it repeats a phrase 
 the token cap. Such a tail is trivial to draft once it has gone round once, so answers that loop
 inflate a drafter's validation accuracy and spend its training steps on easy positions. These
 checks find them in text (datagen's answers, a dataset's assistant turns) so that the caller can
-count them or pick another answer.
+count them, pick another answer, or cut the loop off (`cut_loop`: the text up to the end of the
+repeated unit's first occurrence, so that the answer keeps the verifier's words and the history a
+later turn is generated on does not loop).
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 MIN_REPEATS = 3  # a period that occurs this many times back to back at the end is a loop
@@ -54,3 +57,49 @@ def ends_in_loop(text: str) -> bool:
 def conversation_loops(messages: list[dict]) -> bool:
     """Whether any assistant turn of a conversation ({"role", "content"} messages) ends in a loop."""
     return any(m.get("role") == "assistant" and ends_in_loop(m.get("content") or "") for m in messages)
+
+
+def _cut_word_loop(text: str) -> str:
+    """`text` up to the end of the first occurrence of the period its words end repeating; `text`
+    when they end in none."""
+    spans = [m.span() for m in re.finditer(r"\S+", text)]
+    words = [text[a:b] for a, b in spans]
+    p = loop_period(words)
+    if p == 0:
+        return text
+    start = len(words) - p  # walk back to where the periodic tail begins
+    while start > 0 and words[start - 1] == words[start - 1 + p]:
+        start -= 1
+    return text[: spans[start + p - 1][1]]
+
+
+def _cut_line_loop(text: str) -> str:
+    """`text` before the second occurrence of its first line (of MIN_LINE_CHARS or more) that
+    occurs MIN_REPEATS or more times; `text` when it holds no such line."""
+    lines = text.split("\n")
+    counts = Counter(ln.strip() for ln in lines)
+    seen: set[str] = set()
+    offset = 0
+    for ln in lines:
+        key = ln.strip()
+        if counts[key] >= MIN_REPEATS and len(key) >= MIN_LINE_CHARS:
+            if key in seen:
+                return text[:offset].rstrip()
+            seen.add(key)
+        offset += len(ln) + 1
+    return text
+
+
+def cut_loop(text: str) -> str:
+    """An answer with its repetition loop cut off: while it ends in a loop (`ends_in_loop`), the
+    text up to the end of the repeated unit's first occurrence (a run of words) or before a
+    repeated line's second occurrence (a list whose items repeat). A prefix of `text`; `text`
+    itself when it does not loop."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    while ends_in_loop(text):
+        cut = _cut_word_loop(text) if loop_period(text.split()) else _cut_line_loop(text)
+        if len(cut) >= len(text):  # a line loop under the share whose words do not loop: leave it
+            break
+        text = cut
+    return text

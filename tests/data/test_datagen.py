@@ -246,6 +246,8 @@ def test_bad_input(setup, tmp_path):
         regenerate(model, tok, convs, tmp_path / "a.jsonl", max_new_tokens=64, max_length=64, progress=False)
     with pytest.raises(ValueError, match="turns"):
         regenerate(model, tok, convs, tmp_path / "a.jsonl", turns="some", progress=False)
+    with pytest.raises(ValueError, match="loops must be one of"):
+        regenerate(model, tok, convs, tmp_path / "a.jsonl", loops="drop", progress=False)
     limit = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"max_length {limit + 2}: .* the verifier has {limit}"):
         regenerate(model, tok, convs, tmp_path / "a.jsonl", max_length=limit + 2, engine="static", progress=False)
@@ -267,20 +269,27 @@ def test_bad_input(setup, tmp_path):
     assert r.returncode == 2 and "--engine" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_answers_that_loop_are_counted(setup, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loops", ["keep", "cut"])
+def test_answers_that_loop_are_counted_and_cut(setup, tmp_path, monkeypatch, loops):
     """DatagenStats.looping_turns counts the answers that end in a repetition loop (the CLI
-    prints it): here every second answer the engine returns is a phrase repeated to the cap."""
+    prints it): here every second answer the engine returns is a phrase repeated to the cap.
+    loops="cut" writes them cut to the phrase once, records their turns, and generates the next
+    turn on the cut answer."""
     import peagle_ext.data.datagen as dg
+    from peagle_ext.data.loops import cut_loop
 
     _, data, tok, model = setup
     convs = load_conversations(str(data))
-    loop = tok("the same words once more " * 4, add_special_tokens=False)["input_ids"]
+    loop_text = "the same words once more " * 4
+    loop = tok(loop_text, add_special_tokens=False)["input_ids"]
     plain = tok("A plain answer.", add_special_tokens=False)["input_ids"]
     calls = [0]
+    prompts_seen = []
 
     def fake_generate(model, tokenizer, prompts, **gen):
         out = []
-        for _ in prompts:
+        for p in prompts:
+            prompts_seen.append(tokenizer.decode(p))
             out.append((loop if calls[0] % 2 == 0 else plain, False))
             calls[0] += 1
         return out
@@ -295,13 +304,20 @@ def test_answers_that_loop_are_counted(setup, tmp_path, monkeypatch):
         max_length=400,
         batch_size=3,
         turns="all",
+        loops=loops,
         progress=False,
     )
-    answers = [
-        m["content"]
-        for r in _records(tmp_path / "out.jsonl").values()
-        for m in r["messages"]
-        if m["role"] == "assistant"
-    ]
+    recs = _records(tmp_path / "out.jsonl")
+    answers = [m["content"] for r in recs.values() for m in r["messages"] if m["role"] == "assistant"]
     assert st.turns == len(answers) == calls[0] and st.looping_turns == (calls[0] + 1) // 2 > 0
-    assert st.looping_turns == sum(ends_in_loop(a) for a in answers)
+    generated_loop = tok.decode(loop, skip_special_tokens=True)
+    if loops == "keep":
+        assert st.looping_turns == sum(ends_in_loop(a) for a in answers) and st.cut_turns == 0
+        assert not any("loops_cut" in r for r in recs.values())
+        assert any(generated_loop.strip() in p for p in prompts_seen)  # later turns saw the loop
+    else:
+        assert st.cut_turns == st.looping_turns and not any(ends_in_loop(a) for a in answers)
+        assert sum(a == cut_loop(generated_loop) for a in answers) == st.cut_turns
+        assert sum(len(r.get("loops_cut", [])) for r in recs.values()) == st.cut_turns
+        assert not any(generated_loop.strip() in p for p in prompts_seen)  # later turns saw the cut answer
+        assert any(cut_loop(generated_loop) in p for p in prompts_seen)

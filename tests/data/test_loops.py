@@ -45,3 +45,38 @@ def test_conversation_loops_reads_only_assistant_turns():
 def test_text_must_be_a_string():
     with pytest.raises(TypeError, match="text must be a str"):
         L.ends_in_loop(None)
+
+
+def test_cut_loop_keeps_the_repeated_unit_once():
+    phrase = "I'm a chatbot designed to assist you, whether it's a problem you're facing."
+    text = "Sure. " + " ".join([phrase] * 4) + " I'm a chatbot designed"
+    assert L.cut_loop(text) == "Sure. " + phrase
+    assert L.cut_loop("x y a b a b a b") == "x y a b"
+    item = "• Conducting audits to ensure compliance with regulatory requirements."
+    head = "Duties:\n• Managing budgets for the team.\n"
+    assert L.cut_loop(head + "\n".join([item] * 5) + "\n") == head + item
+
+
+def test_cut_loop_leaves_answers_that_do_not_loop():
+    for text in ("Paris is the capital of France.", "No, no, no, no.", "a b a b", "}\n}\n}\n}\nreturn x", ""):
+        assert L.cut_loop(text) == text
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_cut_loop_is_a_prefix_that_does_not_loop(seed):
+    import random
+
+    rng = random.Random(seed)
+    vocab = ["alpha", "beta", "gamma", "delta", "the", "a", "of", "and", "x", "y", "\n", "- item"]
+    prefix = " ".join(rng.choice(vocab) for _ in range(rng.randint(0, 30)))
+    unit = " ".join(rng.choice(vocab) for _ in range(rng.randint(1, L.MAX_PERIOD_WORDS + 2)))
+    text = prefix + " " + " ".join([unit] * rng.randint(1, 6)) + " " + unit[: rng.randint(0, len(unit))]
+    cut = L.cut_loop(text)
+    assert text.startswith(cut)
+    assert not L.ends_in_loop(cut)
+    assert (cut == text) == (not L.ends_in_loop(text))
+
+
+def test_cut_loop_text_must_be_a_string():
+    with pytest.raises(TypeError, match="text must be a str"):
+        L.cut_loop(b"bytes")
