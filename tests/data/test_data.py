@@ -534,12 +534,16 @@ def test_warm_passes_are_sized_by_the_bytes_of_their_states(rng, monkeypatch):
         torch.testing.assert_close(cached.get(i).last_hidden, alone.get(i).last_hidden, rtol=1e-12, atol=1e-12)
 
 
-def test_examples_to_host_equals_row_by_row(rng):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_examples_to_host_equals_row_by_row(rng, device):
     """examples_to_host (the cache warm-up's one copy per field for a pass's rows) gives every
     row what TrainingExample.to("cpu", dtype) gives it alone: the same values and dtypes, rows of
-    different lengths split at the right places, each a contiguous tensor of its own length."""
+    different lengths split at the right places, each a contiguous host tensor of its own length
+    (from a GPU through pinned memory, the result itself pageable)."""
     from peagle_ext.data import examples_to_host
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     exs = []
     for n in (7, 1, 12):
         exs.append(
@@ -549,7 +553,7 @@ def test_examples_to_host_equals_row_by_row(rng):
                 loss_mask=torch.rand(n, generator=rng) > 0.5,
                 hidden=torch.randn(n, 6, generator=rng, dtype=torch.float64),
                 last_hidden=torch.randn(n, 2, generator=rng, dtype=torch.float64),
-            )
+            ).to(device)
         )
     for dtype in (torch.float64, torch.bfloat16):
         got = examples_to_host(exs, dtype)
@@ -558,6 +562,7 @@ def test_examples_to_host_equals_row_by_row(rng):
             want = ex.to("cpu", dtype)
             for f in ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden"):
                 a, b = getattr(g, f), getattr(want, f)
+                assert a.device.type == "cpu" and not a.is_pinned(), f
                 assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b), f
     assert examples_to_host([], torch.bfloat16) == []
 
