@@ -34,23 +34,23 @@
 #                        (DATAGEN_ENGINE=hf) at batch 2048 (bounded by DATAGEN_BATCH_TOKENS): 19,091 new
 #                        tokens/s alone (14,336 conversations in 147 s; a 120 s budget left the 2,856
 #                        longest prompts), 9,006 at batch 512. The default engine (static KV cache,
-#                        CUDA-graph steps) with DATAGEN_TURNS=all: 9,190-11,217 new tokens/s, 6,656 of
-#                        the 16,441 conversations (every turn) in 445 s of budget; all of them would take
-#                        ~1,000 s, more than one session leaves (keep + a later session). The file is
-#                        usable at any point and a later call continues it
+#                        CUDA-graph steps) with DATAGEN_TURNS=all and DATAGEN_LOOPS=cut on an H100: 14.5K
+#                        new tokens/s, 9,728 of the 16,441 conversations (every turn) in 421 s, all of
+#                        them in 672 s, more than one session leaves beside training (keep + a later
+#                        session). The file is usable at any point and a later call continues it
 #   train        TRAIN_MINUTES per setting, the learning rate decaying over them (TIME_SCHEDULE=1).
 #                        Before the first step the trainer renders and tokenizes the data with the chat
 #                        template, forked over the cores: 1.8 s for 14K conversations; three trainings
 #                        tokenizing at once took 229 s, so side-by-side settings start one after another
 #                        (each waits for the one before to log its data, at most STAGGER_TIMEOUT). The
 #                        verifier's states are cached in host memory (HIDDEN_CACHE_GB; measured with one
-#                        batched pass per 16 rows: 127 s for 9,437 rows, 150K tokens/s; on an H100 143.7 s
-#                        for 7,825 rows, 82 s of it verifier passes and 62 s copies to the host. A pass now
-#                        holds 113 rows with forwards of 32K tokens, 14% padding against 64%, and copies
-#                        each field once, 13 against 89 ms for 16 rows; ~9.4 MB a row, so every
-#                        conversation (1:mix) takes 83 GiB, which HIDDEN_CACHE_GB=auto gives one setting).
-#                        Measured with batch 16 x 2048: alone, 39 ms a step (4,899 steps in 6 minutes
-#                        with the cache warm-up); two settings side by side: ~115K tokens/s each
+#                        batched pass per 113 rows, forwards of 32K tokens and one copy per field, on an
+#                        H100: 78.7 s for 7,602 rows, 196K tokens/s, 42.5 s of it verifier passes and 36.1 s
+#                        copies to the host; ~9.4 MB a row, so every conversation (1:mix) takes 83 GiB,
+#                        which HIDDEN_CACHE_GB=auto gives one setting).
+#                        Measured with batch 16 x 2048: alone, 33-39 ms a step (6,750 steps and the
+#                        cache warm-up in 5.9 minutes on an H100); two settings side by side: ~115K
+#                        tokens/s each
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
 #                        1..8, with the round profile) 343 s, each other setting 85 s at one K;
@@ -97,8 +97,9 @@ MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has a
                                    # the regenerated one anyway. Measured: keep (every conversation
                                    # regenerated) 1.79 on MT-Bench, against 1.84 with a third of them
                                    # regenerated (shortest prompts first) and original answers elsewhere;
-                                   # original (43% regenerated, none looping) is not measured yet. With
-                                   # DATAGEN_LOOPS=cut (below) no regenerated answer ends in a loop
+                                   # original (43% regenerated, none looping) is not measured. With
+                                   # DATAGEN_LOOPS=cut (below, measured best: 1.86) no regenerated answer
+                                   # ends in a loop, and this setting changes nothing
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-16}                 # rows of SEQ tokens a step (the measured runs: 16)
 LR=${LR:-1e-3}
@@ -137,7 +138,9 @@ DATAGEN_SECONDS=${DATAGEN_SECONDS:-240}  # 0: the study generates nothing (an ea
 DATAGEN_TURNS=${DATAGEN_TURNS:-all}  # all: regenerate every turn, each on the regenerated history | first
 DATAGEN_LOOPS=${DATAGEN_LOOPS:-cut}  # peagle datagen --loops: cut = an answer that ends in a repetition loop
                                    # keeps its repeated unit once (and the next turn is generated on that);
-                                   # keep = as generated (40% of the answers with every turn regenerated)
+                                   # keep = as generated (40% of the answers with every turn regenerated).
+                                   # Measured on MT-Bench: cut 1.86 (9.7K conversations regenerated, the rest
+                                   # original), keep 1.79 (all regenerated) and 1.84 (6.1K regenerated)
 DATAGEN_ENGINE=${DATAGEN_ENGINE:-auto}  # auto (= static for SmolLM2) | static | hf (peagle datagen --engine)
 DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
