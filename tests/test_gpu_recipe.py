@@ -306,6 +306,25 @@ def test_bundle_runs_carry_every_file_once_within_a_call():
     assert runs[1] == {"carry": ["gguf.part01"], "mib": pytest.approx(41.8, abs=0.01)}
 
 
+def test_gguf_parts_fill_what_each_run_leaves_beside_the_repository():
+    """pack's default part sizes: the first part with setup's files and each later part alone fit
+    a run's limit beside the repository with headroom; a repository too large to leave room is an
+    error that names the sizes; the repository's size is what git would carry."""
+    db = _device_bundle()
+    mib = 2**20
+    gguf, repo, setup = int(93.8 * mib), int(10.5 * mib), int(4.2 * mib)
+    first, later = db.part_sizes(gguf, repo, setup)
+    assert first + setup + repo + db.GROWTH_HEADROOM == db.CARRY_LIMIT
+    assert later + repo + db.GROWTH_HEADROOM == db.CARRY_LIMIT
+    assert first + later >= gguf  # two parts: one run each
+    assert db.part_sizes(10 * mib, repo, setup) == (10 * mib, later)
+    with pytest.raises(SystemExit, match="leave no room for a GGUF part"):
+        db.part_sizes(gguf, 58 * mib, setup)
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True)
+    some = [f for f in tracked.stdout.split("\n") if f][:50]
+    assert db.repository_bytes(ROOT) >= sum((ROOT / f).stat().st_size for f in some if (ROOT / f).is_file()) > 0
+
+
 def test_kept_regenerated_data_goes_back_only_where_it_belongs(tmp_path, capsys):
     """save-regen / seed-regen: parts checked one by one, used only for the same train.jsonl and
     datagen settings, never over a file that holds as many conversations."""

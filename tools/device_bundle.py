@@ -1,7 +1,7 @@
 """The inputs of the SmolLM2 GPU study (scripts/smollm2_gpu.sh) for a machine with no network and
 a limit on the files each run may carry: written here, joined there.
 
-    python tools/device_bundle.py pack BUNDLE [--max-tokens 2048] [--part-mib 56]
+    python tools/device_bundle.py pack BUNDLE [--max-tokens 2048] [--part-mib MIB]
         BUNDLE/sharegpt.jsonl.xz      every usable ShareGPT conversation, {"messages": [...]} a
                                       line, each cut after the message that crosses --max-tokens
                                       tokens of SmolLM2's chat template (plus a margin), which is
@@ -9,7 +9,9 @@ a limit on the files each run may carry: written here, joined there.
         BUNDLE/mtbench.jsonl          the 80 MT-Bench first turns and the 164 HumanEval problems,
         BUNDLE/humaneval.jsonl        as the prompts `peagle eval --bench mtbench|humaneval` uses
         BUNDLE/verifier/              SmolLM2's config, tokenizer and chat template files
-        BUNDLE/gguf.part00, ...       the SmolLM2 GGUF cut in parts of at most --part-mib MiB
+        BUNDLE/gguf.part00, ...       the SmolLM2 GGUF cut in parts of at most --part-mib MiB (by
+                                      default as large as each run leaves beside the repository:
+                                      `part_sizes`)
         BUNDLE/gguf/                  the pure-Python `gguf` package transformers reads GGUF with,
         BUNDLE/gguf-*.dist-info/      and its metadata (transformers checks its version)
         BUNDLE/MANIFEST.json          sizes and sha256 of everything, and which files a run carries
@@ -87,7 +89,38 @@ def truncate_conversation(tokenizer, messages: list[dict], max_tokens: int, marg
     return out
 
 
-def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep_data: bool = False):
+CARRY_LIMIT = 64 * 2**20  # bytes a device call carries, the repository's files included
+GROWTH_HEADROOM = 4 * 2**20  # what the repository may grow by between the pack and the runs
+
+
+def repository_bytes(root: Path) -> int:
+    """The bytes of the files a device call carries from the repository at `root`: tracked files
+    and untracked ones git does not ignore."""
+    import subprocess
+
+    r = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    )
+    files = (root / f for f in r.stdout.decode().split("\0") if f)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def part_sizes(gguf_bytes: int, repo_bytes: int, setup_bytes: int) -> tuple[int, int]:
+    """(the first part's bytes, every later part's): the first goes with setup's files, each later
+    one alone, each run beside the repository and GROWTH_HEADROOM inside CARRY_LIMIT."""
+    first = CARRY_LIMIT - repo_bytes - GROWTH_HEADROOM - setup_bytes
+    later = CARRY_LIMIT - repo_bytes - GROWTH_HEADROOM
+    if first < 2**20:
+        raise SystemExit(
+            f"device_bundle: the repository ({repo_bytes / 2**20:.1f} MiB) and setup's files "
+            f"({setup_bytes / 2**20:.1f} MiB) leave no room for a GGUF part in a {CARRY_LIMIT >> 20} MiB run"
+        )
+    return min(first, gguf_bytes), later
+
+
+def pack(bundle: Path, max_tokens: int, part_mib: float | None, limit: int | None, keep_data: bool = False):
     import importlib.util
 
     from peagle_ext.data import load_conversations, load_eval_prompts, resolve_verifier_path, smollm2_gguf_path
@@ -125,11 +158,18 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
     gguf = smollm2_gguf_path()
     for old_part in bundle.glob("gguf.part*"):
         old_part.unlink()
-    part = int(part_mib * 2**20)
+    repo = repository_bytes(Path(__file__).resolve().parents[1])
+    if part_mib is None:
+        setup_bytes = sum(f.stat().st_size for d in ("verifier",) for f in (bundle / d).rglob("*") if f.is_file())
+        pkg_files = Path(importlib.util.find_spec("gguf").origin).parent.rglob("*")
+        setup_bytes += sum(f.stat().st_size for f in pkg_files if f.is_file())
+        first, later = part_sizes(gguf.stat().st_size, repo, setup_bytes + 2**20)  # + metadata and manifest
+    else:
+        first = later = int(part_mib * 2**20)
     parts = []
     with open(gguf, "rb") as src:
         while True:
-            chunk = src.read(part)
+            chunk = src.read(first if not parts else later)
             if not chunk:
                 break
             p = bundle / f"gguf.part{len(parts):02d}"
@@ -168,8 +208,17 @@ def pack(bundle: Path, max_tokens: int, part_mib: float, limit: int | None, keep
         print(f"{v / mib:8.2f} MiB  {k}")
     print(
         f"{len(convs)} conversations, content {raw_chars / 1e6:.1f}M -> {kept_chars / 1e6:.1f}M characters "
-        f"(cut after {max_tokens} tokens + margin); runs: " + ", ".join(f"{r['mib']:.1f} MiB" for r in manifest["runs"])
+        f"(cut after {max_tokens} tokens + margin); runs: "
+        + ", ".join(f"{r['mib']:.1f} MiB" for r in manifest["runs"])
+        + f", each with the repository's {repo / mib:.1f} MiB"
     )
+    over = [i + 1 for i, r in enumerate(manifest["runs"]) if r["mib"] * mib + repo > CARRY_LIMIT]
+    if over:
+        print(
+            f"device_bundle: run(s) {over} carry more than {CARRY_LIMIT >> 20} MiB with the repository: "
+            "pack again with a smaller --part-mib",
+            file=sys.stderr,
+        )
 
 
 def plan_runs(sizes: dict[str, int], parts: list[str]) -> list[dict]:
@@ -319,7 +368,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("pack")
     p.add_argument("bundle")
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--part-mib", type=float, default=52.0)
+    p.add_argument(
+        "--part-mib",
+        type=float,
+        default=None,
+        help="GGUF part size (default: as large as each run leaves beside the repository and setup's files)",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N conversations only (a quick check)")
     p.add_argument("--keep-data", action="store_true", help="keep BUNDLE/sharegpt.jsonl.xz of an earlier pack")
     j = sub.add_parser("join")
@@ -343,6 +397,8 @@ def main(argv=None) -> int:
             ap.error("--max-new-tokens must be >= 1 and --max-length >= 2")
         st = {"turns": a.turns, "loops": a.loops, "max_new_tokens": a.max_new_tokens, "max_length": a.max_length}
     if a.cmd == "pack":
+        if a.part_mib is not None and not a.part_mib > 0:
+            ap.error(f"--part-mib must be > 0, got {a.part_mib}")
         pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit, a.keep_data)
     elif a.cmd == "join":
         join(Path(a.bundle), a.if_complete)
