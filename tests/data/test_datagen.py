@@ -265,8 +265,9 @@ def test_bad_input(setup, tmp_path):
         r = run_cli([*base, "--data", str(data), "--output", str(tmp_path / "o.jsonl"), flag, "0"])
         assert r.returncode == 2 and f"{flag} must be >= 1" in r.stderr and "Traceback" not in r.stderr
         assert not (tmp_path / "o.jsonl").exists()
-    r = run_cli([*base, "--data", str(data), "--output", str(tmp_path / "o.jsonl"), "--engine", "vllm"])
-    assert r.returncode == 2 and "--engine" in r.stderr and "Traceback" not in r.stderr
+    for flag, bad in (("--engine", "vllm"), ("--loops", "drop")):
+        r = run_cli([*base, "--data", str(data), "--output", str(tmp_path / "o.jsonl"), flag, bad])
+        assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("loops", ["keep", "cut"])
