@@ -534,8 +534,9 @@ def test_warm_passes_are_sized_by_the_bytes_of_their_states(rng, monkeypatch):
         torch.testing.assert_close(cached.get(i).last_hidden, alone.get(i).last_hidden, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("via", ["direct", "pinned"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_examples_to_host_equals_row_by_row(rng, device):
+def test_examples_to_host_equals_row_by_row(rng, device, via):
     """examples_to_host (the cache warm-up's one copy per field for a pass's rows) gives every
     row what TrainingExample.to("cpu", dtype) gives it alone: the same values and dtypes, rows of
     different lengths split at the right places, each a contiguous host tensor of its own length
@@ -556,7 +557,7 @@ def test_examples_to_host_equals_row_by_row(rng, device):
             ).to(device)
         )
     for dtype in (torch.float64, torch.bfloat16):
-        got = examples_to_host(exs, dtype)
+        got = examples_to_host(exs, dtype, via=via)
         assert len(got) == len(exs)
         for ex, g in zip(exs, got):
             want = ex.to("cpu", dtype)
@@ -564,7 +565,9 @@ def test_examples_to_host_equals_row_by_row(rng, device):
                 a, b = getattr(g, f), getattr(want, f)
                 assert a.device.type == "cpu" and not a.is_pinned(), f
                 assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b), f
-    assert examples_to_host([], torch.bfloat16) == []
+    assert examples_to_host([], torch.bfloat16, via=via) == []
+    with pytest.raises(ValueError, match="via must be one of"):
+        examples_to_host(exs, via="mapped")
 
 
 def test_default_aux_layer_ids():
