@@ -77,7 +77,11 @@
 #      took about 20 of the 30 device-minutes
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
-#      keeps its output once it ends; `wait` brings those files back with the results)
+#      keeps its output once it ends; `wait` brings those files back with the results). From nothing
+#      kept, one session: step 3 as DATAGEN_SECONDS=400 TRAIN_MINUTES=7 SETTINGS=1:mix EVAL_SWEEP=1..3
+#      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 `... --detach study` (1,040 s
+#      on an H100: datagen 437, training 362, MT-Bench 108, consistency 44, HumanEval 85), two waits,
+#      then DATAGEN_SECONDS=300 `... datagen keep` for the rest: 1,541 of the 30 device-minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
