@@ -99,7 +99,7 @@ def cut_loop(text: str) -> str:
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     while ends_in_loop(text):
         cut = _cut_word_loop(text) if loop_period(text.split()) else _cut_line_loop(text)
-        if len(cut) >= len(text):  # a line loop under the share whose words do not loop: leave it
+        if len(cut) >= len(text):  # each cut shortens a looping text; this keeps the loop finite regardless
             break
         text = cut
     return text
