@@ -155,26 +155,6 @@ def pack(bundle: Path, max_tokens: int, part_mib: float | None, limit: int | Non
             for msgs in load_eval_prompts(bench):
                 f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
 
-    gguf = smollm2_gguf_path()
-    for old_part in bundle.glob("gguf.part*"):
-        old_part.unlink()
-    repo = repository_bytes(Path(__file__).resolve().parents[1])
-    if part_mib is None:
-        setup_bytes = sum(f.stat().st_size for d in ("verifier",) for f in (bundle / d).rglob("*") if f.is_file())
-        pkg_files = Path(importlib.util.find_spec("gguf").origin).parent.rglob("*")
-        setup_bytes += sum(f.stat().st_size for f in pkg_files if f.is_file())
-        first, later = part_sizes(gguf.stat().st_size, repo, setup_bytes + 2**20)  # + metadata and manifest
-    else:
-        first = later = int(part_mib * 2**20)
-    parts = []
-    with open(gguf, "rb") as src:
-        while True:
-            chunk = src.read(first if not parts else later)
-            if not chunk:
-                break
-            p = bundle / f"gguf.part{len(parts):02d}"
-            p.write_bytes(chunk)
-            parts.append(p.name)
     spec = importlib.util.find_spec("gguf")
     pkg = Path(list(spec.submodule_search_locations)[0])
     shutil.rmtree(bundle / "gguf", ignore_errors=True)
@@ -191,6 +171,25 @@ def pack(bundle: Path, max_tokens: int, part_mib: float | None, limit: int | Non
         dist.read_text("METADATA") or f"Metadata-Version: 2.1\nName: gguf\nVersion: {dist.version}\n"
     )
 
+    gguf = smollm2_gguf_path()
+    for old_part in bundle.glob("gguf.part*"):
+        old_part.unlink()
+    repo = repository_bytes(Path(__file__).resolve().parents[1])
+    if part_mib is None:
+        setup = [f for f in bundle.rglob("*") if f.is_file() and _carried_by_setup(f.relative_to(bundle).parts[0])]
+        setup_bytes = sum(f.stat().st_size for f in setup) + 2**20  # + the manifest, written last
+        first, later = part_sizes(gguf.stat().st_size, repo, setup_bytes)
+    else:
+        first = later = int(part_mib * 2**20)
+    parts = []
+    with open(gguf, "rb") as src:
+        while True:
+            chunk = src.read(first if not parts else later)
+            if not chunk:
+                break
+            p = bundle / f"gguf.part{len(parts):02d}"
+            p.write_bytes(chunk)
+            parts.append(p.name)
     files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     sizes = {str(p.relative_to(bundle)): p.stat().st_size for p in files}
     mib = 2**20
@@ -221,6 +220,11 @@ def pack(bundle: Path, max_tokens: int, part_mib: float | None, limit: int | Non
         )
 
 
+def _carried_by_setup(top: str) -> bool:
+    """Whether a top-level entry of the bundle goes with the first run (what setup reads)."""
+    return top in ("gguf", "verifier", "MANIFEST.json") or top.endswith(".dist-info")
+
+
 def plan_runs(sizes: dict[str, int], parts: list[str]) -> list[dict]:
     """What each run carries, by top-level entry of the bundle (sizes: path -> bytes; parts: the
     GGUF's parts in order). A device call takes at most 8 carried paths and 64 MiB with the
@@ -228,7 +232,7 @@ def plan_runs(sizes: dict[str, int], parts: list[str]) -> list[dict]:
     its metadata, the verifier's config), each other part alone, then the data and the prompts
     (the regenerated data a `keep` brings back is carried beside them later)."""
     tops = {k.split("/")[0] for k in sizes}
-    setup = sorted(t for t in tops if t in ("gguf", "verifier") or t.endswith(".dist-info")) + ["MANIFEST.json"]
+    setup = sorted(t for t in tops if _carried_by_setup(t)) + ["MANIFEST.json"]
     data = [t for t in ("sharegpt.jsonl.xz", "mtbench.jsonl", "humaneval.jsonl") if t in tops]
 
     def run(carry):
