@@ -11,9 +11,8 @@ CUDA (fp32 on the CPU): the pass's cost depends on the shape, not the weights. R
 rows of --seq-len tokens, documents of lengths uniform in --doc-tokens (whole multi-turn
 conversations, as the regenerated ShareGPT rows hold).
 
-Measured per --cases entry ROWS:TOKENS[:COPY] (rows a pass, "auto" for the trainer's default by
-bytes; padded tokens a forward; the copy to the host, data.examples_to_host's `via`: "direct" into
-fresh pageable memory, the default, or "pinned" through a pinned block): the warm-up's wall time after a warm-up on a few rows, tokens per second, its split into
+Measured per --cases entry ROWS:TOKENS (rows a pass, "auto" for the trainer's default by bytes;
+padded tokens a forward): the warm-up's wall time after a warm-up on a few rows, tokens per second, its split into
 verifier passes and shift + copies to the host (the trainer logs the same split), the number of
 verifier forwards and the padding they carried, and on CUDA the peak memory allocated. On the CPU
 the trainer warms row by row (the batched passes are for a GPU), so --cases changes nothing
@@ -57,17 +56,16 @@ def make_rows(n_rows: int, seq_len: int, doc_tokens: tuple[int, int], vocab: int
 
 
 def parse_case(text: str) -> tuple:
-    """ "ROWS:TOKENS[:COPY]" -> (rows a pass or None for the trainer's default, padded tokens a
-    forward, host copy: data.examples_to_host's `via`, "direct" when left out)."""
-    rows, tokens, *copy = text.split(":")
-    case = (None if rows == "auto" else int(rows), int(tokens), copy[0] if copy else "direct")
-    if (case[0] is not None and case[0] < 1) or case[1] < 1 or len(copy) > 1 or case[2] not in D.records.HOST_COPIES:
+    """ "ROWS:TOKENS" -> (rows a pass or None for the trainer's default, padded tokens a forward)."""
+    rows, tokens = text.split(":")
+    case = (None if rows == "auto" else int(rows), int(tokens))
+    if (case[0] is not None and case[0] < 1) or case[1] < 1:
         raise ValueError(text)
     return case
 
 
 def case_name(case: tuple) -> str:
-    return f"{'auto' if case[0] is None else case[0]}:{case[1]}" + ("" if case[2] == "direct" else f":{case[2]}")
+    return f"{'auto' if case[0] is None else case[0]}:{case[1]}"
 
 
 def _sync(device):
@@ -77,10 +75,10 @@ def _sync(device):
 
 def warm(model, rows, case: tuple, device) -> tuple[HiddenStates, int, int]:
     """A fresh cache warmed over rows with case = (rows a pass or None for the default, padded
-    tokens a forward, host copy); returns it, the number of verifier forwards and their padded
+    tokens a forward); returns it, the number of verifier forwards and their padded
     tokens."""
     hs = HiddenStates(model, AUX, rows, cache=True, store_dtype=torch.bfloat16, device=device)
-    hs.WARM_ROWS, hs.WARM_TOKENS, hs.WARM_HOST_COPY = case
+    hs.WARM_ROWS, hs.WARM_TOKENS = case
     seen = [0, 0]
 
     def count(module, args, kwargs):
@@ -163,7 +161,7 @@ def test_bench_hidden_states_cpu(benchmark):
     )
     rows = make_rows(4, 256, (32, 200), 512)
     benchmark.group = "hidden-state warm-up cpu, 28 narrow layers, 4 rows x 256"
-    benchmark.pedantic(lambda: warm(model, rows, (2, 512, "direct"), torch.device("cpu")), rounds=3, warmup_rounds=1)
+    benchmark.pedantic(lambda: warm(model, rows, (2, 512), torch.device("cpu")), rounds=3, warmup_rounds=1)
 
 
 def test_bench_hidden_states_cuda(benchmark):
@@ -174,7 +172,7 @@ def test_bench_hidden_states_cuda(benchmark):
     rows = make_rows(64, 2048, (256, 2048), model.config.vocab_size)
     benchmark.group = "hidden-state warm-up SmolLM2 shape, 64 rows x 2048"
     benchmark.pedantic(
-        lambda: warm(model, rows, (None, HiddenStates.WARM_TOKENS, HiddenStates.WARM_HOST_COPY), dev),
+        lambda: warm(model, rows, (None, HiddenStates.WARM_TOKENS), dev),
         rounds=2,
         warmup_rounds=1,
     )
@@ -188,9 +186,8 @@ def main():
     ap.add_argument("--doc-tokens", default="256,2048" if cuda else "32,200", help="MIN,MAX document length")
     ap.add_argument(
         "--cases",
-        default="auto:32768,auto:32768:pinned",
-        help="comma-separated ROWS:TOKENS[:COPY] (rows a pass or auto, padded tokens a forward, the copy to "
-        "the host: direct (default) or pinned)",
+        default="16:32768,auto:32768",
+        help="comma-separated ROWS:TOKENS (rows a pass or auto for the trainer's default, padded tokens a forward)",
     )
     ap.add_argument("--profile", action="store_true", help="profile one more warm-up of each case")
     args = ap.parse_args()
@@ -199,7 +196,7 @@ def main():
         lo, hi = (int(x) for x in args.doc_tokens.split(","))
     except ValueError:
         ap.error(
-            f"--cases must be ROWS:TOKENS[:COPY],... (ints >= 1, ROWS may be auto, COPY direct or pinned) and "
+            f"--cases must be ROWS:TOKENS,... (ints >= 1, ROWS may be auto) and "
             f"--doc-tokens MIN,MAX, got "
             f"{args.cases!r} and {args.doc_tokens!r}"
         )

@@ -74,21 +74,13 @@ class TrainingExample:
 _EXAMPLE_FIELDS = ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden")
 
 
-HOST_COPIES = ("direct", "pinned")
-
-
-def examples_to_host(
-    examples: list[TrainingExample], dtype: torch.dtype | None = None, via: str = "direct"
-) -> list[TrainingExample]:
+def examples_to_host(examples: list[TrainingExample], dtype: torch.dtype | None = None) -> list[TrainingExample]:
     """TrainingExamples (on one device) -> the same on the host, the two hidden-state tensors cast
     to dtype (None: kept). Each field of all of them crosses in one copy, then is split back into
     per-row views of that copy: from a GPU, five copies for all the rows instead of five per row,
     each of which waits for the device (16 rows of 2048 SmolLM2 positions took 89 ms tensor by
-    tensor on an H100, 13 ms as one copy). via: "direct" copies into fresh pageable memory, "pinned"
-    through a pinned block (`_to_host_via_pinned`); bench/bench_hidden_states.py compares them. The
-    values are the bits TrainingExample.to("cpu", dtype) gives either way."""
-    if via not in HOST_COPIES:
-        raise ValueError(f"via must be one of {HOST_COPIES}, got {via!r}")
+    tensor on an H100, 13 ms as one copy). From a GPU each copy goes through a pinned block
+    (`_to_host_via_pinned`). The values are the bits TrainingExample.to("cpu", dtype) gives."""
     if not examples:
         return []
     sizes = [len(ex) for ex in examples]
@@ -97,11 +89,7 @@ def examples_to_host(
         parts = [getattr(ex, f) for ex in examples]
         one = parts[0] if len(parts) == 1 else torch.cat(parts)
         cast = dtype if f in ("hidden", "last_hidden") else None
-        if via == "pinned":
-            host = _to_host_via_pinned(one if cast is None else one.to(cast))
-        else:
-            host = one.to(device="cpu", dtype=cast)
-        moved[f] = host.split(sizes)
+        moved[f] = _to_host_via_pinned(one if cast is None else one.to(cast)).split(sizes)
     return [TrainingExample(**{f: moved[f][j] for f in _EXAMPLE_FIELDS}) for j in range(len(examples))]
 
 
@@ -109,8 +97,10 @@ def _to_host_via_pinned(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t` in pageable memory, from a GPU through a pinned block. A device copy into
     fresh pageable memory goes at the rate the host faults its pages in, inside the driver (about
     2.4 GB/s in the warm-up's profile on an H100); a copy into pinned memory goes at the link's
-    rate, and the host-side copy after it faults the pages in on torch's threads. The pinned block
-    returns to torch's caching host allocator and serves the next call."""
+    rate, and the host-side copy after it faults the pages in on torch's threads: a fifth less
+    time for the warm-up's copies on an H100 (bench/bench_hidden_states.py). The pinned block
+    returns to torch's caching host allocator and serves the next call. The result is pageable:
+    the cache it fills holds tens of GB, more than pinning should take from the host."""
     if t.device.type != "cuda":
         return t.to("cpu")
     staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -171,7 +171,6 @@ class HiddenStates:
     WARM_ROWS: int | None = None
     WARM_STATE_BYTES = D.hidden_states.PASS_STATE_BYTES
     WARM_TOKENS = D.hidden_states.PASS_TOKENS
-    WARM_HOST_COPY = "direct"  # data.examples_to_host's `via`
 
     def warm_rows_per_pass(self) -> int:
         if self.WARM_ROWS:
@@ -202,7 +201,7 @@ class HiddenStates:
             b = time.perf_counter()
             shifted = [D.eagle_shift(r, aux, last) for r, (aux, last) in zip(rows, states)]
             del states
-            for i, ex in zip(idx, D.examples_to_host(shifted, self.store_dtype, via=self.WARM_HOST_COPY)):
+            for i, ex in zip(idx, D.examples_to_host(shifted, self.store_dtype)):
                 self._mem[i] = ex
             ntok += sum(len(r) for r in rows)
             split["verifier"] += b - a

@@ -16,11 +16,9 @@ def test_rows_are_full_packed_rows_of_the_asked_length():
 
 
 def test_cases_parse_and_name_themselves():
-    assert bhs.parse_case("16:32768") == (16, 32768, "direct") and bhs.parse_case("auto:512") == (None, 512, "direct")
-    assert bhs.parse_case("auto:512:pinned") == (None, 512, "pinned")
-    assert bhs.case_name((None, 512, "direct")) == "auto:512"
-    assert bhs.case_name((16, 32768, "pinned")) == "16:32768:pinned"
-    for bad in ("0:10", "4:0", "x:10", "4", "4:5:6", "4:5:mapped", "4:5:pinned:1"):
+    assert bhs.parse_case("16:32768") == (16, 32768) and bhs.parse_case("auto:512") == (None, 512)
+    assert bhs.case_name((None, 512)) == "auto:512" and bhs.case_name((16, 32768)) == "16:32768"
+    for bad in ("0:10", "4:0", "x:10", "4", "4:5:6", "4:5:pinned"):
         with pytest.raises(ValueError):
             bhs.parse_case(bad)
 
@@ -37,7 +35,7 @@ def test_measure_counts_every_row_token_forward_and_pad():
         vocab_size=300,
     )
     rows = bhs.make_rows(3, 64, (10, 40), 300)
-    r = bhs.measure(model, rows, (2, 512, "direct"))
+    r = bhs.measure(model, rows, (2, 512))
     assert r["rows"] == 3 and r["tokens"] == 3 * 64 and r["tok_s"] > 0 and r["case"] == "2:512"
     # on the CPU the warm-up goes row by row: one verifier forward per length group of a row
     groups = [

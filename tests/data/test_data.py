@@ -534,9 +534,8 @@ def test_warm_passes_are_sized_by_the_bytes_of_their_states(rng, monkeypatch):
         torch.testing.assert_close(cached.get(i).last_hidden, alone.get(i).last_hidden, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("via", ["direct", "pinned"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_examples_to_host_equals_row_by_row(rng, device, via):
+def test_examples_to_host_equals_row_by_row(rng, device):
     """examples_to_host (the cache warm-up's one copy per field for a pass's rows) gives every
     row what TrainingExample.to("cpu", dtype) gives it alone: the same values and dtypes, rows of
     different lengths split at the right places, each a contiguous host tensor of its own length
@@ -557,7 +556,7 @@ def test_examples_to_host_equals_row_by_row(rng, device, via):
             ).to(device)
         )
     for dtype in (torch.float64, torch.bfloat16):
-        got = examples_to_host(exs, dtype, via=via)
+        got = examples_to_host(exs, dtype)
         assert len(got) == len(exs)
         for ex, g in zip(exs, got):
             want = ex.to("cpu", dtype)
@@ -565,9 +564,7 @@ def test_examples_to_host_equals_row_by_row(rng, device, via):
                 a, b = getattr(g, f), getattr(want, f)
                 assert a.device.type == "cpu" and not a.is_pinned(), f
                 assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b), f
-    assert examples_to_host([], torch.bfloat16, via=via) == []
-    with pytest.raises(ValueError, match="via must be one of"):
-        examples_to_host(exs, via="mapped")
+    assert examples_to_host([], torch.bfloat16) == []
 
 
 def test_default_aux_layer_ids():
