@@ -48,9 +48,9 @@
 #                        H100: 78.7 s for 7,602 rows, 196K tokens/s, 42.5 s of it verifier passes and 36.1 s
 #                        copies to the host; ~9.4 MB a row, so every conversation (1:mix) takes 83 GiB,
 #                        which HIDDEN_CACHE_GB=auto gives one setting).
-#                        Measured with batch 16 x 2048: alone, 33-39 ms a step (6,750 steps and the
-#                        cache warm-up in 5.9 minutes on an H100); two settings side by side: ~115K
-#                        tokens/s each
+#                        Measured with batch 16 x 2048: alone, 33-39 ms a step with 1 layer (6,750 steps
+#                        and the cache warm-up in 5.9 minutes on an H100), 48.7 ms with 2 (3,165 steps
+#                        in 5 minutes); two settings side by side: ~115K tokens/s each
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
 #                        1..8, with the round profile) 343 s, each other setting 85 s at one K;
@@ -196,8 +196,17 @@ if [ "$DETACH" = 1 ]; then
     echo "smollm2_gpu.sh: a detached run is still going (pid $(cat "$WORK/detached.pid")); use the wait phase" >&2
     exit 2
   fi
-  OUT=$WORK/out setsid nohup bash "$0" ${BUNDLE:+--bundle "$BUNDLE"} --work "$WORK" "${phases[@]}" \
-    > "$WORK/detached.log" 2>&1 < /dev/null &
+  # the phases after setup run from a copy of the code: each later device call copies the working
+  # tree afresh, and a process that starts while that copy is under way can find a module missing
+  # (ModuleNotFoundError in a detached datagen). setup installs the repository itself, so a run
+  # that holds it stays on the repository
+  script=$0 work=$(cd "$WORK" && pwd)
+  if [[ " ${phases[*]} " != *" setup "* ]]; then
+    rm -rf "$work/code" && mkdir -p "$work/code" && cp -a peagle_ext tools scripts "$work/code/"
+    script=$work/code/scripts/smollm2_gpu.sh
+  fi
+  OUT=$work/out setsid nohup bash "$script" ${BUNDLE:+--bundle "$BUNDLE"} --work "$work" "${phases[@]}" \
+    > "$work/detached.log" 2>&1 < /dev/null &
   echo $! > "$WORK/detached.pid"
   echo "detached: ${phases[*]} (pid $!, log $WORK/detached.log)"
   exit 0

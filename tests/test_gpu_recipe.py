@@ -180,6 +180,8 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
         EVAL_SWEEP="1",
     )
     assert r.returncode == 0 and "detached: study" in r.stdout, r.stderr[-2000:]
+    # it runs from its own copy of the code, which a later device call's copy of the tree leaves alone
+    assert (work / "code" / "scripts" / "smollm2_gpu.sh").is_file() and (work / "code" / "peagle_ext").is_dir()
     again = _run(bundle, work, "--detach", "study")
     assert again.returncode == 2 and "still going" in again.stderr
     out = tmp_path / "call_out"
