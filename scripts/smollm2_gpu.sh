@@ -81,7 +81,10 @@
 #      kept, one session: step 3 as DATAGEN_SECONDS=400 TRAIN_MINUTES=7 SETTINGS=1:mix EVAL_SWEEP=1..3
 #      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 `... --detach study` (1,040 s
 #      on an H100: datagen 437, training 362, MT-Bench 108, consistency 44, HumanEval 85), two waits,
-#      then DATAGEN_SECONDS=300 `... datagen keep` for the rest: 1,541 of the 30 device-minutes
+#      then DATAGEN_SECONDS=300 `... datagen keep` for the rest: 1,541 of the 30 device-minutes.
+#      Where failed machine starts leave about 1,250 s: DATAGEN_SECONDS=250 TRAIN_MINUTES=5 EVAL_SWEEP=3
+#      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=20 CONSISTENCY_PROMPTS=10 KEEP_REGEN=0 (826 s measured
+#      with 2:mix; setup, data and two waits took 1,244 s in all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
