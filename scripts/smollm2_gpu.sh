@@ -200,9 +200,8 @@ if [ "$DETACH" = 1 ]; then
     exit 2
   fi
   # the phases after setup run from a copy of the code: each later device call copies the working
-  # tree afresh, and a process that starts while that copy is under way can find a module missing
-  # (ModuleNotFoundError in a detached datagen). setup installs the repository itself, so a run
-  # that holds it stays on the repository
+  # tree afresh, and a process that starts while that copy is under way can find a module missing.
+  # setup installs the repository itself, so a run that holds it stays on the repository
   script=$0 work=$(cd "$WORK" && pwd)
   if [[ " ${phases[*]} " != *" setup "* ]]; then
     rm -rf "$work/code" && mkdir -p "$work/code" && cp -a peagle_ext tools scripts "$work/code/"
