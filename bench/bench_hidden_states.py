@@ -12,12 +12,11 @@ rows of --seq-len tokens, documents of lengths uniform in --doc-tokens (whole mu
 conversations, as the regenerated ShareGPT rows hold).
 
 Measured per --cases entry ROWS:TOKENS (rows a pass, "auto" for the trainer's default by bytes;
-padded tokens a forward): the warm-up's wall time after a warm-up on a few rows, tokens per second, its split into
-verifier passes and shift + copies to the host (the trainer logs the same split), the number of
-verifier forwards and the padding they carried, and on CUDA the peak memory allocated. On the CPU
-the trainer warms row by row (the batched passes are for a GPU), so --cases changes nothing
-there. --profile
-adds one more warm-up under torch.profiler: device time per pass by kernel class
+padded tokens a forward): the warm-up's wall time after a warm-up on a few rows, tokens per second,
+its split into verifier passes and shift + copies to the host (the trainer logs the same split), the
+number of verifier forwards and the padding they carried, and on CUDA the peak memory allocated. On
+the CPU the trainer warms row by row (the batched passes are for a GPU), so --cases changes nothing
+there. --profile adds one more warm-up under torch.profiler: device time per pass by kernel class
 (peagle_ext.train.profiling's classes) and the time the device waits for the host, by host op.
 
 Run: python bench/bench_hidden_states.py  (writes $OUT/bench_hidden_states.json or
