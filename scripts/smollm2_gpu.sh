@@ -91,7 +91,7 @@ cd "$(dirname "$0")/.."
 # ---- settings (one place) ------------------------------------------------------------------
 K=${K:-8}
 SEQ=${SEQ:-2048}
-# layers:data; data = orig: every ShareGPT conversation, all turns, the original answers;
+# layers:data[:k] (k: the depths trained, K by default; 1:mix:4 beside 1:mix compares them); data = orig: every ShareGPT conversation, all turns, the original answers;
 # regen: the conversations `datagen` reached (shortest first prompts first), the first turn (every turn
 # with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
 # against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
@@ -118,14 +118,17 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-7}  # per setting
 TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINUTES, however fast the steps
                                    # (train --time-schedule) and the run ends there; 0: it decays over
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
-TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU
+TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU (also in the study),
+                                   # sharing HIDDEN_CACHE_GB=auto; where their states then do not fit, each
+                                   # step recomputes them: with every conversation (mix, 71 GiB of states)
+                                   # two settings on the H100 host trained at 185 ms a step, against 33 alone
 STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-90}  # s at most that the next side-by-side training waits for the one before
 PROFILE_STEPS=${PROFILE_STEPS:-5}  # train --profile-steps: where a step's time goes (train/<setting>/profile/),
 PROFILE_WARMUP=${PROFILE_WARMUP:-50}  # after this many steps of each training (0 steps: off)
 HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-auto}  # GiB of host memory per training for the verifier's states
                                    # (cached: no verifier pass per step; past it they are recomputed every
-                                   # step). auto: 75% of the memory available at the start, shared by the
-                                   # settings (side by side in the study): ~91 on the H200 host
+                                   # step). auto: 75% of the memory available at the start (~91 on the
+                                   # H200 host), shared by the trainings that run at once
 PREFETCH=${PREFETCH:-1}            # train --prefetch: the next step's cached states copied during this one
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
                                    # validation, final save and exit; a training still running then
@@ -153,7 +156,8 @@ DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced
 CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-30}  # of them decoded (fp32, on the CUDA-graph engines)
-EVAL_FULL=${EVAL_FULL:-"1:mix"}    # settings evaluated on both benches with the K sweep
+EVAL_FULL=${EVAL_FULL-"1:mix"}     # settings evaluated on both benches with the K sweep (empty: none;
+                                   # consistency and HumanEval then do not run)
 EVAL_K=${EVAL_K:-3}                # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
@@ -163,8 +167,31 @@ KEEP_REGEN=${KEEP_REGEN:-1}        # study: the keep phase after datagen (its fi
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
 # ---------------------------------------------------------------------------------------------
+# a setting is LAYERS:DATA[:K]: K, the depths it trains, is $K unless given, and then names its
+# directory too (L1-mix-k4), so settings that differ only in K train side by side
+setting_data() { local r=${1#*:}; echo "${r%%:*}"; }
+setting_k() { local r=${1#*:}; if [[ "$r" == *:* ]]; then echo "${r#*:}"; else echo "$K"; fi; }
+setting_name() {
+  local r=${1#*:} k=""
+  [[ "$r" == *:* ]] && k=-k${r#*:}
+  echo "L${1%%:*}-${r%%:*}$k"
+}
+settings_use() {  # data: whether a setting in SETTINGS trains on it
+  local s
+  for s in $SETTINGS; do [ "$(setting_data "$s")" = "$1" ] && return 0; done
+  return 1
+}
+
 if [ "$HIDDEN_CACHE_GB" = auto ]; then
-  HIDDEN_CACHE_GB=$(awk -v n="$(wc -w <<< "$SETTINGS")" '/^MemAvailable:/ {printf "%d", $2 / 1048576 * 0.75 / (n > 0 ? n : 1)}' /proc/meminfo 2> /dev/null)
+  # trainings at once: every setting side by side, else one on the original data (beside datagen in
+  # the study) and one on the rest
+  at_once=$(wc -w <<< "$SETTINGS")
+  if [ "$TRAIN_PARALLEL" != 1 ]; then
+    at_once=0
+    settings_use orig && at_once=1
+    for s in $SETTINGS; do [ "$(setting_data "$s")" != orig ] && { at_once=$((at_once + 1)); break; }; done
+  fi
+  HIDDEN_CACHE_GB=$(awk -v n="$at_once" '/^MemAvailable:/ {printf "%d", $2 / 1048576 * 0.75 / (n > 0 ? n : 1)}' /proc/meminfo 2> /dev/null)
   HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-6}  # no /proc/meminfo: the trainer's default
 fi
 
@@ -186,8 +213,18 @@ done
 [[ "$MIX_LOOPS" =~ ^(original|keep)$ ]] || { echo "smollm2_gpu.sh: MIX_LOOPS must be original or keep, got $MIX_LOOPS" >&2; exit 2; }
 [[ "$DATAGEN_LOOPS" =~ ^(cut|keep)$ ]] || { echo "smollm2_gpu.sh: DATAGEN_LOOPS must be cut or keep, got $DATAGEN_LOOPS" >&2; exit 2; }
 for s in $SETTINGS $EVAL_FULL; do
-  [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)$ ]] || {
-    echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA with DATA orig, regen, origfirst or mix" >&2
+  [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)(:[1-9][0-9]*)?$ ]] || {
+    echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA[:K] with DATA orig, regen, origfirst or mix" >&2
+    exit 2
+  }
+  # the K it is evaluated at: its trained depths draft them
+  need=$EVAL_K
+  if [[ " $EVAL_FULL " == *" $s "* ]]; then
+    he=${EVAL_HE_SWEEP:+${EVAL_HE_SWEEP##*[.,]}}
+    need=$(( ${EVAL_SWEEP##*[.,]} > ${he:-$EVAL_K} ? ${EVAL_SWEEP##*[.,]} : ${he:-$EVAL_K} ))
+  fi
+  [ "$(setting_k "$s")" -ge "$need" ] || {
+    echo "smollm2_gpu.sh: setting $s trains $(setting_k "$s") depths and is evaluated at K=$need (EVAL_K, EVAL_SWEEP, EVAL_HE_SWEEP): train at least $need" >&2
     exit 2
   }
 done
@@ -321,7 +358,10 @@ EOF
 }
 
 train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
-  local s=$1 layers=${1%%:*} data=${1##*:} dir=$WORK/train/L${1%%:*}-${1##*:}
+  local s=$1 layers=${1%%:*} data name
+  data=$(setting_data "$s")
+  name=$(setting_name "$s")
+  local dir=$WORK/train/$name
   local file=$DATA/train.jsonl
   [ "$data" = regen ] && file=$DATA/regen.jsonl
   [ "$data" = origfirst ] && file=$DATA/origfirst.jsonl
@@ -334,14 +374,14 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   local limit
   limit=$(python3 -c "print(int($TRAIN_MINUTES * 60 + $TRAIN_GRACE))")
   timed timeout -s USR1 -k "$KILL_AFTER" "$limit" $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
-    --num-conversations none --seq-len "$SEQ" --num-depths "$K" --num-layers "$layers" \
+    --num-conversations none --seq-len "$SEQ" --num-depths "$(setting_k "$s")" --num-layers "$layers" \
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
     --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
     --hidden-cache-gb "$HIDDEN_CACHE_GB" --prefetch "$([ "$PREFETCH" = 1 ] && echo true || echo false)" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
     --no-progress "${resume[@]}" \
-    > "$WORK/logs/train_L${layers}-${data}.log" 2>&1 || rc=$?
-  tail -12 "$WORK/logs/train_L${layers}-${data}.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"
+    > "$WORK/logs/train_$name.log" 2>&1 || rc=$?
+  tail -12 "$WORK/logs/train_$name.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"
   return $rc
 }
 
@@ -416,11 +456,11 @@ phase_train() {
   # one before has prepared its data: on the H200 host one training alone renders 16.5K
   # conversations over the cores in ~22 s, three at once take minutes for 7K each
   local pids=() rc=0 dir lines
-  [[ " $SETTINGS " == *":origfirst "* ]] && { origfirst_data || return 1; }
-  [[ " $SETTINGS " == *":mix "* ]] && { mix_data || return 1; }
+  settings_use origfirst && { origfirst_data || return 1; }
+  settings_use mix && { mix_data || return 1; }
   for s in $SETTINGS; do
     if [ "$TRAIN_PARALLEL" = 1 ]; then
-      dir=$WORK/train/L${s%%:*}-${s##*:}
+      dir=$WORK/train/$(setting_name "$s")
       lines=0
       [ -f "$dir/log.jsonl" ] && lines=$(wc -l < "$dir/log.jsonl")
       train_one "$s" &
@@ -434,7 +474,9 @@ phase_train() {
 
 eval_one() {  # setting bench K-args...
   local s=$1 bench=$2; shift 2
-  local dir=$WORK/train/L${s%%:*}-${s##*:} name=L${s%%:*}-${s##*:}_$bench
+  local name dir
+  name=$(setting_name "$s")_$bench
+  dir=$WORK/train/$(setting_name "$s")
   local src=$BENCH_MT n=80 draft
   [ "$bench" = humaneval ] && src=$BENCH_HE n=164
   [ -f "$WORK/eval/$name.json" ] && { note "eval $name: done"; return; }
@@ -465,7 +507,7 @@ eval_mtbench() {
 
 eval_humaneval() {
   for s in $EVAL_FULL; do
-    if [ -n "$EVAL_HE_SWEEP" ]; then eval_one "$s" humaneval --num-spec-tokens "$K" --k-sweep "$EVAL_HE_SWEEP"
+    if [ -n "$EVAL_HE_SWEEP" ]; then eval_one "$s" humaneval --num-spec-tokens "$(setting_k "$s")" --k-sweep "$EVAL_HE_SWEEP"
     else eval_one "$s" humaneval --num-spec-tokens "$EVAL_K"; fi
   done
 }
@@ -480,13 +522,15 @@ phase_eval() {
 phase_consistency() {
   mkdir -p "$WORK/eval"
   for s in $EVAL_FULL; do
-    local dir=$WORK/train/L${s%%:*}-${s##*:} name=L${s%%:*}-${s##*:}
+    local name dir
+    name=$(setting_name "$s")
+    dir=$WORK/train/$name
     [ -f "$WORK/eval/consistency_$name.json" ] && continue
     [ -f "$dir/final/config.json" ] || continue
     # the setting's own distribution: a regen drafter on the held-out prompts' regenerated
     # answers, decoding as many tokens as datagen wrote; the others on the original conversations
     local held=$DATA/heldout.jsonl gen=$EVAL_TOKENS
-    if [ "${s##*:}" = regen ] && [ -s "$DATA/heldout_regen.jsonl" ]; then held=$DATA/heldout_regen.jsonl gen=$DATAGEN_TOKENS; fi
+    if [ "$(setting_data "$s")" = regen ] && [ -s "$DATA/heldout_regen.jsonl" ]; then held=$DATA/heldout_regen.jsonl gen=$DATAGEN_TOKENS; fi
     timed python3 tools/consistency.py --draft "$dir/final" --verifier "$VERIFIER" --data "$held" \
       --skip 0 --num-conversations "$CONSISTENCY_CONVERSATIONS" --gen-prompts "$CONSISTENCY_PROMPTS" --gen-tokens "$gen" --max-len 1024 --device "$DEVICE" --amp \
       --json "$WORK/eval/consistency_$name.json" | tail -12 | tee -a "$SUMMARY" ||
@@ -529,11 +573,11 @@ EOF
 
 phase_study() {
   # the measured arrangement on one GPU: datagen beside the training on every original
-  # conversation (if a setting has one), then the settings that need datagen's output side by
-  # side, then consistency, eval and report. Every setting trains for TRAIN_MINUTES; a
+  # conversation (if a setting has one), then the settings that need datagen's output (side by
+  # side with TRAIN_PARALLEL=1), then consistency, eval and report. Every setting trains for TRAIN_MINUTES; a
   # full-data one starts DATAGEN_SECONDS earlier and gets that much more time
   local orig="" regen="" s
-  for s in $SETTINGS; do if [ "${s##*:}" = orig ]; then orig+=" $s"; else regen+=" $s"; fi; done
+  for s in $SETTINGS; do if [ "$(setting_data "$s")" = orig ]; then orig+=" $s"; else regen+=" $s"; fi; done
   local extra
   extra=$(python3 -c "print($TRAIN_MINUTES + $DATAGEN_SECONDS / 60)")
   # a datagen that fails part-way (out of memory, say) leaves whole conversations: train on those;
@@ -545,12 +589,12 @@ phase_study() {
       note "study: DATAGEN_SECONDS=0 and no $DATA/regen.jsonl: run datagen first"; exit 1
     fi
     rc=0
-    SETTINGS=$regen TRAIN_PARALLEL=1 phase_train || rc=$?
+    SETTINGS=$regen phase_train || rc=$?
     wait  # the kept files are whole before anything reads or returns them
     exit $rc ) &
   local gen=$!
   if [ -n "$orig" ]; then
-    SETTINGS=$orig TRAIN_PARALLEL=1 TRAIN_MINUTES=$extra phase_train || note "study: training on$orig failed (logs/)"
+    SETTINGS=$orig TRAIN_MINUTES=$extra phase_train || note "study: training on$orig failed (logs/)"
   fi
   wait $gen || note "study: datagen or training on$regen failed (logs/)"
   # what compares the settings first, then consistency, HumanEval last (the hold may end first)
