@@ -242,5 +242,13 @@ def build_hidden_states(
         train_h.verifier = val_h.verifier = None
         inp.verifier = None
     elif not cache:
-        log.event("hidden", "verifier hidden states do not fit --hidden-cache-gb: recomputed every step")
+        n_rows = len(ds.train_rows) + len(ds.val_rows)
+        log.event(
+            "hidden",
+            f"verifier hidden states of {n_rows} rows need {per_row * n_rows / 2**30:.3g} GiB, more than "
+            f"--hidden-cache-gb {s.hidden_cache_gb:g}: every step recomputes its rows' states with a verifier "
+            "pass (on a GPU several times a cached step's time); a larger --hidden-cache-gb or "
+            "--hidden-cache-dir caches them",
+            need_bytes=per_row * n_rows,
+        )
     return train_h, val_h

@@ -351,6 +351,11 @@ def test_recomputed_hidden_states_train_like_cached_ones(tiny, tmp_path, monkeyp
     monkeypatch.setattr(D, "verifier_hidden_states_many", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     rec = train(settings(tiny, tmp_path / "rec", max_steps=3, batch_size=3, hidden_cache_gb=0))
     assert calls.count(3) >= 3  # every step's 3 rows in one pass (validation rows go one by one)
+    # the log says what caching them would take and how
+    ev = [json.loads(x) for x in (tmp_path / "rec" / "log.jsonl").read_text().splitlines()]
+    hidden = next(e for e in ev if e.get("event") == "hidden")
+    assert hidden["need_bytes"] > 0 and "more than --hidden-cache-gb 0:" in hidden["message"]
+    assert "--hidden-cache-dir" in hidden["message"]
     wm, wr = _weights(mem.final_dir), _weights(rec.final_dir)
     for k in wm:
         torch.testing.assert_close(wr[k], wm[k], rtol=1e-4, atol=2e-5)
