@@ -8,7 +8,8 @@
 #   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE...
 #   phases: setup data datagen train eval consistency report | all (= every phase in this order)
 #           study: datagen (beside the full-data training, if a setting has one; none with
-#                  DATAGEN_SECONDS=0), then the settings on its output side by side, then MT-Bench,
+#                  DATAGEN_SECONDS=0), then the settings on its output one after another (side by side
+#                  with TRAIN_PARALLEL=1), then MT-Bench,
 #                  consistency, HumanEval, report
 #           wait:  follow a --detach run for up to WAIT_SECONDS and copy its results to $OUT
 #           keep:  the regenerated data as files of <= 15 MiB in $OUT (regen.tar.xz.partNN, regen.json),
@@ -50,7 +51,8 @@
 #                        which HIDDEN_CACHE_GB=auto gives one setting).
 #                        Measured with batch 16 x 2048: alone, 33-39 ms a step with 1 layer (6,750 steps
 #                        and the cache warm-up in 5.9 minutes on an H100), 48.7 ms with 2 (3,165 steps
-#                        in 5 minutes); two settings side by side: ~115K tokens/s each
+#                        in 5 minutes); two settings side by side: ~115K tokens/s each where both
+#                        caches fit, 185 ms a step each where they do not (mix data on the H100 host)
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
 #                        1..8, with the round profile) 343 s, each other setting 85 s at one K;
@@ -168,7 +170,7 @@ WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-m
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
 # ---------------------------------------------------------------------------------------------
 # a setting is LAYERS:DATA[:K]: K, the depths it trains, is $K unless given, and then names its
-# directory too (L1-mix-k4), so settings that differ only in K train side by side
+# directory too (L1-mix-k4), so settings that differ only in K are trained and evaluated apart
 setting_data() { local r=${1#*:}; echo "${r%%:*}"; }
 setting_k() { local r=${1#*:}; if [[ "$r" == *:* ]]; then echo "${r#*:}"; else echo "$K"; fi; }
 setting_name() {
