@@ -93,7 +93,8 @@ cd "$(dirname "$0")/.."
 # ---- settings (one place) ------------------------------------------------------------------
 K=${K:-8}
 SEQ=${SEQ:-2048}
-# layers:data[:k] (k: the depths trained, K by default; 1:mix:4 beside 1:mix compares them); data = orig: every ShareGPT conversation, all turns, the original answers;
+# layers:data[:k] (k: the depths trained, K by default; 1:mix:4 beside 1:mix compares them);
+# data = orig: every ShareGPT conversation, all turns, the original answers;
 # regen: the conversations `datagen` reached (shortest first prompts first), the first turn (every turn
 # with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
 # against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
@@ -122,7 +123,7 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU (also in the study),
                                    # sharing HIDDEN_CACHE_GB=auto; where their states then do not fit, each
-                                   # step recomputes them: with every conversation (mix, 71 GiB of states)
+                                   # step recomputes them: with every conversation (mix, 79 GiB of states)
                                    # two settings on the H100 host trained at 185 ms a step, against 33 alone
 STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-90}  # s at most that the next side-by-side training waits for the one before
 PROFILE_STEPS=${PROFILE_STEPS:-5}  # train --profile-steps: where a step's time goes (train/<setting>/profile/),
@@ -576,8 +577,8 @@ EOF
 phase_study() {
   # the measured arrangement on one GPU: datagen beside the training on every original
   # conversation (if a setting has one), then the settings that need datagen's output (side by
-  # side with TRAIN_PARALLEL=1), then consistency, eval and report. Every setting trains for TRAIN_MINUTES; a
-  # full-data one starts DATAGEN_SECONDS earlier and gets that much more time
+  # side with TRAIN_PARALLEL=1), then consistency, eval and report. Every setting trains for
+  # TRAIN_MINUTES; a full-data one starts DATAGEN_SECONDS earlier and gets that much more time
   local orig="" regen="" s
   for s in $SETTINGS; do if [ "$(setting_data "$s")" = orig ]; then orig+=" $s"; else regen+=" $s"; fi; done
   local extra
