@@ -478,8 +478,8 @@ phase_train() {
 eval_one() {  # setting bench K-args...
   local s=$1 bench=$2; shift 2
   local name dir
-  name=$(setting_name "$s")_$bench
   dir=$WORK/train/$(setting_name "$s")
+  name=${dir##*/}_$bench
   local src=$BENCH_MT n=80 draft
   [ "$bench" = humaneval ] && src=$BENCH_HE n=164
   [ -f "$WORK/eval/$name.json" ] && { note "eval $name: done"; return; }

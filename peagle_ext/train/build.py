@@ -196,7 +196,8 @@ def build_hidden_states(
     feat = (len(aux_ids) + 1) * int(vcfg.hidden_size)
     store_dtype = torch.bfloat16 if amp is not None else torch.float32
     per_row = s.seq_len * feat * (2 if store_dtype == torch.bfloat16 else 4)
-    cache = per_row * (len(ds.train_rows) + len(ds.val_rows)) <= s.hidden_cache_gb * 2**30
+    n_rows = len(ds.train_rows) + len(ds.val_rows)
+    cache = per_row * n_rows <= s.hidden_cache_gb * 2**30
     disks = inp.disks
     train_h = HiddenStates(
         inp.verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device, disk=disks[0]
@@ -214,7 +215,7 @@ def build_hidden_states(
         train_h.start_background(order[cursor:] + order[:cursor], then=val_h, then_after=first_val)
         log.event(
             "hidden",
-            f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows: computed on a "
+            f"verifier hidden states for {n_rows} rows: computed on a "
             "background thread while training runs (kept in memory)",
         )
     else:
@@ -231,7 +232,7 @@ def build_hidden_states(
         )
         log.event(
             "hidden",
-            f"verifier hidden states for {len(ds.train_rows) + len(ds.val_rows)} rows cached in memory "
+            f"verifier hidden states for {n_rows} rows cached in memory "
             f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s{parts})",
             seconds=dt_h,
             verifier_s=round(split["verifier"], 3),
@@ -242,7 +243,6 @@ def build_hidden_states(
         train_h.verifier = val_h.verifier = None
         inp.verifier = None
     elif not cache:
-        n_rows = len(ds.train_rows) + len(ds.val_rows)
         log.event(
             "hidden",
             f"verifier hidden states of {n_rows} rows need {per_row * n_rows / 2**30:.3g} GiB, more than "
