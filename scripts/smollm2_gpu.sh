@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2 study on one GPU: P-EAGLE drafters for the bundled SmolLM2-135M-Instruct verifier
-# (seq-len 2048, K=8, 1 and 2 layers), trained on the verifier's own regenerated answers (`peagle
+# (seq-len 2048, K=4, 2 layers by default), trained on the verifier's own regenerated answers (`peagle
 # datagen`) and on the original answers to the same prompts (or on every ShareGPT conversation:
-# SETTINGS below), then `peagle eval` on MT-Bench (80) and HumanEval (164) with --k-sweep 1..8,
+# SETTINGS below), then `peagle eval` on MT-Bench (80) and HumanEval (164) with --k-sweep 1..K,
 # bf16, batch 1: one JSON + PNG per setting and bench.
 #
 #   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE...
@@ -49,9 +49,9 @@
 #                        H100: 78.7 s for 7,602 rows, 196K tokens/s, 42.5 s of it verifier passes and 36.1 s
 #                        copies to the host; ~9.4 MB a row, so every conversation (1:mix) takes 83 GiB,
 #                        which HIDDEN_CACHE_GB=auto gives one setting).
-#                        Measured with batch 16 x 2048: alone, 33-39 ms a step with 1 layer (6,750 steps
-#                        and the cache warm-up in 5.9 minutes on an H100), 48.7 ms with 2 (3,165 steps
-#                        in 5 minutes); two settings side by side: ~115K tokens/s each where both
+#                        Measured with batch 16 x 2048: alone, 33-39 ms a step with 1 layer and K=8 (6,750
+#                        steps and the cache warm-up in 5.9 minutes on an H100), 48.7 ms with 2 (3,165
+#                        steps in 5 minutes), 43.9 ms with 2 and K=4 (8,250 steps in 8 minutes); two settings side by side: ~115K tokens/s each where both
 #                        caches fit, 185 ms a step each where they do not (mix data on the H100 host)
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
 #                        the greedy baseline counted as one K: the full setting (EVAL_FULL, K sweep
@@ -73,34 +73,35 @@
 #      `... data` (split, and an earlier session's kept data put back), then either DATAGEN_SECONDS=400
 #      `... datagen keep` in the foreground (the regenerated data comes back with the call, so a
 #      machine taken back later loses nothing of it) or, once every conversation is regenerated,
-#      DATAGEN_SECONDS=0 TRAIN_MINUTES=9 SETTINGS="1:mix" EVAL_SWEEP=1..5 EVAL_HE_SWEEP=
-#      `... --detach study` (training and evaluation only: 899 s measured with 9 minutes, 678 s with
-#      6 and EVAL_SWEEP=1..3) and `... wait`; from the machine's start to the last wait, steps 1-4
+#      DATAGEN_SECONDS=0 TRAIN_MINUTES=9 EVAL_HE_SWEEP= `... --detach study` (training and
+#      evaluation only: 899 s measured with 1:mix, 9 minutes and EVAL_SWEEP=1..5, 678 s with 6 and
+#      EVAL_SWEEP=1..3) and `... wait`; from the machine's start to the last wait, steps 1-4
 #      took about 20 of the 30 device-minutes
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results). From nothing
-#      kept, one session: step 3 as DATAGEN_SECONDS=400 TRAIN_MINUTES=7 SETTINGS=1:mix EVAL_SWEEP=1..3
-#      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 `... --detach study` (1,040 s
-#      on an H100: datagen 437, training 362, MT-Bench 108, consistency 44, HumanEval 85), two waits,
-#      then DATAGEN_SECONDS=300 `... datagen keep` for the rest: 1,541 of the 30 device-minutes.
+#      kept, one session: step 3 as DATAGEN_SECONDS=400 TRAIN_MINUTES=8 EVAL_SWEEP=3..4 EVAL_HE_SWEEP=
+#      CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 KEEP_REGEN=0 `... --detach study` (1,181 s
+#      on an H100 with the default 2:mix: datagen 427, training 496, MT-Bench 102, consistency 62,
+#      HumanEval 88), then two waits: 1,407 of the 30 device-minutes from the machine's start.
 #      Where failed machine starts leave about 1,250 s: DATAGEN_SECONDS=250 TRAIN_MINUTES=5 EVAL_SWEEP=3
 #      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=20 CONSISTENCY_PROMPTS=10 KEEP_REGEN=0 (826 s measured
-#      with 2:mix; setup, data and two waits took 1,244 s in all)
+#      with 2:mix:8; setup, data and two waits took 1,244 s in all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # ---- settings (one place) ------------------------------------------------------------------
-K=${K:-8}
+K=${K:-4}                          # depths trained: 2:mix with K=4 decodes MT-Bench at 2.15, the best K=8
+                                   # drafters measured 1.86 (bench/RESULTS.md)
 SEQ=${SEQ:-2048}
-# layers:data[:k] (k: the depths trained, K by default; 1:mix:4 beside 1:mix compares them);
+# layers:data[:k] (k: the depths trained, K by default; 2:mix:8 beside 2:mix compares them);
 # data = orig: every ShareGPT conversation, all turns, the original answers;
 # regen: the conversations `datagen` reached (shortest first prompts first), the first turn (every turn
 # with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
 # against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
 # and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has).
 # The default: the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
-SETTINGS=${SETTINGS:-"1:mix"}
+SETTINGS=${SETTINGS:-"2:mix"}
 MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has an answer that ends in a
                                    # repetition loop (peagle_ext.data.loops; 56% of them with every turn
                                    # regenerated): original = take the original answers there; keep = take
@@ -159,10 +160,10 @@ DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced
 CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-30}  # of them decoded (fp32, on the CUDA-graph engines)
-EVAL_FULL=${EVAL_FULL-"1:mix"}     # settings evaluated on both benches with the K sweep (empty: none;
+EVAL_FULL=${EVAL_FULL-"2:mix"}     # settings evaluated on both benches with the K sweep (empty: none;
                                    # consistency and HumanEval then do not run)
-EVAL_K=${EVAL_K:-3}                # K of the other settings (MT-Bench only)
-EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (acceptance stopped growing past K=3)
+EVAL_K=${EVAL_K:-$K}               # K of the other settings (MT-Bench only)
+EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (a K=8 drafter's stopped growing past K=3)
 EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty: K=EVAL_K only
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
 EVAL_ATTENTION=${EVAL_ATTENTION:-auto}  # peagle eval --attention (auto: peagle for rounds and drafter rows on CUDA)
