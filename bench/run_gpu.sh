@@ -3,7 +3,8 @@
 # Results go under $OUT (or ./gpu_out): build.log, tests.log, junit xml, bench_*.json, a summary.
 #   bash bench/run_gpu.sh [build] [tests] [bench] [sanitize] [quick]   (default: build tests bench)
 # TEST_FILES / BENCH_FILES override the lists below, TEST_K selects tests by name (pytest -k, e.g.
-# "cuda"); TRAIN_STEP_CASES / TRAIN_STEP_BUDGET pick bench_train_step's cases and seconds; wheels
+# "cuda"); TRAIN_STEP_CASES / TRAIN_STEP_BUDGET pick bench_train_step's cases and seconds and
+# TRAIN_STEP_ARGS adds its other options (e.g. "--num-depths 4 --steps 21"); wheels
 # in .whl/ (speculators and its pure-Python dependencies, for bench_train_step's anchor) are
 # installed with --no-deps into /tmp/site for the benchmarks; SANITIZE_TOOLS / SANITIZE_OPS pick a
 # subset of the sanitizer runs (tools/sanitize/sanitize_all.sh).
@@ -61,6 +62,8 @@ if have bench; then
     quick=$([[ " $phases " == *" quick "* && " ${FULL_BENCHES:-} " != *" $name "* ]] && echo 1 || echo 0)
     extra=(); [ "$name" = bench_train_step ] && extra=(--budget-s "${TRAIN_STEP_BUDGET:-170}")
     [ "$name" = bench_train_step ] && [ -n "${TRAIN_STEP_CASES:-}" ] && extra+=(--cases "$TRAIN_STEP_CASES")
+    # shellcheck disable=SC2206  # TRAIN_STEP_ARGS is a list of options, split on spaces
+    [ "$name" = bench_train_step ] && [ -n "${TRAIN_STEP_ARGS:-}" ] && extra+=($TRAIN_STEP_ARGS)
     QUICK=$quick OUT="$OUT" timeout ${BENCH_TIMEOUT:-240} python3 "$b" "${extra[@]}" > "$OUT/$name.log" 2>&1
     rc=$?; note "$name: rc=$rc in $(( $(date +%s) - t0 ))s"; [ $rc -eq 0 ] || status=1
     tail -25 "$OUT/$name.log" >> "$summary"
