@@ -173,10 +173,6 @@ def child_env(a):
     if dev.type == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = True
-    if a.weighted_rows_multiple is not None:
-        from peagle_ext.model import rows
-
-        rows.WEIGHTED_ROWS_MULTIPLE[dev.type] = a.weighted_rows_multiple
     return dict(
         torch=torch,
         dev=dev,
@@ -429,8 +425,6 @@ def run_child(a, cases, deadline, logdir):
     """Run `cases` in one child until done or `deadline`; kill its process group past that."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cases), "--deadline", str(deadline)]
     cmd += ["--device", a.device, "--steps", str(a.steps), "--num-depths", str(a.num_depths), "--logdir", logdir]
-    if a.weighted_rows_multiple is not None:
-        cmd += ["--weighted-rows-multiple", str(a.weighted_rows_multiple)]
     cmd += ["--tiny"] if a.tiny else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BENCH_T0": str(T0)}
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -519,8 +513,6 @@ def write_outputs(a, results, logdir):
 
     os.makedirs(a.out, exist_ok=True)
     meta = {"budget_s": a.budget_s, "elapsed_s": round(time.time() - T0, 1), "device": a.device, "tiny": a.tiny}
-    if a.weighted_rows_multiple is not None:
-        meta["weighted_rows_multiple"] = a.weighted_rows_multiple
     with open(os.path.join(a.out, "bench_train_step.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with tarfile.open(os.path.join(a.out, "bench_train_step_logs.tgz"), "w:gz") as t:
@@ -581,13 +573,6 @@ def main(argv=None):
     # two groups), so a median of 5 moves with which group has three of them
     p.add_argument("--steps", type=int, default=11, help="timed steps per case (fewer when time runs out)")
     p.add_argument("--num-depths", type=int, default=8)
-    p.add_argument(
-        "--weighted-rows-multiple",
-        type=int,
-        default=None,
-        help="peagle: count the rows after the last attention up to a multiple of this (1: no padding; "
-        "default: peagle_ext.model.rows.WEIGHTED_ROWS_MULTIPLE), to compare the two",
-    )
     p.add_argument("--cases", default="", help="comma list of case names or impl:N[:layers[:vocab[:anchors]]]")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     p.add_argument("--logdir", default=None, help="per-case results and logs (default /tmp/...)")
@@ -595,8 +580,6 @@ def main(argv=None):
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--deadline", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.weighted_rows_multiple is not None and a.weighted_rows_multiple < 1:
-        p.error(f"--weighted-rows-multiple must be >= 1, got {a.weighted_rows_multiple}")
     if a.child:
         return child_main(a)
     if a.list:

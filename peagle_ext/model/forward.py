@@ -21,8 +21,7 @@ Rows no later computation reads are not computed:
   a slice plus a broadcast (rows.LayerZeroRows; no duplicate-index gather anywhere);
 - after the last layer's attention only the rows of weight > 0 (loss-masked positions) go on
   through o_proj, the MLP, the final norm and the loss: the others are keys and values of the
-  attention and nothing else (on CUDA a few rows of weight 0 join them, so that their count is a
-  multiple of rows.WEIGHTED_ROWS_MULTIPLE and the GEMMs' shapes recur from step to step);
+  attention and nothing else;
 - the loss computes the verifier's logits once per distinct loss-masked position
   (fused_linear_kl's target_index), not once per draft token.
 """

@@ -79,26 +79,7 @@ class LayerZeroRows:
         return torch.cat(parts, 0) if len(parts) > 1 else parts[0].contiguous()
 
 
-# The rows after the last attention are counted up to a multiple of this many on CUDA. Their number
-# is new every step under COD sampling, and every GEMM of a new shape pays cuBLAS's algorithm
-# selection on the host (65-130 us a call against 13 us for a repeated shape, measured on an H100),
-# which decides the step time of a small drafter; a few hundred extra rows of weight 0 cost the
-# device next to nothing. On CPU no selection is cached, and the extra rows would be pure cost.
-WEIGHTED_ROWS_MULTIPLE = {"cuda": 256}
-
-
-def weighted_rows(weight: torch.Tensor, multiple: int | None = None) -> torch.Tensor | None:
-    """Sorted indices of the rows of weight > 0, plus the first rows of weight 0 that take their
-    count up to a multiple of `multiple` (default: WEIGHTED_ROWS_MULTIPLE for weight's device, 1
-    elsewhere); None when that is every row. A row of weight 0 adds nothing to the loss or to any
-    gradient, so the padding changes no result. One host sync."""
-    if multiple is None:
-        multiple = WEIGHTED_ROWS_MULTIPLE.get(weight.device.type, 1)
-    positive = weight > 0
-    count = int(positive.sum())
-    count = -(-count // multiple) * multiple
-    if count >= weight.numel():
-        return None
-    # a stable sort puts the positive rows first, each group in row order
-    order = torch.sort((~positive).to(torch.uint8), stable=True).indices
-    return order[:count].sort().values
+def weighted_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the rows of weight > 0, or None when that is every row (one host sync)."""
+    keep = torch.nonzero(weight > 0)[:, 0]
+    return None if keep.numel() == weight.numel() else keep

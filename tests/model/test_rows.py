@@ -59,48 +59,6 @@ def test_gather_distinct_rows_backward_scatters():
     assert weighted_rows(torch.ones(4)) is None
 
 
-def test_weighted_rows_pad_to_a_multiple_with_the_first_rows_of_weight_zero():
-    w = torch.tensor([0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 1.0, 0.0, 0.0])
-    assert weighted_rows(w, 1).tolist() == [1, 4, 7]
-    assert weighted_rows(w, 4).tolist() == [0, 1, 4, 7]  # 3 rows -> 4: row 0 is the first of weight 0
-    assert weighted_rows(w, 6).tolist() == [0, 1, 2, 3, 4, 7]
-    assert weighted_rows(w, 3).tolist() == [1, 4, 7]  # already a multiple
-    assert weighted_rows(w, 8).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
-    assert weighted_rows(w, 10) is None and weighted_rows(w, 16) is None  # the padded count covers every row
-    assert weighted_rows(torch.zeros(5), 4).numel() == 0  # no weighted row: nothing to pad
-    assert weighted_rows(torch.zeros(0), 4) is None
-    assert weighted_rows(w) is not None and weighted_rows(w).tolist() == [1, 4, 7]  # CPU: no padding
-
-
-@pytest.mark.parametrize("mode,segments", [("symmetric", 1), ("cross", 1), ("symmetric", 3), ("cross", 2)])
-def test_padded_weighted_rows_change_no_result(rng, mode, segments, monkeypatch):
-    """Rows of weight 0 added after the last attention (CUDA's WEIGHTED_ROWS_MULTIPLE, forced
-    here on CPU) leave the loss, the counts and every gradient as they are, in float64."""
-    import peagle_ext.model.rows as rows_mod
-
-    m = make_model(rng, num_layers=2, options=PEagleOptions(attention=mode)).double()
-    ex = make_example(rng, 90, (50, 1, 30))
-    lay = m.sample_layout(ex, seed=5)
-    weighted = int(ex.loss_mask[(lay.anchor + lay.depth).long()].sum())
-    runs = {}
-    for multiple in (1, 8):
-        monkeypatch.setitem(rows_mod.WEIGHTED_ROWS_MULTIPLE, "cpu", multiple)
-        m.zero_grad(set_to_none=True)
-        seen = []
-        hook = m.layers[1].mlp.register_forward_pre_hook(lambda mod, a, seen=seen: seen.append(a[0].shape[0]))
-        met = m.forward_backward(ex, lay, segments=segments)
-        hook.remove()
-        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-        runs[multiple] = (met, grads, sum(seen))
-    (m1, g1, rows1), (m8, g8, rows8) = runs[1], runs[8]
-    assert rows1 == weighted and rows8 > weighted  # the padded run did take extra rows
-    assert m1["loss_sum"] == pytest.approx(m8["loss_sum"], rel=1e-12) and m1["weight"] == m8["weight"]
-    assert torch.equal(m1["correct"], m8["correct"]) and torch.equal(m1["total"], m8["total"])
-    assert g1.keys() == g8.keys() and g1
-    for n in g1:
-        torch.testing.assert_close(g8[n], g1[n], rtol=1e-10, atol=1e-12, msg=n)
-
-
 def _graph_nodes(t):
     seen, names, stack = set(), set(), [t.grad_fn]
     while stack:
