@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SmolLM2 study on one GPU: P-EAGLE drafters for the bundled SmolLM2-135M-Instruct verifier
-# (seq-len 2048, K=4, 2 layers by default), trained on the verifier's own regenerated answers (`peagle
+# (seq-len 2048, K=4, 4 layers by default), trained on the verifier's own regenerated answers (`peagle
 # datagen`) and on the original answers to the same prompts (or on every ShareGPT conversation:
 # SETTINGS below), then `peagle eval` on MT-Bench (80) and HumanEval (164) with --k-sweep 1..K,
 # bf16, batch 1: one JSON + PNG per setting and bench.
@@ -51,7 +51,8 @@
 #                        which HIDDEN_CACHE_GB=auto gives one setting).
 #                        Measured with batch 16 x 2048: alone, 33-39 ms a step with 1 layer and K=8 (6,750
 #                        steps and the cache warm-up in 5.9 minutes on an H100), 48.7 ms with 2 (3,165
-#                        steps in 5 minutes), 43.9 ms with 2 and K=4 (8,250 steps in 8 minutes); two
+#                        steps in 5 minutes), 43.9 ms with 2 and K=4 (8,250 steps in 8 minutes), 58.7
+#                        ms with 4 and K=4 (6,488 steps in 9 minutes); two
 #                        settings side by side: ~115K tokens/s each where both caches fit, 185 ms a step
 #                        each where they do not (mix data on the H100 host)
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
@@ -81,10 +82,11 @@
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results). From nothing
-#      kept, one session: step 3 as DATAGEN_SECONDS=400 TRAIN_MINUTES=8 EVAL_SWEEP=3..4 EVAL_HE_SWEEP=
-#      CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 KEEP_REGEN=0 `... --detach study` (1,181 s
-#      on an H100 with the default 2:mix: datagen 427, training 496, MT-Bench 102, consistency 62,
-#      HumanEval 88), then two waits: 1,407 of the 30 device-minutes from the machine's start.
+#      kept, one session: step 3 as DATAGEN_SECONDS=400 TRAIN_MINUTES=9 EVAL_SWEEP=3..4 EVAL_HE_SWEEP=
+#      CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 KEEP_REGEN=0 `... --detach study` (1,373 s
+#      on an H100 with the default 4:mix: datagen 449, training 560, MT-Bench 119, consistency 142,
+#      HumanEval 96), then three waits: 1,594 of the 30 device-minutes from the machine's start
+#      (TRAIN_MINUTES=8 leaves a minute more for a failed start; 2:mix took 1,181 s of study).
 #      Where failed machine starts leave about 1,250 s: DATAGEN_SECONDS=250 TRAIN_MINUTES=5 EVAL_SWEEP=3
 #      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=20 CONSISTENCY_PROMPTS=10 KEEP_REGEN=0 (826 s measured
 #      with 2:mix:8; setup, data and two waits took 1,244 s in all)
@@ -93,7 +95,7 @@ cd "$(dirname "$0")/.."
 
 # ---- settings (one place) ------------------------------------------------------------------
 K=${K:-4}                          # depths trained: 2:mix with K=4 decodes MT-Bench at 2.15, the best K=8
-                                   # drafters measured 1.86 (bench/RESULTS.md)
+                                   # drafters measured 1.86, 4:mix with K=4 2.31 (bench/RESULTS.md)
 SEQ=${SEQ:-2048}
 # layers:data[:k] (k: the depths trained, K by default; 2:mix:8 beside 2:mix compares them);
 # data = orig: every ShareGPT conversation, all turns, the original answers;
@@ -102,7 +104,7 @@ SEQ=${SEQ:-2048}
 # against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
 # and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has).
 # The default: the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
-SETTINGS=${SETTINGS:-"2:mix"}
+SETTINGS=${SETTINGS:-"4:mix"}
 MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has an answer that ends in a
                                    # repetition loop (peagle_ext.data.loops; 56% of them with every turn
                                    # regenerated): original = take the original answers there; keep = take
@@ -161,7 +163,7 @@ DATAGEN_CONVERSATIONS=${DATAGEN_CONVERSATIONS:-all}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced
 CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-30}  # of them decoded (fp32, on the CUDA-graph engines)
-EVAL_FULL=${EVAL_FULL-"2:mix"}     # settings evaluated on both benches with the K sweep (empty: none;
+EVAL_FULL=${EVAL_FULL-"4:mix"}     # settings evaluated on both benches with the K sweep (empty: none;
                                    # consistency and HumanEval then do not run)
 EVAL_K=${EVAL_K:-$K}               # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (a K=8 drafter's stopped growing past K=3)
