@@ -170,9 +170,16 @@ int64_t consecutive_from(const int64_t* ids, int64_t n) {
 // stable counting sort by target row on the host, and the chunk cut: a chunk holds at most
 // `rows` target rows and `rows` draft rows; a target row with more than `rows` draft rows gets
 // chunks of its own that share its logits.
+//
+// The device idles from the sync until the first chunk's kernels are queued, so the host work in
+// between is kept short. Fresh buffers of a few megabytes would cost first-touch page faults,
+// about twice the sort's own loops at 83K rows, so the keys and the plan go through pinned memory
+// from the caching host allocator, which reuses its blocks (and the plan's upload is queued, not
+// waited for), and the scratch arrays are thread-local and reused between calls.
 Plan make_plan(const at::Tensor& weight, const std::optional<at::Tensor>& target_index, int64_t num_targets,
                int64_t rows) {
   const int64_t t = weight.size(0);
+  const bool on_host = weight.is_cpu();
   const auto long_opts = weight.options().dtype(at::kLong);
   const at::Tensor active = weight.gt(0);
   at::Tensor key;
@@ -183,37 +190,44 @@ Plan make_plan(const at::Tensor& weight, const std::optional<at::Tensor>& target
   } else {
     key = at::where(active, at::arange(t, long_opts), -1);
   }
-  const at::Tensor key_h = key.to(at::kInt).cpu().contiguous();
+  const auto host_opts = [&](at::ScalarType dtype) { return at::TensorOptions().dtype(dtype).pinned_memory(!on_host); };
+  at::Tensor key_h = key.to(at::kInt);
+  if (!on_host) key_h = at::empty({t}, host_opts(at::kInt)).copy_(key_h);
+  key_h = key_h.contiguous();
   const int32_t* k = key_h.const_data_ptr<int32_t>();
 
-  std::vector<int64_t> count(static_cast<size_t>(num_targets), 0);
+  thread_local std::vector<int64_t> count, rank, targets, start, fill;
+  count.assign(static_cast<size_t>(num_targets), 0);
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK_VALUE(k[i] != -2, "fused_linear_kl: target_index[", i, "] is outside [0, ", num_targets,
                       ") (the rows of target_hidden) at a row of weight > 0");
     if (k[i] >= 0) ++count[static_cast<size_t>(k[i])];
   }
-  std::vector<int64_t> rank(static_cast<size_t>(num_targets), -1);
-  std::vector<int64_t> targets;
-  std::vector<int64_t> start{0};
+  rank.assign(static_cast<size_t>(num_targets), -1);
+  targets.resize(static_cast<size_t>(num_targets));
+  start.resize(static_cast<size_t>(num_targets) + 1);
+  int64_t nt = 0;
+  start[0] = 0;
   for (int64_t m = 0; m < num_targets; ++m) {
     if (count[m] == 0) continue;
-    rank[m] = static_cast<int64_t>(targets.size());
-    targets.push_back(m);
-    start.push_back(start.back() + count[m]);
+    rank[m] = nt;
+    targets[nt] = m;
+    start[nt + 1] = start[nt] + count[m];
+    ++nt;
   }
   Plan p;
-  p.num_targets = static_cast<int64_t>(targets.size());
-  p.num_rows = start.back();
+  p.num_targets = nt;
+  p.num_rows = start[nt];
   // host layout of the plan: order [num_rows], slot [num_rows], target rows [num_targets]
-  at::Tensor plan_h = at::empty({2 * p.num_rows + p.num_targets}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor plan_h = at::empty({2 * p.num_rows + p.num_targets}, host_opts(at::kLong));
   int64_t* order = plan_h.data_ptr<int64_t>();
   int64_t* slot = order + p.num_rows;
-  std::copy(targets.begin(), targets.end(), slot + p.num_rows);
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  std::copy(targets.begin(), targets.begin() + nt, slot + p.num_rows);
+  fill.assign(start.begin(), start.begin() + nt);
   for (int64_t i = 0; i < t; ++i) {
     if (k[i] < 0) continue;
-    const int64_t r = rank[k[i]];
-    const int64_t j = fill[r]++;
+    const int64_t r = rank[static_cast<size_t>(k[i])];
+    const int64_t j = fill[static_cast<size_t>(r)]++;
     order[j] = i;
     slot[j] = r;
   }
@@ -240,7 +254,10 @@ Plan make_plan(const at::Tensor& weight, const std::optional<at::Tensor>& target
     i = j;
   }
 
-  const at::Tensor plan_d = plan_h.to(weight.device());
+  // pinned source: the copy is queued on the stream and the caching host allocator keeps the
+  // buffer until it has run
+  const at::Tensor plan_d =
+      on_host ? plan_h : plan_h.to(at::TensorOptions().dtype(at::kLong).device(weight.device()), /*non_blocking=*/true);
   p.order = plan_d.narrow(0, 0, p.num_rows);
   p.slot = plan_d.narrow(0, p.num_rows, p.num_rows);
   p.target_rows = plan_d.narrow(0, 2 * p.num_rows, p.num_targets);
