@@ -70,7 +70,8 @@
 #   1. carry .bundle/{gguf,verifier,gguf-0.19.0.dist-info,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
 #   2. carry .bundle/gguf.part01: `... setup` (join, convert; beside ShareGPT the part and the
-#      repository pass the 64 MiB)
+#      repository pass the 64 MiB). A GGUF cut in more parts (MANIFEST.json's runs) carries the
+#      small last one with step 3, whose `data` joins and converts it
 #   3. carry .bundle/{sharegpt.jsonl.xz,regen.json,regen.tar.xz.partNN,mtbench.jsonl,humaneval.jsonl}:
 #      `... data` (split, and an earlier session's kept data put back), then either DATAGEN_SECONDS=400
 #      `... datagen keep` in the foreground (the regenerated data comes back with the call, so a
