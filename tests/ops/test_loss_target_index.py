@@ -63,6 +63,15 @@ def test_one_target_row_larger_than_a_chunk(rng):
         assert_close_fp64(got, reference(xd, w_d, xt, w_t, weight, depth, index, 3))
 
 
+def test_calls_of_other_sizes_in_turn_match_reference(rng):
+    """The row plan's host scratch is reused from call to call: a call after a larger one (more
+    draft rows, more target rows) or a smaller one sees none of its state."""
+    for t, m, chunk in ((300, 120, 16), (7, 3, 2), (1, 1, 1), (300, 120, 16), (40, 200, 5), (0, 5, 4), (53, 11, 3)):
+        inp = shared_targets(rng, t, m)
+        got = run_indexed(*inp, 3, chunk_size=chunk)
+        assert_close_fp64(got, reference(*inp, 3))
+
+
 def test_index_dtypes_order_and_identity(rng):
     """int32 and int64 indices, any order; an arange index equals no index, bit for bit."""
     inp = shared_targets(rng, 25, 25)
