@@ -125,7 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-lr-ratio", type=float, help=f"final lr / peak. Default {d.min_lr_ratio}")
     g.add_argument("--warmup-steps", type=int, help=f"Default {d.warmup_steps}")
     g.add_argument("--schedule", choices=["cosine", "linear", "constant"], help=f"Default {d.schedule}")
-    g.add_argument("--weight-decay", type=float, help=f"Default {d.weight_decay}")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW's. Default {d.weight_decay}")
+    g.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        help="muon: torch.optim.Muon on the layers' matrices (its update scaled to AdamW's RMS, so "
+        f"--lr serves both), AdamW on the rest; not under --dist fsdp. Default {d.optimizer}",
+    )
+    g.add_argument("--muon-weight-decay", type=float, help=f"Muon's. Default {d.muon_weight_decay}")
     g.add_argument("--grad-clip", type=float, help=f"max grad norm (0 = off). Default {d.grad_clip}")
     g.add_argument(
         "--early-stop-patience",

@@ -44,7 +44,7 @@ from .distributed import DistContext
 from .early_stop import StopRule
 from .hidden import HiddenStates
 from .metrics import Meter
-from .optim import lr_lambda, make_adamw
+from .optim import MuonAdamW, lr_lambda, make_optimizer
 from .plots import make_plots
 from .prefetch import BatchPrefetcher
 from .profiling import StepProfiler
@@ -68,12 +68,24 @@ class TrainResult:
     stop_reason: str | None = None  # an early stop or the time budget ended the run before max_steps
 
 
+def _optimizer_words(opt) -> str:
+    if isinstance(opt, MuonAdamW):
+        n = sum(p.numel() for g in opt.muon.param_groups for p in g["params"]) if opt.muon is not None else 0
+        return f"Muon on {n / 1e6:.2f}M of them (the layers' matrices), AdamW on the rest"
+    return "AdamW"
+
+
 def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training. stop_after: leave after that many steps of THIS process without
     the final save, as a killed run would (tests use it for resume). Under torchrun (WORLD_SIZE >
     1) every rank calls this; see peagle_ext.distributed."""
     s.validate()
     ctx = DistContext.from_env(s.dist, s.device)
+    if s.optimizer == "muon" and ctx.world > 1 and s.dist == "fsdp":
+        ctx.close()
+        # Muon orthogonalizes whole matrices, and FSDP2's checkpoint of the optimizer (DCP) expects
+        # one torch optimizer, not MuonAdamW's two
+        raise TrainError("--optimizer muon runs in one process or under --dist ddp, not --dist fsdp")
     try:
         return _train_main(s, ctx, stop_after)
     finally:
@@ -234,7 +246,7 @@ def _train(
     model.to(device)
     ctx.wrap(model, amp)  # DDP / FSDP2 under torchrun; nothing in one process
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_adamw(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay)
+    opt = make_optimizer(model.named_parameters(), s)
     progress = float(ck.get("schedule_progress", 0.0)) if resume_from is not None else 0.0
     # --time-schedule's clock: the share of the budget's training time (from the first step to
     # the end of --max-minutes) spent; start-up (data, verifier, cached states) is not schedule time
@@ -266,7 +278,7 @@ def _train(
         "model",
         f"drafter: {s.num_layers} {model.config.layer_type} layer(s), K={s.num_depths}, draft vocab "
         f"{model.config.draft_vocab_size}, {nparams / 1e6:.2f}M trainable params, {s.attention} attention, "
-        f"autocast {amp or 'off'}",
+        f"autocast {amp or 'off'}, {_optimizer_words(opt)}",
     )
 
     n_rows = len(ds.train_rows)

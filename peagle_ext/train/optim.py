@@ -1,4 +1,5 @@
-"""The optimizer side of a run: AdamW and the learning-rate schedule."""
+"""The optimizer side of a run: AdamW (or Muon with AdamW, --optimizer muon) and the learning-rate
+schedule."""
 
 from __future__ import annotations
 
@@ -17,6 +18,90 @@ def make_adamw(params, *, lr: float, betas: tuple[float, float], weight_decay: f
     params = list(params)
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
+
+
+# Vocabulary-sized matrices stay on AdamW under --optimizer muon (standard Muon practice: they
+# map ids to vectors and back rather than vectors to vectors, and speculators does the same).
+_NOT_MUON = ("embed_tokens.weight", "lm_head.weight")
+
+
+def muon_split(named_params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(Muon's parameters, AdamW's): the trainable 2D matrices of the layers and the fc, and the
+    rest (norms, the MASK hidden state, the token embedding and the lm_head)."""
+    muon, adamw = [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        (muon if p.ndim == 2 and not name.endswith(_NOT_MUON) else adamw).append(p)
+    return muon, adamw
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon on the layers' matrices and make_adamw on the rest, as one optimizer: its
+    param_groups are the two optimizers' own group dicts, so a scheduler's per-group lr reaches
+    both, and its state_dict holds both. Muon's update is scaled to AdamW's RMS
+    (adjust_lr_fn="match_rms_adamw"), so one --lr serves both groups."""
+
+    def __init__(self, muon_params, adamw_params, *, lr: float, betas, weight_decay: float, muon_weight_decay: float):
+        muon_params, adamw_params = list(muon_params), list(adamw_params)
+        self.muon = (
+            torch.optim.Muon(muon_params, lr=lr, weight_decay=muon_weight_decay, adjust_lr_fn="match_rms_adamw")
+            if muon_params
+            else None
+        )
+        self.adamw = make_adamw(adamw_params, lr=lr, betas=betas, weight_decay=weight_decay) if adamw_params else None
+        inner = self._inner()
+        if not inner:
+            raise ValueError("MuonAdamW: no trainable parameter")
+        super().__init__([p for o in inner for g in o.param_groups for p in g["params"]], {"lr": lr})
+        self.param_groups = [g for o in inner for g in o.param_groups]
+
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.muon, self.adamw) if o is not None]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self._inner():
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self._inner():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {
+            "muon": None if self.muon is None else self.muon.state_dict(),
+            "adamw": None if self.adamw is None else self.adamw.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or set(state_dict) != {"muon", "adamw"}:
+            raise ValueError("the optimizer state is not --optimizer muon's (keys muon and adamw)")
+        for name, o in (("muon", self.muon), ("adamw", self.adamw)):
+            if (o is None) != (state_dict[name] is None):
+                raise ValueError(f"the optimizer state's {name} part does not match this model's parameters")
+            if o is not None:
+                o.load_state_dict(state_dict[name])
+        # torch's load_state_dict gives each optimizer new group dicts: share those again
+        self.param_groups = [g for o in self._inner() for g in o.param_groups]
+
+
+def make_optimizer(named_params, s: TrainSettings) -> torch.optim.Optimizer:
+    """The run's optimizer (--optimizer): AdamW over every trainable parameter, or MuonAdamW."""
+    named_params = list(named_params)
+    betas = (s.adam_beta1, s.adam_beta2)
+    if s.optimizer == "muon":
+        muon, adamw = muon_split(named_params)
+        return MuonAdamW(
+            muon, adamw, lr=s.lr, betas=betas, weight_decay=s.weight_decay, muon_weight_decay=s.muon_weight_decay
+        )
+    params = [p for _, p in named_params if p.requires_grad]
+    return make_adamw(params, lr=s.lr, betas=betas, weight_decay=s.weight_decay)
 
 
 def lr_lambda(s: TrainSettings, clock=None, progress: float = 0.0):

@@ -63,6 +63,9 @@ class TrainSettings:
     warmup_steps: int = 30
     schedule: str = "cosine"
     weight_decay: float = 0.0
+    # adamw | muon: torch.optim.Muon on the layers' matrices, AdamW on the rest (train/optim.py)
+    optimizer: str = "adamw"
+    muon_weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     grad_clip: float = 1.0
@@ -129,6 +132,11 @@ class TrainSettings:
             0 <= self.weight_decay and math.isfinite(self.weight_decay),
             f"--weight-decay must be a finite number >= 0, got {self.weight_decay}",
         )
+        need(
+            0 <= self.muon_weight_decay and math.isfinite(self.muon_weight_decay),
+            f"--muon-weight-decay must be a finite number >= 0, got {self.muon_weight_decay}",
+        )
+        need(self.optimizer in ("adamw", "muon"), f"--optimizer must be adamw or muon, got {self.optimizer!r}")
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
         need(
             self.hidden_timeout_s > 0 and not math.isnan(self.hidden_timeout_s),

@@ -1,12 +1,13 @@
 """peagle_ext.train.optim: make_adamw (fused on CUDA, torch's default on the CPU, same update) and the
 learning-rate schedule, on the steps and (--time-schedule) on the clock."""
 
+import copy
 import math
 
 import pytest
 import torch
 
-from peagle_ext.train.optim import lr_lambda, make_adamw
+from peagle_ext.train.optim import MuonAdamW, lr_lambda, make_adamw, make_optimizer, muon_split
 from peagle_ext.train.settings import TrainError, TrainSettings
 from tests.helpers import requires_cuda
 
@@ -78,3 +79,88 @@ def test_without_time_schedule_the_steps_alone_set_the_rate():
 def test_time_schedule_needs_max_minutes():
     with pytest.raises(TrainError, match="--time-schedule needs --max-minutes"):
         _schedule_settings(max_minutes=None).validate()
+
+
+def _model_with_grads(seed=0):
+    from tests.helpers import make_model
+
+    m = make_model(torch.Generator().manual_seed(0), num_layers=2, k=2)
+    g = torch.Generator().manual_seed(seed)
+    for p in m.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn(p.shape, generator=g)
+    return m
+
+
+def test_muon_split_puts_the_layer_matrices_on_muon_and_the_rest_on_adamw():
+    m = _model_with_grads()
+    muon, adamw = muon_split(m.named_parameters())
+    names = {id(p): n for n, p in m.named_parameters()}
+    on_muon = {names[id(p)] for p in muon}
+    on_adamw = {names[id(p)] for p in adamw}
+    assert "fc.weight" in on_muon and "layers.1.self_attn.q_proj.weight" in on_muon
+    assert "layers.0.mlp.down_proj.weight" in on_muon and all(m.get_parameter(n).ndim == 2 for n in on_muon)
+    assert {"embed_tokens.weight", "mask_hidden", "norm.weight", "layers.0.input_layernorm.weight"} <= on_adamw
+    assert "lm_head.weight" not in on_muon | on_adamw  # frozen
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert on_muon | on_adamw == trainable and not on_muon & on_adamw
+
+
+def test_muon_adamw_is_bitwise_its_two_optimizers_under_one_schedule():
+    a, b = _model_with_grads(), _model_with_grads()
+    s = TrainSettings(optimizer="muon", lr=3e-3, weight_decay=0.01, muon_weight_decay=0.1)
+    opt = make_optimizer(a.named_parameters(), s)
+    assert isinstance(opt, MuonAdamW)
+    muon_b, adamw_b = muon_split(b.named_parameters())
+    ref = [
+        torch.optim.Muon(muon_b, lr=3e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(adamw_b, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01),
+    ]
+    shape = lambda step: 1.0 / (1 + step)  # noqa: E731
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in (opt, *ref)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step + 1)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            if pa.requires_grad:
+                pa.grad = torch.randn(pa.shape, generator=g)
+                pb.grad = pa.grad.clone()
+        opt.step()
+        for o in ref:
+            o.step()
+        for sc in scheds:
+            sc.step()
+    assert [g["lr"] for g in opt.param_groups] == [ref[0].param_groups[0]["lr"], ref[1].param_groups[0]["lr"]]
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), n
+    # the matrices moved by Muon's orthogonalized step, not by AdamW's
+    fresh = _model_with_grads()
+    assert not torch.equal(a.fc.weight, fresh.fc.weight)
+
+
+def test_muon_adamw_state_round_trip_and_a_foreign_state_is_refused():
+    s = TrainSettings(optimizer="muon", lr=3e-3)
+    a, b = _model_with_grads(), _model_with_grads()
+    opt_a = make_optimizer(a.named_parameters(), s)
+    opt_a.step()
+    opt_b = make_optimizer(b.named_parameters(), s)
+    opt_b.step()
+    saved = copy.deepcopy(opt_a.state_dict())  # as a checkpoint holds it: not aliasing opt_a's tensors
+    opt_c = make_optimizer(b.named_parameters(), s)
+    opt_c.load_state_dict(saved)  # b's weights equal a's after one step; now a's optimizer state
+    for o in (opt_a, opt_c):
+        o.step()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), n
+    opt_c.param_groups[1]["lr"] = 0.5  # a scheduler's write reaches the loaded optimizers' groups
+    assert opt_c.adamw.param_groups[0]["lr"] == 0.5
+    adamw_state = make_optimizer(b.named_parameters(), TrainSettings()).state_dict()
+    with pytest.raises(ValueError, match="not --optimizer muon's"):
+        opt_c.load_state_dict(adamw_state)
+
+
+@pytest.mark.parametrize(
+    "kw, flag", [({"optimizer": "sgd"}, "--optimizer"), ({"muon_weight_decay": -1.0}, "--muon-weight-decay")]
+)
+def test_bad_optimizer_settings_name_their_flag(kw, flag):
+    with pytest.raises(TrainError, match=flag):
+        TrainSettings(**kw).validate()

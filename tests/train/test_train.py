@@ -119,6 +119,45 @@ def test_resume_is_bitwise_equal_and_ignores_tmp(tiny, tmp_path):
     ]
 
 
+def test_muon_resume_is_bitwise_equal_and_other_optimizer_state_is_refused(tiny, tmp_path):
+    from peagle_ext.train import train
+
+    full = train(settings(tiny, tmp_path / "full", max_steps=4, optimizer="muon"))
+    start = [json.loads(x) for x in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
+    assert any("Muon on" in x.get("message", "") for x in start if x.get("event") == "model")
+    out = tmp_path / "killed"
+    train(settings(tiny, out, max_steps=4, optimizer="muon"), stop_after=3)
+    res = train(settings(tiny, out, max_steps=4, optimizer="muon", resume=True))
+    a, b = _weights(full.final_dir), _weights(res.final_dir)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    adamw = _weights(train(settings(tiny, tmp_path / "adamw", max_steps=4)).final_dir)
+    assert not torch.equal(adamw["fc.weight"], a["fc.weight"])
+    # an AdamW checkpoint resumed as a Muon run: a named error, not a traceback
+    mixed = tmp_path / "mixed"
+    train(settings(tiny, mixed, max_steps=4), stop_after=3)
+    with pytest.raises(T.TrainError, match="does not fit this run"):
+        train(settings(tiny, mixed, max_steps=4, optimizer="muon", resume=True))
+
+
+def test_muon_under_fsdp_is_refused_before_any_work(tiny, tmp_path, monkeypatch):
+    import peagle_ext.train.loop as loop
+
+    closed = []
+
+    class TwoRanks:
+        world = 2
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(loop.DistContext, "from_env", staticmethod(lambda dist, device: TwoRanks()))
+    out = tmp_path / "run"
+    with pytest.raises(T.TrainError, match="not --dist fsdp"):
+        loop.train(settings(tiny, out, optimizer="muon", dist="fsdp"))
+    assert closed and not out.exists()
+
+
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
     from peagle_ext.train import COMPLETE_MARKER, list_checkpoints, save_checkpoint
     from tests.helpers import make_model
