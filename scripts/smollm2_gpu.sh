@@ -118,6 +118,8 @@ MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has a
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-16}                 # rows of SEQ tokens a step (the measured runs: 16)
 LR=${LR:-1e-3}
+OPTIMIZER=${OPTIMIZER:-adamw}      # train --optimizer: adamw (every study run so far) | muon (ahead of AdamW
+                                   # at every depth at the CPU main job's scale; not yet run here)
 MAX_STEPS=${MAX_STEPS:-20000}       # the most steps; with TIME_SCHEDULE=1 TRAIN_MINUTES usually ends it
 WARMUP=${WARMUP:-100}
 VAL_EVERY=${VAL_EVERY:-250}
@@ -220,6 +222,7 @@ done
 [ ${#phases[@]} -gt 0 ] || { echo "usage: bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE... | all" >&2; exit 2; }
 [[ "$MIX_LOOPS" =~ ^(original|keep)$ ]] || { echo "smollm2_gpu.sh: MIX_LOOPS must be original or keep, got $MIX_LOOPS" >&2; exit 2; }
 [[ "$DATAGEN_LOOPS" =~ ^(cut|keep)$ ]] || { echo "smollm2_gpu.sh: DATAGEN_LOOPS must be cut or keep, got $DATAGEN_LOOPS" >&2; exit 2; }
+[[ "$OPTIMIZER" =~ ^(adamw|muon)$ ]] || { echo "smollm2_gpu.sh: OPTIMIZER must be adamw or muon, got $OPTIMIZER" >&2; exit 2; }
 for s in $SETTINGS $EVAL_FULL; do
   [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)(:[1-9][0-9]*)?$ ]] || {
     echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA[:K] with DATA orig, regen, origfirst or mix" >&2
@@ -383,7 +386,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   limit=$(python3 -c "print(int($TRAIN_MINUTES * 60 + $TRAIN_GRACE))")
   timed timeout -s USR1 -k "$KILL_AFTER" "$limit" $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
     --num-conversations none --seq-len "$SEQ" --num-depths "$(setting_k "$s")" --num-layers "$layers" \
-    --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --warmup-steps "$WARMUP" \
+    --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --optimizer "$OPTIMIZER" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
     --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
     --hidden-cache-gb "$HIDDEN_CACHE_GB" --prefetch "$([ "$PREFETCH" = 1 ] && echo true || echo false)" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
