@@ -195,16 +195,47 @@ def test_sigusr1_prints_the_stacks_of_a_stuck_run_and_it_goes_on(tiny, tmp_path)
     Python stack on stderr, and keeps running."""
 
     def dump(p, log):
-        # faulthandler reads other threads' frames while they run (the hidden-state thread is
-        # inside the verifier), and such a dump can stop part-way: ask again if it did
-        for _ in range(3):
-            os.kill(p.pid, signal.SIGUSR1)
-            t0 = time.time()
-            while "in test_pause" not in log.read_text() and time.time() - t0 < 10:
-                time.sleep(0.1)
-            if "in test_pause" in log.read_text():
-                break
-        assert "in test_pause" in log.read_text() and "Thread 0x" in log.read_text()
+        os.kill(p.pid, signal.SIGUSR1)
+        t0 = time.time()
+        while "in test_pause" not in log.read_text() and time.time() - t0 < 30:
+            time.sleep(0.1)
+        text = log.read_text()
+        assert "SIGUSR1: the Python stacks" in text and "in test_pause" in text
+        # every thread is reported, the hidden-state thread too (mid-forward or waiting for work)
+        assert text.count("most recent call last") >= 2
         assert p.poll() is None  # still running
 
     _kill_at(tiny, tmp_path / "run", "step", 1, before_kill=dump)
+
+
+def test_sigusr1_stacks_name_a_thread_waiting_in_a_call_that_releases_the_gil(capfd):
+    """In-process: installing twice keeps one printing thread, and a thread blocked in C (here an
+    Event wait) is reported with its Python frames while the main thread keeps running."""
+    import threading
+
+    from peagle_ext import cli
+
+    cli._stacks_on_sigusr1()
+    first = cli._STACKS_THREAD
+    cli._stacks_on_sigusr1()
+    assert first is not None and first.is_alive() and cli._STACKS_THREAD is first
+
+    release = threading.Event()
+
+    def waiting_for_release_event():
+        release.wait(60)
+
+    t = threading.Thread(target=waiting_for_release_event, name="blocked-in-c")
+    t.start()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        err, t0 = "", time.time()
+        while "in waiting_for_release_event" not in err and time.time() - t0 < 20:
+            time.sleep(0.05)
+            err += capfd.readouterr().err
+    finally:
+        release.set()
+        t.join()
+    assert f"SIGUSR1: the Python stacks of pid {os.getpid()}" in err
+    assert "(blocked-in-c), most recent call last" in err and "in waiting_for_release_event" in err
+    assert "peagle-sigusr1-stacks" not in err  # the printing thread leaves itself out
