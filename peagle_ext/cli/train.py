@@ -129,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--optimizer",
         choices=["adamw", "muon"],
-        help="muon: torch.optim.Muon on the layers' matrices (its update scaled to AdamW's RMS, so "
+        help="muon: Muon on the layers' matrices (its update scaled to AdamW's RMS, so "
         f"--lr serves both), AdamW on the rest; not under --dist fsdp. Default {d.optimizer}",
     )
     g.add_argument("--muon-weight-decay", type=float, help=f"Muon's. Default {d.muon_weight_decay}")

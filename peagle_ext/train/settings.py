@@ -63,7 +63,7 @@ class TrainSettings:
     warmup_steps: int = 30
     schedule: str = "cosine"
     weight_decay: float = 0.0
-    # adamw | muon: torch.optim.Muon on the layers' matrices, AdamW on the rest (train/optim.py)
+    # adamw | muon: Muon (BatchedMuon) on the layers' matrices, AdamW on the rest (train/optim.py)
     optimizer: str = "adamw"
     muon_weight_decay: float = 0.1
     adam_beta1: float = 0.9

@@ -1,5 +1,6 @@
-"""peagle_ext.train.optim: make_adamw (fused on CUDA, torch's default on the CPU, same update) and the
-learning-rate schedule, on the steps and (--time-schedule) on the clock."""
+"""peagle_ext.train.optim: make_adamw (fused on CUDA, torch's default on the CPU, same update),
+BatchedMuon against torch.optim.Muon, MuonAdamW, and the learning-rate schedule, on the steps and
+(--time-schedule) on the clock."""
 
 import copy
 import math
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from peagle_ext.train.optim import MuonAdamW, lr_lambda, make_adamw, make_optimizer, muon_split
+from peagle_ext.train.optim import BatchedMuon, MuonAdamW, lr_lambda, make_adamw, make_optimizer, muon_split
 from peagle_ext.train.settings import TrainError, TrainSettings
 from tests.helpers import requires_cuda
 
@@ -44,6 +45,106 @@ def test_cuda_adamw_is_fused_and_matches_cpu():
         ref.step()
     for x, y in zip(a, b):
         torch.testing.assert_close(x.cpu(), y, rtol=1e-5, atol=1e-6)
+
+
+# wide, tall, square, a tall/wide pair of one shape, a lone shape, three of one shape
+_MUON_SHAPES = [(6, 10), (10, 6), (8, 8), (8, 8), (4, 12), (12, 4), (12, 4), (5, 9)]
+
+
+def _matrices(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(device).requires_grad_() for s in _MUON_SHAPES]
+
+
+def _set_grads(groups, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for i, ps in enumerate(zip(*groups)):
+        grad = None if i == 3 and step == 1 else torch.randn(ps[0].shape, generator=g)  # one step without a grad
+        for p in ps:
+            p.grad = None if grad is None else grad.to(p.device)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(lr=3e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+        dict(lr=1e-2, weight_decay=0.0, adjust_lr_fn=None),
+        dict(lr=2e-2, nesterov=False, momentum=0.9, adjust_lr_fn="original"),
+    ],
+)
+def test_batched_muon_is_bitwise_torch_muon_on_the_cpu(kw):
+    a, b = _matrices("cpu"), _matrices("cpu")
+    ours, ref = BatchedMuon(a, **kw), torch.optim.Muon(b, **kw)
+    for step in range(4):
+        _set_grads((a, b), step)
+        ours.step()
+        ref.step()
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), _MUON_SHAPES[i]
+        assert torch.equal(ours.state[x]["momentum_buffer"], ref.state[y]["momentum_buffer"])
+    assert not torch.equal(a[0], _matrices("cpu")[0])
+
+
+def test_batched_muon_and_torch_muon_load_each_others_state():
+    kw = dict(lr=3e-2, adjust_lr_fn="match_rms_adamw")
+    a, b = _matrices("cpu"), _matrices("cpu")
+    first, ref = torch.optim.Muon(a, **kw), torch.optim.Muon(b, **kw)
+    for step in range(2):
+        _set_grads((a, b), step)
+        first.step()
+        ref.step()
+    ours = BatchedMuon(a, **kw)
+    ours.load_state_dict(copy.deepcopy(first.state_dict()))
+    for step in range(2, 4):
+        _set_grads((a, b), step)
+        ours.step()
+        ref.step()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    back = torch.optim.Muon(b, **kw)
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    assert all(torch.equal(back.state[y]["momentum_buffer"], ours.state[x]["momentum_buffer"]) for x, y in zip(a, b))
+
+
+def test_batched_muon_runs_one_newton_schulz_per_shape_not_per_matrix():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.mm)
+            return func(*args, **(kwargs or {}))
+
+    def gemms(shapes):
+        ps = [torch.randn(s, requires_grad=True) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape)
+        opt = BatchedMuon(ps, lr=1e-2)
+        with CountGemms() as c:
+            opt.step()
+        return c.n
+
+    ns_gemms = 3 * 5  # three per Newton-Schulz iteration, five iterations
+    assert gemms([(8, 8)]) == ns_gemms
+    assert gemms([(8, 8)] * 7 + [(4, 12), (12, 4)]) == 2 * ns_gemms
+
+
+@requires_cuda
+def test_batched_muon_on_cuda_matches_torch_muon_within_bf16_rounding():
+    kw = dict(lr=3e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    a, b = _matrices("cuda"), _matrices("cuda")
+    ours, ref = BatchedMuon(a, **kw), torch.optim.Muon(b, **kw)
+    start = [p.detach().clone() for p in a]
+    for step in range(3):
+        _set_grads((a, b), step)
+        ours.step()
+        ref.step()
+    for x, y, x0 in zip(a, b, start):
+        # batched and single GEMMs may round differently in bf16: compare the step taken
+        torch.testing.assert_close(x - x0, y - x0, rtol=0.05, atol=0.02 * (y - x0).abs().max().item())
 
 
 def _schedule_settings(**kw):
