@@ -53,7 +53,7 @@ if have bench; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || note "bench: installing .whl/ into /tmp/site failed"
   fi
-  for b in ${BENCH_FILES:-bench/bench_cod.py bench/bench_attention.py bench/bench_loss.py bench/bench_parallel_draft.py}; do
+  for b in ${BENCH_FILES:-bench/bench_cod.py bench/bench_attention.py bench/bench_loss.py bench/bench_parallel_draft.py bench/bench_optim.py}; do
     [ -f "$b" ] || continue
     t0=$(date +%s)
     name=$(basename "$b" .py)
