@@ -38,34 +38,22 @@ def _devices():
 
 
 def study_drafter(num_layers: int, device: str):
-    """The SmolLM2 study's drafter, with a random gradient on every trainable parameter."""
-    from transformers import LlamaConfig
+    """The SmolLM2 study's drafter (K=4, 32K draft vocab), a random gradient on every trainable
+    parameter."""
+    from peagle_ext.testing import make_peagle, smollm2_config
 
-    from peagle_ext.model.config import PEagleConfig
-    from peagle_ext.model.draft_model import PEagleDraftModel
-
-    layer = LlamaConfig(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        num_hidden_layers=num_layers,
-        vocab_size=49_153,
-    )
-    cfg = PEagleConfig(
-        layer,
-        draft_vocab_size=32_000,
-        target_hidden_size=576,
-        eagle_aux_hidden_state_layer_ids=[1, 14, 27],
+    m = make_peagle(
+        smollm2_config(),
+        num_layers=num_layers,
+        num_depths=4,
         mask_token_id=49_152,
+        draft_vocab_size=32_000,
+        device=device,
     )
     torch.manual_seed(0)
-    with torch.device(device):
-        m = PEagleDraftModel(cfg)
-        for p in m.parameters():
-            if p.requires_grad:
-                p.grad = torch.randn_like(p) * 1e-3
+    for p in m.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p) * 1e-3
     return m
 
 
