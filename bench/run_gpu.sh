@@ -37,7 +37,7 @@ fi
 
 if have tests; then
   # one pytest process per file: a crash in one op's tests must not hide the others' results
-  for f in ${TEST_FILES:-tests/ops/test_cod.py tests/ops/test_decode_attention.py tests/ops/test_attention_cuda.py tests/ops/test_attention_safety.py tests/ops/test_attention.py tests/ops/test_loss.py tests/ops/test_parallel_draft.py tests/test_bad_inputs.py}; do
+  for f in ${TEST_FILES:-tests/ops/test_cod.py tests/ops/test_decode_attention.py tests/ops/test_attention_cuda.py tests/ops/test_attention_safety.py tests/ops/test_attention.py tests/ops/test_loss.py tests/ops/test_parallel_draft.py tests/test_bad_inputs.py tests/train/test_optim.py}; do
     [ -f "$f" ] || continue
     t0=$(date +%s); name=$(basename "$f" .py)
     kargs=(); [ -n "${TEST_K:-}" ] && kargs=(-k "$TEST_K")
