@@ -392,15 +392,15 @@ class DistContext:
         ]
 
     # -- evaluation -------------------------------------------------------------------------
-    def eval_rows(self, n_rows: int) -> list[int]:
-        """Validation rows of this rank (rank, rank + N, ...). Under FSDP2 every rank must run the
-        same number of forwards (each all-gathers), so short lists are padded with -1 (a forward
-        whose metrics are dropped)."""
+    def eval_units(self, n_units: int) -> list[int]:
+        """Validation units (groups of rows, one forward each) of this rank: rank, rank + N, ...
+        Under FSDP2 every rank must run the same number of forwards (each all-gathers), so short
+        lists are padded with -1 (a forward whose metrics are dropped)."""
         if self.world == 1:
-            return list(range(n_rows))
-        mine = list(range(self.rank, n_rows, self.world))
+            return list(range(n_units))
+        mine = list(range(self.rank, n_units, self.world))
         if self._fsdp:
-            mine += [-1] * (-(-n_rows // self.world) - len(mine))
+            mine += [-1] * (-(-n_units // self.world) - len(mine))
         return mine
 
     # -- hidden states ----------------------------------------------------------------------

@@ -329,7 +329,7 @@ def test_lr_schedule_shapes():
 def test_train_on_cuda_smoke(tiny, tmp_path, hidden_cache_gb):
     """The same trainer on the GPU (head dim 64, as the CUDA attention needs): bf16 autocast, fp32
     master weights, finite loss, validations, a final dir; with the verifier's states cached and
-    recomputed every step (a step's rows in one batched pass, validation rows one by one)."""
+    recomputed every step (a step's rows, and a validation forward's, in one batched pass)."""
     from peagle_ext.testing import make_tiny_verifier
     from peagle_ext.train import train
 
@@ -389,7 +389,7 @@ def test_recomputed_hidden_states_train_like_cached_ones(tiny, tmp_path, monkeyp
     real = D.verifier_hidden_states_many
     monkeypatch.setattr(D, "verifier_hidden_states_many", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     rec = train(settings(tiny, tmp_path / "rec", max_steps=3, batch_size=3, hidden_cache_gb=0))
-    assert calls.count(3) >= 3  # every step's 3 rows in one pass (validation rows go one by one)
+    assert calls.count(3) >= 3  # every step's 3 rows in one pass
     # the log says what caching them would take and how
     ev = [json.loads(x) for x in (tmp_path / "rec" / "log.jsonl").read_text().splitlines()]
     hidden = next(e for e in ev if e.get("event") == "hidden")
@@ -407,3 +407,48 @@ def test_acceptance_length_formula():
     assert abs(T.acceptance_length([0.8, 0.5, 0.5]) - (1 + 0.8 + 0.4 + 0.2)) < 1e-12
     assert T.acceptance_length([0.0, 0.9]) == 1.0
     assert T.acceptance_length([]) == 1.0
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_validation_runs_batch_size_rows_per_forward(batch_size):
+    """evaluate() runs one forward per --batch-size validation rows side by side, as training
+    does. Depth 0 holds every loss position (no sampling), so its counts do not depend on the
+    grouping; the deeper depths' COD samples do, and still count only loss positions."""
+    import contextlib
+
+    from peagle_ext.testing import synthetic_example
+    from peagle_ext.train.loop import evaluate
+    from tests.helpers import H, V, make_model
+
+    model = make_model(torch.Generator().manual_seed(0), num_layers=1, k=3).double()
+    rows = [
+        synthetic_example(48, hidden=H, vocab=V, dtype=torch.float64, doc_len=(8, 20), seed=i, avoid_id=V)
+        for i in range(5)
+    ]
+
+    class ValRows:
+        def __init__(self):
+            self.rows, self.asked = rows, []
+
+        def get_many(self, indices):
+            self.asked.append(list(indices))
+            return [rows[i] for i in indices]
+
+    def run(bs):
+        hs, forwards = ValRows(), []
+        real = model.forward
+        model.forward = lambda ex, lay: forwards.append(ex.input_ids.numel()) or real(ex, lay)
+        try:
+            s = T.TrainSettings(num_depths=3, batch_size=bs, seed=0)
+            summary = evaluate(model, hs, s, contextlib.nullcontext, torch.device("cpu"))
+        finally:
+            del model.forward
+        return summary, hs.asked, forwards
+
+    got, asked, forwards = run(batch_size)
+    assert asked == [list(range(i, min(i + batch_size, 5))) for i in range(0, 5, batch_size)]
+    assert forwards == [48 * len(a) for a in asked]
+    one_by_one = run(1)[0]
+    assert got["counted"][0] == one_by_one["counted"][0] == sum(int(r.loss_mask.sum()) for r in rows)
+    assert got["acc"][0] == one_by_one["acc"][0]
+    assert all(0 < c <= got["counted"][0] for c in got["counted"][1:])
