@@ -123,6 +123,9 @@ OPTIMIZER=${OPTIMIZER:-adamw}      # train --optimizer: adamw (every study run s
 MAX_STEPS=${MAX_STEPS:-20000}       # the most steps; with TIME_SCHEDULE=1 TRAIN_MINUTES usually ends it
 WARMUP=${WARMUP:-100}
 VAL_EVERY=${VAL_EVERY:-250}
+CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-1000}  # steps (about a minute): what a killed training can lose;
+                                   # each save writes the weights and the optimizer state (~0.5 GB
+                                   # with 4 layers), the final one comes at the end regardless
 PATIENCE=${PATIENCE:-3}            # validation evaluations without a 0.2% better loss -> stop
 TRAIN_MINUTES=${TRAIN_MINUTES:-7}  # per setting
 TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINUTES, however fast the steps
@@ -223,6 +226,9 @@ done
 [[ "$MIX_LOOPS" =~ ^(original|keep)$ ]] || { echo "smollm2_gpu.sh: MIX_LOOPS must be original or keep, got $MIX_LOOPS" >&2; exit 2; }
 [[ "$DATAGEN_LOOPS" =~ ^(cut|keep)$ ]] || { echo "smollm2_gpu.sh: DATAGEN_LOOPS must be cut or keep, got $DATAGEN_LOOPS" >&2; exit 2; }
 [[ "$OPTIMIZER" =~ ^(adamw|muon)$ ]] || { echo "smollm2_gpu.sh: OPTIMIZER must be adamw or muon, got $OPTIMIZER" >&2; exit 2; }
+for v in VAL_EVERY CHECKPOINT_EVERY; do
+  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "smollm2_gpu.sh: $v must be a whole number of steps >= 1, got ${!v}" >&2; exit 2; }
+done
 for s in $SETTINGS $EVAL_FULL; do
   [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)(:[1-9][0-9]*)?$ ]] || {
     echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA[:K] with DATA orig, regen, origfirst or mix" >&2
@@ -387,7 +393,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   timed timeout -s USR1 -k "$KILL_AFTER" "$limit" $PEAGLE train --verifier "$VERIFIER" --data "$file" --output "$dir" --device "$DEVICE" \
     --num-conversations none --seq-len "$SEQ" --num-depths "$(setting_k "$s")" --num-layers "$layers" \
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --optimizer "$OPTIMIZER" --warmup-steps "$WARMUP" \
-    --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$VAL_EVERY" \
+    --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$CHECKPOINT_EVERY" \
     --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
     --hidden-cache-gb "$HIDDEN_CACHE_GB" --prefetch "$([ "$PREFETCH" = 1 ] && echo true || echo false)" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
     --no-progress "${resume[@]}" \

@@ -54,6 +54,7 @@ def _run(bundle, work, *phases, **env_extra):
         "MAX_STEPS": "4",
         "WARMUP": "1",
         "VAL_EVERY": "2",
+        "CHECKPOINT_EVERY": "2",
         "HOLDOUT": "3",
         "VAL_FRACTION": "0.2",
         "DATAGEN_TOKENS": "6",
@@ -152,14 +153,27 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     mix = [json.loads(x)["messages"] for x in open(mixed / "data" / "mix.jsonl")]
     assert mix == [done.get(i, m) for i, m in enumerate(src)]
     # LAYERS:DATA:K trains K depths in its own directory, beside the setting at the default K (and
-    # OPTIMIZER reaches the trainer)
-    r = _run(bundle, mixed, "train", SETTINGS="1:mix 1:mix:3", EVAL_FULL="1:mix", MIX_LOOPS="keep", OPTIMIZER="muon")
+    # OPTIMIZER and CHECKPOINT_EVERY reach the trainer)
+    r = _run(
+        bundle,
+        mixed,
+        "train",
+        SETTINGS="1:mix 1:mix:3",
+        EVAL_FULL="1:mix",
+        MIX_LOOPS="keep",
+        OPTIMIZER="muon",
+        CHECKPOINT_EVERY="3",
+    )
     assert r.returncode == 0 and "train 1:mix: done" in r.stdout, r.stderr[-3000:]
     start = json.loads((mixed / "train" / "L1-mix-k3" / "log.jsonl").read_text().splitlines()[0])
     assert start["settings"]["num_depths"] == 3 and (mixed / "train" / "L1-mix-k3" / "final" / "config.json").is_file()
     assert start["settings"]["optimizer"] == "muon"
+    # the trainings' checkpoints follow CHECKPOINT_EVERY, their validations VAL_EVERY
+    assert start["settings"]["checkpoint_every"] == 3 and start["settings"]["val_every"] == 2
     r = _run(bundle, mixed, "train", SETTINGS="1:mix", OPTIMIZER="sgd")
     assert r.returncode == 2 and "OPTIMIZER must be adamw or muon, got sgd" in r.stderr and not r.stdout
+    r = _run(bundle, mixed, "train", SETTINGS="1:mix", CHECKPOINT_EVERY="0")
+    assert r.returncode == 2 and "CHECKPOINT_EVERY must be a whole number of steps >= 1, got 0" in r.stderr
     # a setting trained for fewer depths than the K it is evaluated at: exit 2 before any phase runs
     r = _run(bundle, mixed, "train", SETTINGS="1:mix:1", EVAL_FULL="")
     assert r.returncode == 2 and "setting 1:mix:1 trains 1 depths and is evaluated at K=2" in r.stderr and not r.stdout
