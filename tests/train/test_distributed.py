@@ -124,6 +124,27 @@ def test_ddp_two_ranks_equal_one_process_and_resume_on_one(tiny, reference, tmp_
 
 
 @requires_gloo
+def test_validation_groups_of_batch_size_rows_split_over_ranks_as_one_process_sums_them(tiny, tmp_path):
+    """Validation forwards of --batch-size rows: 2 DDP ranks take alternate groups (an odd count,
+    so rank 0 has one more) and report what 1 process does."""
+    from peagle_ext.train import train
+
+    kw = dict(max_steps=2, batch_size=2, val_every=2, val_fraction=0.4)
+    one = tmp_path / "one"
+    assert train(settings(tiny, one, grad_accum=2, **kw)).final_dir is not None
+    val_rows = next(json.loads(x) for x in (one / "log.jsonl").read_text().splitlines() if '"event": "data"' in x)[
+        "message"
+    ]
+    assert " / 6 val rows" in val_rows  # 3 groups of 2 rows
+    two = tmp_path / "two"
+    r = torchrun(2, cli_flags(tiny, two, grad_accum=1, dist="ddp", **kw))
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert_same_weights(one / "final", two / "final")
+    assert_same_metrics(one, two, [2])
+    assert _records(two, "val")[2]["counted"] == _records(one, "val")[2]["counted"]
+
+
+@requires_gloo
 def test_fsdp_two_ranks_equal_one_process_and_dcp_resume_on_one(tiny, reference, tmp_path):
     from peagle_ext.train import train
 
