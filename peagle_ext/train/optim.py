@@ -36,6 +36,14 @@ def muon_split(named_params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return muon, adamw
 
 
+def _closure_loss(closure):
+    """An optimizer step's closure, run with gradients on (torch.optim's contract), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _muon_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """The learning rate of one [A, B] matrix under Muon: "match_rms_adamw" scales the update to
     AdamW's RMS (0.2 sqrt(max(A, B)), Moonshot's rule), "original" by sqrt(max(1, A / B)) (Keller
@@ -62,10 +70,7 @@ class BatchedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -132,10 +137,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for o in self._inner():
             o.step()
         return loss
