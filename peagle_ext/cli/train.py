@@ -258,6 +258,13 @@ def run(args: argparse.Namespace) -> int:
         + (f" ({r.skipped_steps} non-finite steps skipped)" if r.skipped_steps else "")
         + (f"; stopped before --max-steps: {r.stop_reason}" if r.stop_reason else "")
     )
+    if r.time_split:
+        t = r.time_split
+        print(
+            f"  time: {t['to_first_step']:.1f} s to the first step (data, verifier, states, model), "
+            f"{t['steps']:.1f} s of steps, {t['validation']:.1f} s of validation, "
+            f"{t['checkpoints']:.1f} s of checkpoints, {t.get('final_save', 0.0):.1f} s for the final save"
+        )
     print(f"per-depth accuracy ({which}, argmax agreement with the verifier inside the draft vocab):")
     print("  " + "  ".join(f"d{i}={a:.3f}" for i, a in enumerate(summ["acc"])))
     print(f"  full accuracy {summ['full_acc']:.3f}, loss {summ['loss']:.4f}")

@@ -66,6 +66,9 @@ class TrainResult:
     stopped_early: bool = False
     wall_s: float = 0.0
     stop_reason: str | None = None  # an early stop or the time budget ended the run before max_steps
+    # this process's wall time by part: before the first step (data, verifier, states, model),
+    # the steps, validation, checkpoints, the final save (seconds)
+    time_split: dict = field(default_factory=dict)
 
 
 def _optimizer_words(opt) -> str:
@@ -320,6 +323,7 @@ def _train(
         steps_here = 0
         model.train()
         train_clock["t0"] = time.time()
+        spent = {"validation": 0.0, "checkpoints": 0.0}
         if s.max_minutes is not None:
             train_clock["span"] = max(1e-3, s.max_minutes * 60.0 - (train_clock["t0"] - t_start))
         for _ in bar:
@@ -428,7 +432,9 @@ def _train(
                 window_meter.reset()
                 t_tok, n_tok_window = now, 0
             if ds.val_rows and (step % s.val_every == 0 or step == s.max_steps):
+                t_val = time.time()
                 val_summary = evaluate(model, val_h, s, autocast, device, ctx)
+                spent["validation"] += time.time() - t_val
                 log.write({"step": step, "split": "val", **val_summary})
                 trackers.log({"step": step, "split": "val", **val_summary})
                 log.event(
@@ -441,6 +447,7 @@ def _train(
             if s.max_minutes is not None and stop_reason is None and ctx.sum_scalar(float(rule.over_time())) > 0:
                 stop_reason = f"the time budget of {s.max_minutes:g} min is spent (--max-minutes)"
             if step % s.checkpoint_every == 0 or step == s.max_steps or stop_reason:
+                t_ck = time.time()
                 ctx.save_checkpoint(
                     out,
                     step,
@@ -458,6 +465,7 @@ def _train(
                     },
                     s.keep_checkpoints,
                 )
+                spent["checkpoints"] += time.time() - t_ck
             profiler.after_step()
             test_pause("step", step)
             if stop_after is not None and steps_here >= stop_after and step < s.max_steps:
@@ -468,14 +476,23 @@ def _train(
                 break
         bar.close()
         profiler.close()
+        loop_s = time.time() - train_clock["t0"]
         train_summary = meter.summary()
         result = TrainResult(
             out, None, step, train_summary, val_summary, [], skipped, stopped, time.time() - t_start, stop_reason
         )
+        result.time_split = {
+            "to_first_step": train_clock["t0"] - t_start,
+            "steps": loop_s - spent["validation"] - spent["checkpoints"],
+            "validation": spent["validation"],
+            "checkpoints": spent["checkpoints"],
+        }
         if stopped:
             return result
         final = out / "final"
+        t_final = time.time()
         written_here = ctx.save_final(model, final)  # tmp + rename, by rank 0
+        result.time_split["final_save"] = time.time() - t_final
         result.final_dir = final
         if not written_here:
             return result
@@ -487,6 +504,7 @@ def _train(
                 "step": step,
                 "final": str(final),
                 "wall_s": result.wall_s,
+                "time_s": result.time_split,
                 "train": train_summary,
                 "val": val_summary,
                 "skipped_steps": skipped,

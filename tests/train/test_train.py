@@ -83,6 +83,13 @@ def test_cli_train_end_to_end_smoke(tiny, tmp_path):
     assert all(len(x["acc"]) == 3 and x["tokens_per_s"] > 0 and "accept_len" in x for x in steps)
     assert any(x.get("split") == "val" for x in recs)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    # where the wall time went, logged and printed: every part, and together no more than the whole
+    done = next(x for x in recs if x.get("event") == "done")
+    parts = done["time_s"]
+    assert set(parts) == {"to_first_step", "steps", "validation", "checkpoints", "final_save"}
+    assert all(v >= 0 for v in parts.values()) and parts["steps"] > 0 and parts["validation"] > 0
+    assert parts["checkpoints"] > 0 and sum(parts.values()) <= done["wall_s"]
+    assert "s to the first step (data, verifier, states, model)" in r.stdout and "s of validation" in r.stdout
     # export for vLLM: bf16 copy with the same keys and config
     r = run_cli(["export", str(out), str(tmp_path / "exported")])
     assert r.returncode == 0, r.stderr
