@@ -531,9 +531,9 @@ class _null:
 def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autocast, device, ctx=None) -> dict:
     """Loss and per-depth accuracy over the validation rows, --batch-size rows side by side per
     forward as in training (COD layouts with fixed seeds, one per group of rows). A small drafter's
-    forwards on a GPU are host-bound, and one per row made a validation cost as much as some 50
-    training steps. Under torchrun the groups are split over the ranks and their metrics summed
-    in group order, so any world size gives the same numbers."""
+    forwards on a GPU are host-bound, so one forward per row made validation take seconds where a
+    step takes tens of milliseconds. Under torchrun the groups are split over the ranks and their
+    metrics summed in group order, so any world size gives the same numbers."""
     was = model.training
     model.eval()
     m = Meter(s.num_depths)
