@@ -42,5 +42,5 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, requested: int | None = No
         return int(mid), "the tokenizer's mask token"
     n = len(tokenizer)
     if n < vocab_size:
-        return n, f"an unused embedding row ({n}; the tokenizer has {n} tokens)"
-    return vocab_size, f"a new id past the vocab ({vocab_size}; the drafter's embedding grows by one)"
+        return n, f"an unused embedding row: the tokenizer has {n} tokens"
+    return vocab_size, f"a new id past the vocab of {vocab_size}: the drafter's embedding grows by one"
