@@ -133,18 +133,25 @@ def test_batched_muon_runs_one_newton_schulz_per_shape_not_per_matrix():
 
 
 @requires_cuda
-def test_batched_muon_on_cuda_matches_torch_muon_within_bf16_rounding():
+def test_batched_muon_on_cuda_is_torch_muon_up_to_bf16_rounding():
+    """In bf16, batched and single GEMMs round differently and Newton-Schulz's five iterations grow
+    that, so no fixed tolerance is right: the yardstick is torch's own Muon run on the CPU against
+    the same run on CUDA (the same algorithm, other GEMMs). Ours may differ from torch's CUDA run
+    by about as much, not more."""
     kw = dict(lr=3e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    a, b = _matrices("cuda"), _matrices("cuda")
-    ours, ref = BatchedMuon(a, **kw), torch.optim.Muon(b, **kw)
-    start = [p.detach().clone() for p in a]
+    a, b, c = _matrices("cuda"), _matrices("cuda"), _matrices("cpu")
+    opts = BatchedMuon(a, **kw), torch.optim.Muon(b, **kw), torch.optim.Muon(c, **kw)
+    start = [p.detach().clone() for p in b]
     for step in range(3):
-        _set_grads((a, b), step)
-        ours.step()
-        ref.step()
-    for x, y, x0 in zip(a, b, start):
-        # batched and single GEMMs may round differently in bf16: compare the step taken
-        torch.testing.assert_close(x - x0, y - x0, rtol=0.05, atol=0.02 * (y - x0).abs().max().item())
+        _set_grads((a, b, c), step)
+        for opt in opts:
+            opt.step()
+    ours = torch.cat([(x - x0).flatten() for x, x0 in zip(a, start)])
+    ref = torch.cat([(y - x0).flatten() for y, x0 in zip(b, start)])
+    ref_cpu = torch.cat([(z.cuda() - x0).flatten() for z, x0 in zip(c, start)])
+    spread = (ref_cpu - ref).norm()
+    assert spread < 0.05 * ref.norm()  # the yardstick is rounding, not a different update
+    assert (ours - ref).norm() <= 2 * spread, ((ours - ref).norm().item(), spread.item(), ref.norm().item())
 
 
 def _schedule_settings(**kw):
