@@ -137,7 +137,8 @@ def test_batched_muon_on_cuda_is_torch_muon_up_to_bf16_rounding():
     """In bf16, batched and single GEMMs round differently and Newton-Schulz's five iterations grow
     that, so no fixed tolerance is right: the yardstick is torch's own Muon run on the CPU against
     the same run on CUDA (the same algorithm, other GEMMs). Ours may differ from torch's CUDA run
-    by about as much, not more."""
+    by about as much, not more; a wrong transpose or learning-rate scale would differ by the
+    whole update."""
     kw = dict(lr=3e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     a, b, c = _matrices("cuda"), _matrices("cuda"), _matrices("cpu")
     opts = BatchedMuon(a, **kw), torch.optim.Muon(b, **kw), torch.optim.Muon(c, **kw)
@@ -146,12 +147,12 @@ def test_batched_muon_on_cuda_is_torch_muon_up_to_bf16_rounding():
         _set_grads((a, b, c), step)
         for opt in opts:
             opt.step()
-    ours = torch.cat([(x - x0).flatten() for x, x0 in zip(a, start)])
-    ref = torch.cat([(y - x0).flatten() for y, x0 in zip(b, start)])
-    ref_cpu = torch.cat([(z.cuda() - x0).flatten() for z, x0 in zip(c, start)])
-    spread = (ref_cpu - ref).norm()
-    assert spread < 0.05 * ref.norm()  # the yardstick is rounding, not a different update
-    assert (ours - ref).norm() <= 2 * spread, ((ours - ref).norm().item(), spread.item(), ref.norm().item())
+    for x, y, z, x0 in zip(a, b, c, start):
+        step_ref = y - x0
+        spread = (z.cuda() - y).norm()  # torch's own CPU-against-CUDA rounding of this matrix's update
+        assert spread < 0.05 * step_ref.norm()  # the yardstick is rounding, not a different update
+        err = (x - y).norm()
+        assert err <= 2 * spread + 0.02 * step_ref.norm(), (tuple(x.shape), err.item(), spread.item())
 
 
 def _schedule_settings(**kw):
