@@ -179,6 +179,14 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     assert r.returncode == 2 and "setting 1:mix:1 trains 1 depths and is evaluated at K=2" in r.stderr and not r.stdout
     r = _run(bundle, mixed, "train", SETTINGS="1:mix", MIX_LOOPS="sometimes")
     assert r.returncode == 2 and "MIX_LOOPS must be original or keep, got sometimes" in r.stderr and not r.stdout
+    r = _run(bundle, mixed, "consistency", CONSISTENCY_CONVERSATIONS="-1")
+    assert r.returncode == 2 and "CONSISTENCY_CONVERSATIONS must be a whole number >= 0" in r.stderr and not r.stdout
+    r = _run(bundle, mixed, "consistency", CONSISTENCY_PROMPTS="0")
+    assert r.returncode == 2 and "CONSISTENCY_PROMPTS must be a whole number >= 1, got 0" in r.stderr and not r.stdout
+    # CONSISTENCY_CONVERSATIONS=0: no consistency phase, though a trained EVAL_FULL setting awaits one
+    r = _run(bundle, mixed, "consistency", SETTINGS="1:mix", EVAL_FULL="1:mix", CONSISTENCY_CONVERSATIONS="0")
+    assert r.returncode == 0 and "consistency: off" in r.stdout, r.stderr[-3000:]
+    assert not (mixed / "eval" / "consistency_L1-mix.json").exists()
     # bad phase: exit 2 and one line
     r = _run(bundle, work, "nope")
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
@@ -237,6 +245,9 @@ def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle,
     # DATAGEN_TURNS=all: conversations of several turns, every answer regenerated
     assert any(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in regen)
     assert (work / "eval" / "consistency_L1-regen.json").is_file()
+    # HumanEval before consistency: a hold that ends first loses the figure least likely to move
+    log = (work / "detached.log").read_text()
+    assert log.index("L1-regen_humaneval") < log.index("tools/consistency.py"), log[-3000:]
     start = json.loads((work / "train" / "L1-regen" / "log.jsonl").read_text().splitlines()[0])
     assert start["settings"]["time_schedule"] and start["settings"]["max_minutes"] == 5
     # HIDDEN_CACHE_GB=auto: 75% of the available memory, shared by the three settings
