@@ -183,8 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hidden-cache-gb",
         type=float,
-        help=f"keep verifier hidden states in memory up to this; beyond it they are recomputed every "
-        f"step, one batched verifier pass for the step's rows. Default {d.hidden_cache_gb}",
+        help=f"keep verifier hidden states in memory up to this (GiB): every row's when they fit, else as many "
+        f"rows as fit (validation's first), the others recomputed at each use with one batched verifier pass "
+        f"for the step's rows. Default {d.hidden_cache_gb}",
     )
     g.add_argument(
         "--hidden-cache-dir",

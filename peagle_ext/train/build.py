@@ -118,6 +118,9 @@ def load_inputs(s: TrainSettings, device: torch.device, amp, log: RunLog) -> Run
         f"data {s.data}: {ds.num_train_conversations} train / {ds.num_val_conversations} val conversations "
         f"-> {len(ds.train_rows)} train / {len(ds.val_rows)} val rows of {s.seq_len} tokens "
         f"({ntok} train tokens, {int(ds.token_counts.sum())} assistant tokens); mask token {mask_id} ({how})",
+        train_rows=len(ds.train_rows),
+        val_rows=len(ds.val_rows),
+        train_tokens=ntok,
     )
     return RunInputs(verifier, tokenizer, vcfg, aux_ids, ds, mask_id, ntok, head, disks)
 
@@ -190,20 +193,31 @@ def build_hidden_states(
 ) -> tuple[HiddenStates, HiddenStates]:
     """(train, val) hidden-state sources: in memory when they fit --hidden-cache-gb (on CPU computed on
     a background thread in the order training reads them), on disk with --hidden-cache-dir, else
-    recomputed per step. Drops the verifier when every row is cached. Under torchrun every rank
-    fills its own slice of the on-disk cache (train/distributed.py)."""
+    as many rows in memory as fit (validation's first: it reads them every --val-every steps) and
+    the rest recomputed per step. Drops the verifier when every row is cached. Under torchrun
+    every rank fills its own slice of the on-disk cache (train/distributed.py) and a cache that
+    does not fit keeps no rows."""
     vcfg, ds, aux_ids = inp.verifier_config, inp.dataset, inp.aux_layer_ids
     feat = (len(aux_ids) + 1) * int(vcfg.hidden_size)
     store_dtype = torch.bfloat16 if amp is not None else torch.float32
     per_row = s.seq_len * feat * (2 if store_dtype == torch.bfloat16 else 4)
     n_rows = len(ds.train_rows) + len(ds.val_rows)
     cache = per_row * n_rows <= s.hidden_cache_gb * 2**30
+    fit = 0 if cache or ctx.world > 1 or s.hidden_cache_dir else min(int(s.hidden_cache_gb * 2**30 // per_row), n_rows)
+    val_kept = min(fit, len(ds.val_rows))
+    train_kept = fit - val_kept
     disks = inp.disks
     train_h = HiddenStates(
-        inp.verifier, aux_ids, ds.train_rows, cache=cache, store_dtype=store_dtype, device=device, disk=disks[0]
+        inp.verifier,
+        aux_ids,
+        ds.train_rows,
+        cache=cache if cache else train_kept,
+        store_dtype=store_dtype,
+        device=device,
+        disk=disks[0],
     )
     val_h = HiddenStates(
-        inp.verifier, aux_ids, ds.val_rows, cache=cache, store_dtype=store_dtype, device=device, disk=disks[1]
+        inp.verifier, aux_ids, ds.val_rows, cache=cache if cache else val_kept, store_dtype=store_dtype, device=device, disk=disks[1]
     )
     t0 = time.time()
     background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden and ctx.world == 1
@@ -218,9 +232,11 @@ def build_hidden_states(
             f"verifier hidden states for {n_rows} rows: computed on a "
             "background thread while training runs (kept in memory)",
         )
-    else:
+    elif cache or device.type == "cuda":
         train_h.warm("verifier hidden states (train)", s.progress)
         val_h.warm("verifier hidden states (val)", s.progress)
+    # else (on CPU, some rows kept): each kept row is cached when a step first reads it, so a run of
+    # less than one pass computes no row it does not train on
     if cache and not background and ctx.world == 1:
         ntok_all = inp.train_tokens + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
         dt_h = time.time() - t0
@@ -242,6 +258,19 @@ def build_hidden_states(
         # every row is cached: the verifier itself is no longer needed
         train_h.verifier = val_h.verifier = None
         inp.verifier = None
+    elif fit:
+        kept_dt = time.time() - t0
+        log.event(
+            "hidden",
+            f"verifier hidden states of {n_rows} rows need {per_row * n_rows / 2**30:.3g} GiB, more than "
+            f"--hidden-cache-gb {s.hidden_cache_gb:g}: {fit} rows ({val_kept} of them validation's) are kept "
+            + (f"in memory ({kept_dt:.1f}s)" if device.type == "cuda" else "in memory from their first use")
+            + f", the other {n_rows - fit} recomputed at each use with a verifier pass; a larger "
+            "--hidden-cache-gb or --hidden-cache-dir caches them all",
+            need_bytes=per_row * n_rows,
+            kept_rows=fit,
+            seconds=round(kept_dt, 3),
+        )
     elif not cache:
         log.event(
             "hidden",

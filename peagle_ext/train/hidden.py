@@ -12,19 +12,31 @@ from .run_log import progress_bar
 
 
 class HiddenStates:
-    """Verifier hidden states per packed row -> TrainingExample: kept in memory when they fit
-    (--hidden-cache-gb), else recomputed on use; or, with a `disk` HiddenStateCache, generated
+    """Verifier hidden states per packed row -> TrainingExample: kept in memory as far as they fit
+    (--hidden-cache-gb), the rest recomputed on use; or, with a `disk` HiddenStateCache, generated
     once into it (resumable, reusable by later runs on the same data) and read back from it.
     Row by row, all three give the same bits (the verifier forward is deterministic); batched
-    passes (get_many's recomputed steps, warming the cache on a GPU) agree to float rounding."""
+    passes (get_many's recomputed steps, warming the cache on a GPU) agree to float rounding.
+
+    `cache`: True keeps every row's states in memory, False none, an int n the first n rows'.
+    With some rows kept and some not, every row comes back on the host in `store_dtype`, so a
+    step's rows look alike whichever way they came."""
 
     ROWS_PER_SHARD = 16
 
-    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool, store_dtype, device, disk=None):
+    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool | int, store_dtype, device, disk=None):
         self.verifier = verifier
         self.aux = list(aux_layer_ids)
         self.rows = rows
-        self.cache = cache
+        if isinstance(cache, bool):
+            self.cached_rows = len(rows) if cache else 0
+        else:
+            if int(cache) < 0:
+                raise ValueError(f"HiddenStates: cache must be a bool or a row count >= 0, got {cache}")
+            self.cached_rows = min(int(cache), len(rows))
+        # every row kept (what dropping the verifier and the background thread need)
+        self.cache = cache is True or (not isinstance(cache, bool) and self.cached_rows == len(rows))
+        self.partial = not self.cache and self.cached_rows > 0
         self.store_dtype = store_dtype
         self.device = device
         self.disk = disk
@@ -42,22 +54,37 @@ class HiddenStates:
             return self._shard[1][j].to("cpu", self.store_dtype)  # a cache may store bf16 / fp8
         aux, last = D.verifier_hidden_states(self.verifier, self.rows[i], self.aux)
         ex = D.eagle_shift(self.rows[i], aux, last)
-        return ex.to("cpu", self.store_dtype) if self.cache else ex
+        return ex.to("cpu", self.store_dtype) if self.cache or self.partial else ex
+
+    def kept(self, i: int) -> bool:
+        """Whether row i's states stay in memory once computed."""
+        return i < self.cached_rows
 
     def get_many(self, indices: list[int]) -> list:
-        """get() of several rows. Recomputed states (no cache, no disk) come from one batched
-        verifier pass over all their documents (data.verifier_hidden_states_many): a training
-        step's rows cost about one eager verifier forward on a GPU, not one or more per row. They
-        agree with row-by-row states to float rounding."""
-        if self.cache or self.disk is not None or len(indices) < 2:
+        """get() of several rows. States to compute (rows not kept, and kept rows not computed
+        yet, without a disk cache) come from one batched verifier pass over all their documents
+        (data.verifier_hidden_states_many): a training step's rows cost about one eager verifier
+        forward on a GPU, not one or more per row. They agree with row-by-row states to float
+        rounding; the kept ones stay in memory from then on."""
+        if self.cache or self.disk is not None:
             return [self.get(i) for i in indices]
-        rows = [self.rows[i] for i in indices]
+        todo = list(dict.fromkeys(i for i in indices if i not in self._mem))
+        if len(todo) < 2:
+            return [self.get(i) for i in indices]
+        rows = [self.rows[i] for i in todo]
         budget = max(sum(len(r) for r in rows), 4096)
         states = D.verifier_hidden_states_many(self.verifier, rows, self.aux, token_budget=budget)
-        return [D.eagle_shift(r, aux, last) for r, (aux, last) in zip(rows, states)]
+        fresh = [D.eagle_shift(r, aux, last) for r, (aux, last) in zip(rows, states)]
+        if self.partial:
+            fresh = D.examples_to_host(fresh, self.store_dtype)
+        got = dict(zip(todo, fresh))
+        for i, ex in got.items():
+            if self.kept(i):
+                self._mem[i] = ex
+        return [got[i] if i in got else self._mem[i] for i in indices]
 
     def get(self, i: int):
-        if self.cache:
+        if self.kept(i):
             if self._producer is not None:
                 return self._wait_for(i)
             if i not in self._mem:
@@ -149,12 +176,12 @@ class HiddenStates:
                 dtype=self.store_dtype,
                 progress=progress,
             )
-        if not self.cache:
+        if not self.cached_rows:
             return
         if self.disk is None and self.verifier is not None and torch.device(self.device).type == "cuda":
             self._warm_batched(desc, progress)
             return
-        it = range(len(self.rows))
+        it = range(self.cached_rows)
         bar = progress_bar(it, desc=desc, unit="row", disable=not progress)
         t0 = time.time()
         ntok = 0
@@ -184,7 +211,7 @@ class HiddenStates:
         size, so row by row the cache cost minutes that batched it does not. The states agree
         with row-by-row ones to float rounding, and every run batches the same rows together, so
         a resumed run caches the same bits."""
-        todo = [i for i in range(len(self.rows)) if i not in self._mem]
+        todo = [i for i in range(self.cached_rows) if i not in self._mem]
         bar = progress_bar(None, total=len(todo), desc=desc, unit="row", disable=not progress)
         t0 = time.time()
         ntok = 0

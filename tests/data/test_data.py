@@ -476,6 +476,53 @@ def test_recomputed_hidden_states_of_a_step_come_from_one_batched_pass(rng, monk
         torch.testing.assert_close(ex.last_hidden, want.last_hidden, rtol=1e-12, atol=1e-12)
 
 
+def test_a_partial_cache_keeps_its_rows_and_recomputes_the_rest_in_one_pass(rng, monkeypatch):
+    """HiddenStates(cache=n) keeps the first n rows' states once computed and recomputes the others
+    at every use: a step's rows still take one batched verifier pass (for the rows not in memory),
+    every row comes back on the host in store_dtype whichever way it came, the values are the
+    row-by-row ones (to float rounding), and a warm-up computes the kept rows only."""
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300).double()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(5)]
+    ids = [1, 2, 3]
+    alone = HiddenStates(model, ids, rows, cache=False, store_dtype=torch.float64, device=torch.device("cpu"))
+    want = [alone.get(i) for i in range(len(rows))]
+    hs = HiddenStates(model, ids, rows, cache=2, store_dtype=torch.float32, device=torch.device("cpu"))
+    assert hs.partial and not hs.cache and [hs.kept(i) for i in range(5)] == [True, True, False, False, False]
+    calls = []
+    real = D.verifier_hidden_states_many
+    monkeypatch.setattr(D, "verifier_hidden_states_many", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+
+    def check(got, idx):
+        for i, ex in zip(idx, got):
+            assert ex.hidden.dtype == ex.last_hidden.dtype == torch.float32 and ex.hidden.device.type == "cpu"
+            assert torch.equal(ex.input_ids, want[i].input_ids) and torch.equal(ex.loss_mask, want[i].loss_mask)
+            torch.testing.assert_close(ex.hidden, want[i].hidden.float(), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(ex.last_hidden, want[i].last_hidden.float(), rtol=1e-6, atol=1e-6)
+
+    check(hs.get_many([4, 0, 3, 1, 4]), [4, 0, 3, 1, 4])
+    assert calls == [4] and sorted(hs._mem) == [0, 1]  # one pass for the four distinct rows; 0 and 1 kept
+    kept0 = hs._mem[0]
+    check(hs.get_many([1, 4, 0, 3]), [1, 4, 0, 3])
+    assert calls == [4, 2] and hs._mem[0] is kept0  # only the rows not kept are computed again
+    check(hs.get_many([0, 2]), [0, 2])
+    assert calls == [4, 2]  # one row to compute: row by row
+    assert sorted(hs._mem) == [0, 1]
+
+    warm = HiddenStates(model, ids, rows, cache=3, store_dtype=torch.float64, device=torch.device("cpu"))
+    calls.clear()
+    warm.device = torch.device("cuda")  # warm() batches for a GPU verifier (none is touched here)
+    warm.warm("test", progress=False)
+    assert sum(calls) == 3 and sorted(warm._mem) == [0, 1, 2]
+
+    assert HiddenStates(model, ids, rows, cache=9, store_dtype=torch.float64, device="cpu").cache
+    none = HiddenStates(model, ids, rows, cache=0, store_dtype=torch.float64, device="cpu")
+    assert not none.cache and not none.partial and none.get(0).hidden.dtype == torch.float64
+    with pytest.raises(ValueError, match="row count >= 0"):
+        HiddenStates(model, ids, rows, cache=-1, store_dtype=torch.float64, device="cpu")
+
+
 def test_cache_warmed_in_batched_passes_equals_row_by_row(rng, monkeypatch):
     """On a GPU, HiddenStates.warm fills the cache with one batched verifier pass per WARM_ROWS
     rows: the same examples as computing each row alone (to float rounding), every row cached

@@ -408,6 +408,33 @@ def test_recomputed_hidden_states_train_like_cached_ones(tiny, tmp_path, monkeyp
     assert rec.train["loss"] == pytest.approx(mem.train["loss"], rel=1e-5)
 
 
+def test_a_cache_too_small_for_every_row_keeps_what_fits(tiny, tmp_path):
+    """--hidden-cache-gb below what every row needs keeps as many rows as fit, validation's first,
+    recomputes the rest, and trains like the full cache up to float rounding."""
+    from peagle_ext.train import train
+
+    mem = train(settings(tiny, tmp_path / "mem", max_steps=3, batch_size=3))
+    rec = train(settings(tiny, tmp_path / "rec", max_steps=3, batch_size=3, hidden_cache_gb=0))
+    ev = [json.loads(x) for x in (tmp_path / "rec" / "log.jsonl").read_text().splitlines()]
+    need = next(e for e in ev if e.get("event") == "hidden")["need_bytes"]
+    data = next(e for e in ev if e.get("event") == "data")
+    n_train, n_val = data["train_rows"], data["val_rows"]
+    per_row = need / (n_train + n_val)
+    kept = n_val + 1  # validation's rows and one training row
+    part = train(
+        settings(tiny, tmp_path / "part", max_steps=3, batch_size=3, hidden_cache_gb=per_row * (kept + 0.5) / 2**30)
+    )
+    ev = [json.loads(x) for x in (tmp_path / "part" / "log.jsonl").read_text().splitlines()]
+    hidden = next(e for e in ev if e.get("event") == "hidden")
+    assert hidden["kept_rows"] == kept and hidden["need_bytes"] == need
+    assert f"{kept} rows ({n_val} of them validation's) are kept" in hidden["message"]
+    assert f"the other {n_train - 1} recomputed at each use" in hidden["message"]
+    wm, wp = _weights(mem.final_dir), _weights(part.final_dir)
+    for k in wm:
+        torch.testing.assert_close(wp[k], wm[k], rtol=1e-4, atol=2e-5)
+    assert part.train["loss"] == pytest.approx(mem.train["loss"], rel=1e-5)
+
+
 def test_acceptance_length_formula():
     # tokens per round as `peagle eval` counts them: the bonus token + the accepted drafts
     assert T.acceptance_length([1.0, 1.0, 1.0]) == 4.0
