@@ -217,7 +217,13 @@ def build_hidden_states(
         disk=disks[0],
     )
     val_h = HiddenStates(
-        inp.verifier, aux_ids, ds.val_rows, cache=cache if cache else val_kept, store_dtype=store_dtype, device=device, disk=disks[1]
+        inp.verifier,
+        aux_ids,
+        ds.val_rows,
+        cache=cache if cache else val_kept,
+        store_dtype=store_dtype,
+        device=device,
+        disk=disks[1],
     )
     t0 = time.time()
     background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden and ctx.world == 1
