@@ -95,16 +95,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # ---- settings (one place) ------------------------------------------------------------------
-K=${K:-4}                          # depths trained: 2:mix with K=4 decodes MT-Bench at 2.15, the best K=8
-                                   # drafters measured 1.86, 4:mix with K=4 2.31 (bench/RESULTS.md)
+K=${K:-6}                          # depths trained: 2:mix with K=4 decodes MT-Bench at 2.15, the best K=8
+                                   # drafters measured 1.86, 4:mix with K=4 2.31, with Muon and K=6 2.33
+                                   # (2.25 of them at K=4; bench/RESULTS.md)
 SEQ=${SEQ:-2048}
 # layers:data[:k] (k: the depths trained, K by default; 2:mix:8 beside 2:mix compares them);
 # data = orig: every ShareGPT conversation, all turns, the original answers;
 # regen: the conversations `datagen` reached (shortest first prompts first), the first turn (every turn
 # with DATAGEN_TURNS=all), the verifier's own answers; origfirst: the same conversations and first turns with their original answers (orig
 # against regen on the same prompts); mix: every ShareGPT conversation, regenerated where datagen reached it
-# and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has).
-# The default: the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
+# and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has);
+# both: every original conversation and every regenerated one besides (the most training tokens: with
+# 15,360 regenerated, mix packs 12.0M and overfits after about nine passes; both's states outgrow the H100
+# host's memory, so the trainer keeps what fits and recomputes the rest).
+# The default (with K and OPTIMIZER below): the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
 SETTINGS=${SETTINGS:-"4:mix"}
 MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has an answer that ends in a
                                    # repetition loop (peagle_ext.data.loops; 56% of them with every turn
@@ -118,10 +122,9 @@ MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has a
 DRAFT_VOCAB=${DRAFT_VOCAB:-32768}
 BATCH=${BATCH:-16}                 # rows of SEQ tokens a step (the measured runs: 16)
 LR=${LR:-1e-3}
-OPTIMIZER=${OPTIMIZER:-adamw}      # train --optimizer: adamw (every study run so far) | muon (on the CPU ahead
-                                   # of AdamW at every depth at the main job's scale, and past the plateau
-                                   # it overfits the loss but keeps d0 ahead; 2.7 ms a 4-layer step on an
-                                   # H100; not yet run here)
+OPTIMIZER=${OPTIMIZER:-muon}       # train --optimizer: muon (4:mix, K=6: the study's AdamW drafter's final
+                                   # validation estimate within 1,000 steps, flat after 3,250; MT-Bench 2.33,
+                                   # HumanEval 2.91) | adamw (4:mix, K=4: MT-Bench 2.31, HumanEval 2.79)
 MAX_STEPS=${MAX_STEPS:-20000}       # the most steps; with TIME_SCHEDULE=1 TRAIN_MINUTES usually ends it
 WARMUP=${WARMUP:-100}
 VAL_EVERY=${VAL_EVERY:-250}
@@ -237,8 +240,8 @@ done
 [[ "$CONSISTENCY_PROMPTS" =~ ^[1-9][0-9]*$ ]] || {
   echo "smollm2_gpu.sh: CONSISTENCY_PROMPTS must be a whole number >= 1, got $CONSISTENCY_PROMPTS" >&2; exit 2; }
 for s in $SETTINGS $EVAL_FULL; do
-  [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix)(:[1-9][0-9]*)?$ ]] || {
-    echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA[:K] with DATA orig, regen, origfirst or mix" >&2
+  [[ "$s" =~ ^[1-9][0-9]*:(orig|regen|origfirst|mix|both)(:[1-9][0-9]*)?$ ]] || {
+    echo "smollm2_gpu.sh: setting $s in SETTINGS/EVAL_FULL is not LAYERS:DATA[:K] with DATA orig, regen, origfirst, mix or both" >&2
     exit 2
   }
   # the K it is evaluated at: its trained depths draft them
@@ -390,6 +393,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
   [ "$data" = regen ] && file=$DATA/regen.jsonl
   [ "$data" = origfirst ] && file=$DATA/origfirst.jsonl
   [ "$data" = mix ] && file=$DATA/mix.jsonl
+  [ "$data" = both ] && file=$DATA/both.jsonl
   if train_done "$dir"; then note "train $s: done ($dir/final)"; return 0; fi
   local resume=() rc=0
   ls -d "$dir"/checkpoint-* > /dev/null 2>&1 && resume=(--resume)
@@ -434,16 +438,19 @@ print(f"origfirst: {n} conversations (the regenerated prompts, original first an
 EOF
 }
 
-mix_data() {  # every training conversation: the regenerated one where datagen wrote it (and, with
-  # MIX_LOOPS=original, none of its answers loops), else the original
-  [ -f "$DATA/mix.jsonl" ] && [ "$DATA/mix.jsonl" -nt "$DATA/regen.jsonl" ] \
-    && [ "$(cat "$DATA/mix.rule" 2> /dev/null)" = "$MIX_LOOPS" ] && return 0
-  [ -f "$DATA/regen.jsonl" ] || { note "mix: no $DATA/regen.jsonl yet (run datagen)"; return 1; }
-  timed python3 - "$DATA/train.jsonl" "$DATA/regen.jsonl" "$DATA/mix.jsonl" "$MIX_LOOPS" <<'EOF' | tee -a "$SUMMARY"
+mix_data() {  # kind: mix = every training conversation, the regenerated one where datagen wrote it
+  # (and, with MIX_LOOPS=original, none of its answers loops), else the original; both = every
+  # original conversation and, besides it, the regenerated one where there is one (by the same rule)
+  local kind=$1
+  [ -f "$DATA/$kind.jsonl" ] && [ "$DATA/$kind.jsonl" -nt "$DATA/regen.jsonl" ] \
+    && [ "$(cat "$DATA/$kind.rule" 2> /dev/null)" = "$MIX_LOOPS" ] && return 0
+  [ -f "$DATA/regen.jsonl" ] || { note "$kind: no $DATA/regen.jsonl yet (run datagen)"; return 1; }
+  timed python3 - "$DATA/train.jsonl" "$DATA/regen.jsonl" "$DATA/$kind.jsonl" "$MIX_LOOPS" "$kind" <<'EOF' | tee -a "$SUMMARY"
 import json, os, sys
 from peagle_ext.data.loops import conversation_loops
 convs = [json.loads(x)["messages"] for x in open(sys.argv[1], encoding="utf-8") if x.strip()]
-regen = looping = 0
+kind = sys.argv[5]
+regen, looping = {}, 0
 for line in open(sys.argv[2], encoding="utf-8"):
     rec = json.loads(line) if line.strip() else {}
     if not rec.get("messages"):  # one that datagen skipped keeps its original
@@ -451,17 +458,24 @@ for line in open(sys.argv[2], encoding="utf-8"):
     if sys.argv[4] == "original" and conversation_loops(rec["messages"]):
         looping += 1
         continue
-    convs[rec["index"]] = rec["messages"]
-    regen += 1
+    regen[rec["index"]] = rec["messages"]
+if kind == "mix":
+    out_convs = [regen.get(i, msgs) for i, msgs in enumerate(convs)]
+else:  # both: the trainer's held-out split keeps a conversation's two versions on one side (one prompt)
+    out_convs = convs + [regen[i] for i in sorted(regen)]
 with open(sys.argv[3] + ".tmp", "w", encoding="utf-8") as out:
-    for msgs in convs:
+    for msgs in out_convs:
         out.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
 os.replace(sys.argv[3] + ".tmp", sys.argv[3])
-loops = f" ({looping} regenerated ones with an answer that loops left original)" if sys.argv[4] == "original" else ""
-print(f"mix: {len(convs)} conversations, {regen} of them regenerated, {len(convs) - regen} original{loops}")
+if kind == "mix":
+    loops = f" ({looping} regenerated ones with an answer that loops left original)" if sys.argv[4] == "original" else ""
+    print(f"mix: {len(convs)} conversations, {len(regen)} of them regenerated, {len(convs) - len(regen)} original{loops}")
+else:
+    loops = f" ({looping} regenerated ones with an answer that loops left out)" if sys.argv[4] == "original" else ""
+    print(f"both: {len(out_convs)} conversations, {len(convs)} original and {len(regen)} regenerated{loops}")
 EOF
   local rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] && echo "$MIX_LOOPS" > "$DATA/mix.rule"
+  [ "$rc" = 0 ] && echo "$MIX_LOOPS" > "$DATA/$kind.rule"
   return "$rc"
 }
 
@@ -481,7 +495,8 @@ phase_train() {
   # conversations over the cores in ~22 s, three at once take minutes for 7K each
   local pids=() rc=0 dir lines
   settings_use origfirst && { origfirst_data || return 1; }
-  settings_use mix && { mix_data || return 1; }
+  settings_use mix && { mix_data mix || return 1; }
+  settings_use both && { mix_data both || return 1; }
   for s in $SETTINGS; do
     if [ "$TRAIN_PARALLEL" = 1 ]; then
       dir=$WORK/train/$(setting_name "$s")

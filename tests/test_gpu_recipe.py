@@ -152,6 +152,13 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     assert f"mix: {n} conversations, {len(done)} of them regenerated, {n - len(done)} original\n" in r.stdout
     mix = [json.loads(x)["messages"] for x in open(mixed / "data" / "mix.jsonl")]
     assert mix == [done.get(i, m) for i, m in enumerate(src)]
+    # both: every original conversation, then every regenerated one without a loop besides it
+    r = _run(bundle, mixed, "train", SETTINGS="1:both", EVAL_FULL="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"both: {n + k} conversations, {n} original and {k} regenerated ({left} regenerated" in r.stdout
+    both = [json.loads(x)["messages"] for x in open(mixed / "data" / "both.jsonl")]
+    assert both == src + [clean[i] for i in sorted(clean)]
+    assert (mixed / "train" / "L1-both" / "final" / "config.json").is_file()
     # LAYERS:DATA:K trains K depths in its own directory, beside the setting at the default K (and
     # OPTIMIZER and CHECKPOINT_EVERY reach the trainer)
     r = _run(
@@ -161,13 +168,13 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
         SETTINGS="1:mix 1:mix:3",
         EVAL_FULL="1:mix",
         MIX_LOOPS="keep",
-        OPTIMIZER="muon",
+        OPTIMIZER="adamw",
         CHECKPOINT_EVERY="3",
     )
     assert r.returncode == 0 and "train 1:mix: done" in r.stdout, r.stderr[-3000:]
     start = json.loads((mixed / "train" / "L1-mix-k3" / "log.jsonl").read_text().splitlines()[0])
     assert start["settings"]["num_depths"] == 3 and (mixed / "train" / "L1-mix-k3" / "final" / "config.json").is_file()
-    assert start["settings"]["optimizer"] == "muon"
+    assert start["settings"]["optimizer"] == "adamw"
     # the trainings' checkpoints follow CHECKPOINT_EVERY, their validations VAL_EVERY
     assert start["settings"]["checkpoint_every"] == 3 and start["settings"]["val_every"] == 2
     r = _run(bundle, mixed, "train", SETTINGS="1:mix", OPTIMIZER="sgd")
@@ -192,7 +199,7 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
     # a setting with an unknown data kind: exit 2 before any phase runs
     r = _run(bundle, work, "train", SETTINGS="1:regn")
-    assert r.returncode == 2 and "setting 1:regn" in r.stderr and not r.stdout
+    assert r.returncode == 2 and "setting 1:regn" in r.stderr and "mix or both" in r.stderr and not r.stdout
 
 
 def test_detached_study_outlasts_its_command_and_wait_brings_the_results(bundle, tmp_path):
