@@ -304,9 +304,10 @@ def _train(
             mine = ctx.my_units([sum(row_tokens[i] for i in mb) for mb in micro])
             return mine, [micro[g] for g in mine]
 
-        # with every row's states cached, the next step's rows are concatenated and copied to the
-        # device while this step runs (train/prefetch.py)
-        prefetcher = BatchPrefetcher(train_h, device) if s.prefetch and train_h.verifier is None else None
+        # with every row's states cached (or, on CUDA, some), the next step's rows are concatenated
+        # and copied to the device while this step runs (train/prefetch.py)
+        prefetch = train_h.verifier is None or (train_h.partial and device.type == "cuda")
+        prefetcher = BatchPrefetcher(train_h, device) if s.prefetch and prefetch else None
         meter = Meter(s.num_depths)
         window_meter = Meter(s.num_depths)
         skipped = history_skipped

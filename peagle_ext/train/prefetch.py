@@ -7,11 +7,13 @@ concatenates into pinned memory and, on CUDA, copies on a side stream; the train
 on that copy's event, not on the host. The examples are the same tensors, value for value, as
 concat_examples(...).to(device): only when they are made changes.
 
-Used when every row's states are cached (in memory or on disk), so the worker never runs the
-verifier; recomputed states and CPU's background extraction keep the synchronous path."""
+Used when every row's states are cached (in memory or on disk), and on CUDA when some are (a partial
+cache): the worker then also runs the verifier pass for the rows not kept, on its side stream, beside
+the step. States recomputed for every row and CPU's background extraction keep the synchronous path."""
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -69,10 +71,12 @@ class BatchPrefetcher:
         return examples
 
     def _load(self, key):
-        exs = [concat_examples(self.source.get_many(list(mb)), pin=self._cuda) for mb in key]
-        if not self._cuda:
-            return [ex.to(self.device) for ex in exs], None
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+            # a partial cache's verifier pass, if any, is queued on the side stream here, and its
+            # states come back to the host before the step's copy below
+            exs = [concat_examples(self.source.get_many(list(mb)), pin=self._cuda) for mb in key]
+            if not self._cuda:
+                return [ex.to(self.device) for ex in exs], None
             out = [ex.to(self.device, non_blocking=True) for ex in exs]
             event = torch.cuda.Event()
             event.record(self._stream)

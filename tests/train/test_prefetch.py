@@ -208,3 +208,61 @@ def test_cuda_training_matches_without_prefetch(tiny, tmp_path):
     wa, wb = load_file(str(a.final_dir / "model.safetensors")), load_file(str(b.final_dir / "model.safetensors"))
     # the same inputs in the same order; CUDA reductions may round differently run to run
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
+
+
+def _partial_cache_gb(tiny, tmp_path, **kw):
+    """A --hidden-cache-gb that keeps validation's rows and one training row, read from what a
+    one-step run without a cache says every row needs."""
+    import json
+
+    from peagle_ext.train import train
+
+    train(settings(tiny, tmp_path / "probe", max_steps=1, hidden_cache_gb=0, **kw))
+    ev = [json.loads(x) for x in (tmp_path / "probe" / "log.jsonl").read_text().splitlines()]
+    need = next(e for e in ev if e.get("event") == "hidden")["need_bytes"]
+    data = next(e for e in ev if e.get("event") == "data")
+    per_row = need / (data["train_rows"] + data["val_rows"])
+    return per_row * (data["val_rows"] + 1.5) / 2**30
+
+
+def test_no_prefetch_for_a_partial_cache_on_cpu(tiny, tmp_path, monkeypatch):
+    """On the CPU a partial cache's verifier pass would share the cores with the step: the loop
+    reads rows itself."""
+    from peagle_ext.train import loop, train
+
+    gb = _partial_cache_gb(tiny, tmp_path, background_hidden=False)
+    made = []
+    monkeypatch.setattr(loop, "BatchPrefetcher", lambda *a, **k: made.append(1))
+    train(settings(tiny, tmp_path / "run", max_steps=2, hidden_cache_gb=gb, background_hidden=False))
+    assert not made
+    log = (tmp_path / "run" / "log.jsonl").read_text()
+    assert '"kept_rows"' in log  # the cache did keep some rows
+
+
+@requires_cuda
+def test_cuda_prefetch_runs_a_partial_caches_verifier_pass_beside_the_step(tiny, tmp_path, monkeypatch):
+    """With some rows' states kept, the worker runs the verifier pass for the others on its side
+    stream: training matches the run with every row cached."""
+    from safetensors.torch import load_file
+
+    from peagle_ext.testing import make_tiny_verifier
+    from peagle_ext.train import loop, train
+
+    made = []
+
+    class Counting(BatchPrefetcher):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(loop, "BatchPrefetcher", Counting)
+    v = make_tiny_verifier(tmp_path / "v128", hidden=128, heads=2)
+    kw = dict(max_steps=5, batch_size=2, device="cuda", dtype="float32")
+    gb = _partial_cache_gb((v, tiny[1]), tmp_path, **kw)
+    a = train(settings((v, tiny[1]), tmp_path / "a", **kw))
+    made.clear()
+    b = train(settings((v, tiny[1]), tmp_path / "b", hidden_cache_gb=gb, **kw))
+    (p,) = made
+    assert p.hits == 4
+    wa, wb = load_file(str(a.final_dir / "model.safetensors")), load_file(str(b.final_dir / "model.safetensors"))
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5) for k in wa)
