@@ -241,8 +241,8 @@ def build_hidden_states(
     elif cache or device.type == "cuda":
         train_h.warm("verifier hidden states (train)", s.progress)
         val_h.warm("verifier hidden states (val)", s.progress)
-    # else (on CPU, some rows kept): each kept row is cached when a step first reads it, so a run of
-    # less than one pass computes no row it does not train on
+    # else (on CPU, not every row kept): a kept row is cached when a step first reads it, so a run
+    # of less than one pass computes no row it does not train on
     if cache and not background and ctx.world == 1:
         ntok_all = inp.train_tokens + sum(int((r.document_ids >= 0).sum()) for r in ds.val_rows)
         dt_h = time.time() - t0
