@@ -206,24 +206,11 @@ def build_hidden_states(
     fit = 0 if cache or ctx.world > 1 or s.hidden_cache_dir else min(int(s.hidden_cache_gb * 2**30 // per_row), n_rows)
     val_kept = min(fit, len(ds.val_rows))
     train_kept = fit - val_kept
-    disks = inp.disks
-    train_h = HiddenStates(
-        inp.verifier,
-        aux_ids,
-        ds.train_rows,
-        cache=train_kept if fit else cache,
-        store_dtype=store_dtype,
-        device=device,
-        disk=disks[0],
-    )
-    val_h = HiddenStates(
-        inp.verifier,
-        aux_ids,
-        ds.val_rows,
-        cache=val_kept if fit else cache,
-        store_dtype=store_dtype,
-        device=device,
-        disk=disks[1],
+    train_h, val_h = (
+        HiddenStates(
+            inp.verifier, aux_ids, rows, cache=kept if fit else cache, store_dtype=store_dtype, device=device, disk=disk
+        )
+        for rows, kept, disk in zip((ds.train_rows, ds.val_rows), (train_kept, val_kept), inp.disks)
     )
     t0 = time.time()
     background = cache and not s.hidden_cache_dir and device.type == "cpu" and s.background_hidden and ctx.world == 1

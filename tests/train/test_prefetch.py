@@ -119,10 +119,9 @@ def test_examples_move_with_non_blocking_copies():
     assert torch.equal(moved.hidden, ex.hidden.float()) and torch.equal(moved.document_ids, ex.document_ids)
 
 
-def test_training_is_bitwise_the_same_with_and_without_prefetch(tiny, tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
-    from peagle_ext.train import loop, train
+def _count_prefetchers(monkeypatch) -> list:
+    """The training loop's BatchPrefetcher, recording every one it makes in the returned list."""
+    from peagle_ext.train import loop
 
     made = []
 
@@ -132,6 +131,15 @@ def test_training_is_bitwise_the_same_with_and_without_prefetch(tiny, tmp_path, 
             made.append(self)
 
     monkeypatch.setattr(loop, "BatchPrefetcher", Counting)
+    return made
+
+
+def test_training_is_bitwise_the_same_with_and_without_prefetch(tiny, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from peagle_ext.train import train
+
+    made = _count_prefetchers(monkeypatch)
     # 14 short chats pack into few rows: batch 2 crosses epoch boundaries within 6 steps
     kw = dict(max_steps=6, batch_size=2, background_hidden=False)
     a = train(settings(tiny, tmp_path / "a", prefetch=False, **kw))
@@ -246,16 +254,9 @@ def test_cuda_prefetch_runs_a_partial_caches_verifier_pass_beside_the_step(tiny,
     from safetensors.torch import load_file
 
     from peagle_ext.testing import make_tiny_verifier
-    from peagle_ext.train import loop, train
+    from peagle_ext.train import train
 
-    made = []
-
-    class Counting(BatchPrefetcher):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    monkeypatch.setattr(loop, "BatchPrefetcher", Counting)
+    made = _count_prefetchers(monkeypatch)
     v = make_tiny_verifier(tmp_path / "v128", hidden=128, heads=2)
     kw = dict(max_steps=5, batch_size=2, device="cuda", dtype="float32")
     gb = _partial_cache_gb((v, tiny[1]), tmp_path, **kw)
