@@ -138,8 +138,9 @@ TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINU
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
 TRAIN_PARALLEL=${TRAIN_PARALLEL:-0}  # 1: train the settings side by side on one GPU (also in the study),
                                    # sharing HIDDEN_CACHE_GB=auto; where their states then do not fit, each
-                                   # step recomputes them: with every conversation (mix, 79 GiB of states)
-                                   # two settings on the H100 host trained at 185 ms a step, against 33 alone
+                                   # step recomputes those of the rows not kept: with every conversation (mix,
+                                   # 79 GiB of states) two settings on the H100 host, keeping no rows as the
+                                   # trainer then did, trained at 185 ms a step, against 33 alone
 STAGGER_TIMEOUT=${STAGGER_TIMEOUT:-90}  # s at most that the next side-by-side training waits for the one before
 PROFILE_STEPS=${PROFILE_STEPS:-5}  # train --profile-steps: where a step's time goes (train/<setting>/profile/),
 PROFILE_WARMUP=${PROFILE_WARMUP:-50}  # after this many steps of each training (0 steps: off)
