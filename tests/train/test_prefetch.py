@@ -225,7 +225,7 @@ def _partial_cache_gb(tiny, tmp_path, **kw):
 
     from peagle_ext.train import train
 
-    train(settings(tiny, tmp_path / "probe", max_steps=1, hidden_cache_gb=0, **kw))
+    train(settings(tiny, tmp_path / "probe", **{**kw, "max_steps": 1, "hidden_cache_gb": 0}))
     ev = [json.loads(x) for x in (tmp_path / "probe" / "log.jsonl").read_text().splitlines()]
     need = next(e for e in ev if e.get("event") == "hidden")["need_bytes"]
     data = next(e for e in ev if e.get("event") == "data")
