@@ -16,7 +16,9 @@ padded tokens a forward): the warm-up's wall time after a warm-up on a few rows,
 its split into verifier passes and shift + copies to the host (the trainer logs the same split), the
 number of verifier forwards and the padding they carried, and on CUDA the peak memory allocated. On
 the CPU the trainer warms row by row (the batched passes are for a GPU), so --cases changes nothing
-there. --profile adds one more warm-up under torch.profiler: device time per pass by kernel class
+there. --attention compares the SDPA backends of the verifier forwards: no-cudnn (the default,
+data.hidden_states.PASS_WITHOUT_CUDNN_ATTENTION) against sdpa (torch's own choice, cuDNN on an H100).
+--profile adds one more warm-up under torch.profiler: device time per pass by kernel class
 (peagle_ext.train.profiling's classes) and the time the device waits for the host, by host op.
 
 Run: python bench/bench_hidden_states.py  (writes $OUT/bench_hidden_states.json or
@@ -35,6 +37,7 @@ import pytest
 import torch
 
 from peagle_ext import data as D
+from peagle_ext.data import hidden_states as HS
 from peagle_ext.testing import smollm2_model as make_model
 from peagle_ext.train.hidden import HiddenStates
 from peagle_ext.train.profiling import describe_by_class
@@ -188,16 +191,23 @@ def main():
         default="16:32768,auto:32768",
         help="comma-separated ROWS:TOKENS (rows a pass or auto for the trainer's default, padded tokens a forward)",
     )
+    ap.add_argument(
+        "--attention",
+        default="no-cudnn,sdpa",
+        help="comma-separated SDPA choices of the verifier forwards: no-cudnn (flash / memory-efficient) | sdpa (torch's choice)",
+    )
     ap.add_argument("--profile", action="store_true", help="profile one more warm-up of each case")
     args = ap.parse_args()
     try:
         cases = [parse_case(c) for c in args.cases.split(",")]
         lo, hi = (int(x) for x in args.doc_tokens.split(","))
+        attentions = args.attention.split(",")
+        if not attentions or any(a not in ("no-cudnn", "sdpa") for a in attentions):
+            raise ValueError(args.attention)
     except ValueError:
         ap.error(
-            f"--cases must be ROWS:TOKENS,... (ints >= 1, ROWS may be auto) and "
-            f"--doc-tokens MIN,MAX, got "
-            f"{args.cases!r} and {args.doc_tokens!r}"
+            f"--cases must be ROWS:TOKENS,... (ints >= 1, ROWS may be auto), --doc-tokens MIN,MAX and "
+            f"--attention no-cudnn and/or sdpa, got {args.cases!r}, {args.doc_tokens!r} and {args.attention!r}"
         )
     if args.rows < 1 or args.seq_len < 2 or not 1 <= lo <= hi:
         ap.error("--rows must be >= 1, --seq-len >= 2, --doc-tokens 1 <= MIN <= MAX")
@@ -209,18 +219,21 @@ def main():
     results, profiles = [], []
     print(f"{len(rows)} rows of {args.seq_len} tokens, documents of {lo}-{hi} tokens, SmolLM2 shape on {dev}")
     print(
-        "| case | rows a pass | forwards | padding | s | tokens/s | verifier passes s | shift + to host s | peak GB |"
+        "| case | attention | rows a pass | forwards | padding | s | tokens/s | verifier passes s | shift + to host s | peak GB |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for case in cases:
-        r = measure(model, rows, case)
-        results.append(r)
-        peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
-        print(
-            f"| {r['case']} | {r['rows_per_pass']} | {r['forwards']} | {r['padding']:.1%} | {r['seconds']:.2f} | "
-            f"{r['tok_s']:.0f} | {r['verifier_s']:.2f} | {r['to_host_s']:.2f} | {peak} |",
-            flush=True,
-        )
+        for attention in attentions:
+            HS.PASS_WITHOUT_CUDNN_ATTENTION = attention == "no-cudnn"
+            r = {**measure(model, rows, case), "attention": attention}
+            results.append(r)
+            peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
+            print(
+                f"| {r['case']} | {attention} | {r['rows_per_pass']} | {r['forwards']} | {r['padding']:.1%} | "
+                f"{r['seconds']:.2f} | {r['tok_s']:.0f} | {r['verifier_s']:.2f} | {r['to_host_s']:.2f} | {peak} |",
+                flush=True,
+            )
+    HS.PASS_WITHOUT_CUDNN_ATTENTION = True
     if args.profile:
         for case in cases:
             profiles.append(profile_warm(model, rows, case))

@@ -3,6 +3,8 @@ per document (documents never attend each other)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .records import PackedSequence
@@ -16,6 +18,22 @@ from .verifier import check_aux_layer_ids, decoder_parts
 # pass padded the documents by 64%, 113 rows (1 GiB) by 14%, in 40% fewer forwards.
 PASS_STATE_BYTES = 1 << 30
 PASS_TOKENS = 32768
+
+# cuDNN's SDPA builds an execution plan for each new (documents, longest) shape, tens of ms of host
+# time, and grouping documents by length gives nearly every forward here a new shape; flash and
+# memory-efficient attention plan nothing. True: the forwards here leave cuDNN out.
+PASS_WITHOUT_CUDNN_ATTENTION = True
+
+
+def _pass_attention(device: torch.device):
+    """The SDPA backends of this module's verifier forwards (PASS_WITHOUT_CUDNN_ATTENTION). The
+    choice is process-wide while it lasts; another thread's SDPA in that window takes another
+    exact kernel, never another result beyond float rounding."""
+    if device.type != "cuda" or not PASS_WITHOUT_CUDNN_ATTENTION:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def rows_per_pass(verifier, rows: list, n_aux: int, state_bytes: int | None = None) -> int:
@@ -133,7 +151,8 @@ def verifier_hidden_states_many(
             for b, (s, e, j) in enumerate(batch):
                 x[b, : e - s] = input_ids[j][s:e]
             captured.clear()
-            base(input_ids=x, use_cache=False)  # right padding: causal attention needs no mask
+            with _pass_attention(device):
+                base(input_ids=x, use_cache=False)  # right padding: causal attention needs no mask
             for b, (s, e, j) in enumerate(batch):
                 n = e - s
                 aux, last = outs[j]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from peagle_ext import data as D
+from tests.helpers import requires_cuda
 
 CHATML = (
     "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
@@ -453,6 +454,35 @@ def test_verifier_hidden_states_of_many_rows_equal_each_row_alone(rng):
     assert D.verifier_hidden_states_many(model, [empty], ids)[0][0].shape == (50, 3 * model.config.hidden_size)
     with pytest.raises(TypeError, match="PackedSequence"):
         D.verifier_hidden_states_many(model, [rows[0], "row"], ids)
+
+
+@requires_cuda
+def test_verifier_passes_on_cuda_leave_cudnn_attention_out(rng):
+    """A batched pass's forwards have shapes that rarely repeat, and cuDNN's SDPA plans each new
+    one for tens of ms: on CUDA the pass runs no cuDNN attention, gives the states that torch's own
+    choice gives (to bf16 rounding), and leaves the process's SDPA backends as it found them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from peagle_ext.data import hidden_states as HS
+
+    model = _tiny_model("llama", 300).to("cuda", torch.bfloat16)
+    rows = [D.pack_conversations(_rand_tokenized(rng, 5, 1, 40), 120, pad_token_id=0)[0] for _ in range(3)]
+    ids = [0, 2, model.config.num_hidden_layers]
+    before = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ours = D.verifier_hidden_states_many(model, rows, ids)
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    ran = {e.name for e in prof.events()}
+    assert "aten::scaled_dot_product_attention" in ran
+    assert not any("cudnn_attention" in n for n in ran)
+    HS.PASS_WITHOUT_CUDNN_ATTENTION = False
+    try:
+        theirs = D.verifier_hidden_states_many(model, rows, ids)
+    finally:
+        HS.PASS_WITHOUT_CUDNN_ATTENTION = True
+    for mine, torchs in zip(ours, theirs):
+        for x, y in zip(mine, torchs):  # aux, last
+            torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_recomputed_hidden_states_of_a_step_come_from_one_batched_pass(rng, monkeypatch):
