@@ -363,13 +363,31 @@ def test_gguf_parts_fill_what_each_run_leaves_beside_the_repository():
     first, later = db.part_sizes(gguf, repo, setup)
     assert first + setup + repo + db.GROWTH_HEADROOM == db.CARRY_LIMIT
     assert later + repo + db.GROWTH_HEADROOM == db.CARRY_LIMIT
-    assert first + later >= gguf  # two parts: one run each
+    assert first + 2 * later >= gguf  # three parts: one run each
     assert db.part_sizes(10 * mib, repo, setup) == (10 * mib, later)
     with pytest.raises(SystemExit, match="leave no room for a GGUF part"):
         db.part_sizes(gguf, 58 * mib, setup)
     tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True)
     some = [f for f in tracked.stdout.split("\n") if f][:50]
     assert db.repository_bytes(ROOT) >= sum((ROOT / f).stat().st_size for f in some if (ROOT / f).is_file()) > 0
+
+
+def test_check_says_which_runs_no_longer_fit_beside_the_repository(tmp_path, capsys):
+    """check: a pack's runs against the repository's size now; over the limit is exit 1 naming the
+    run and the re-pack command, a directory without a manifest exit 2 naming the file."""
+    db = _device_bundle()
+    mib = 2**20
+    runs = [{"carry": ["gguf.part00"], "mib": 40.0}, {"carry": ["gguf.part01"], "mib": 50.0}]
+    (tmp_path / "MANIFEST.json").write_text(json.dumps({"runs": runs}))
+    assert db.check(tmp_path, repo_bytes=10 * mib) == 0
+    assert db.check(tmp_path, repo_bytes=15 * mib) == 1
+    out = capsys.readouterr()
+    assert "run 2:  65.0 MiB" in out.out
+    assert "run(s) [2]" in out.err and "pack" in out.err and "--keep-data" in out.err
+    with pytest.raises(SystemExit) as e:
+        db.check(tmp_path / "missing")
+    assert e.value.code == 2
+    assert "MANIFEST.json" in capsys.readouterr().err
 
 
 def test_kept_regenerated_data_goes_back_only_where_it_belongs(tmp_path, capsys):

@@ -15,6 +15,10 @@ a limit on the files each run may carry: written here, joined there.
         BUNDLE/gguf/                  the pure-Python `gguf` package transformers reads GGUF with,
         BUNDLE/gguf-*.dist-info/      and its metadata (transformers checks its version)
         BUNDLE/MANIFEST.json          sizes and sha256 of everything, and which files a run carries
+    python tools/device_bundle.py check BUNDLE
+        whether each run in BUNDLE/MANIFEST.json still fits the 64 MiB beside the repository as it is
+        now (exit 1 naming the runs that do not: pack again with --keep-data, which cuts the GGUF anew
+        and keeps the data); run it before the first device call of a session
     python tools/device_bundle.py join BUNDLE [--if-complete]
         joins the parts into BUNDLE/verifier.gguf (checking the sha256) and converts it into the
         transformers directory BUNDLE/verifier/ (peagle_ext.data.convert_gguf_to_hf)
@@ -90,7 +94,8 @@ def truncate_conversation(tokenizer, messages: list[dict], max_tokens: int, marg
 
 
 CARRY_LIMIT = 64 * 2**20  # bytes a device call carries, the repository's files included
-GROWTH_HEADROOM = 4 * 2**20  # what the repository may grow by between the pack and the runs
+GROWTH_HEADROOM = 12 * 2**20  # what the repository may grow by between the pack and the runs (a study
+# session's results add a few MiB; `check` says when a pack no longer fits)
 
 
 def repository_bytes(root: Path) -> int:
@@ -218,6 +223,32 @@ def pack(bundle: Path, max_tokens: int, part_mib: float | None, limit: int | Non
             "pack again with a smaller --part-mib",
             file=sys.stderr,
         )
+
+
+def check(bundle: Path, repo_bytes: int | None = None) -> int:
+    """0 when every run of the bundle's manifest fits CARRY_LIMIT beside the repository (its size
+    now, or repo_bytes), else 1; one line per run either way."""
+    man_path = bundle / "MANIFEST.json"
+    try:
+        runs = json.loads(man_path.read_text())["runs"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"device_bundle check: {man_path} is not a bundle manifest ({e}); pack the bundle first", file=sys.stderr)
+        raise SystemExit(2) from None
+    repo = repository_bytes(Path(__file__).resolve().parents[1]) if repo_bytes is None else repo_bytes
+    over = []
+    for i, r in enumerate(runs, 1):
+        total = r["mib"] * 2**20 + repo
+        print(f"run {i}: {total / 2**20:5.1f} MiB with the repository's {repo / 2**20:.1f} ({' '.join(r['carry'])})")
+        if total > CARRY_LIMIT:
+            over.append(i)
+    if over:
+        print(
+            f"device_bundle check: run(s) {over} carry more than {CARRY_LIMIT >> 20} MiB: "
+            f"python tools/device_bundle.py pack {bundle} --keep-data",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _carried_by_setup(top: str) -> bool:
@@ -380,6 +411,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--limit", type=int, default=None, help="first N conversations only (a quick check)")
     p.add_argument("--keep-data", action="store_true", help="keep BUNDLE/sharegpt.jsonl.xz of an earlier pack")
+    c = sub.add_parser("check")
+    c.add_argument("bundle")
     j = sub.add_parser("join")
     j.add_argument("bundle")
     j.add_argument("--if-complete", action="store_true", help="exit 0 without joining while parts are missing")
@@ -404,6 +437,8 @@ def main(argv=None) -> int:
         if a.part_mib is not None and not a.part_mib > 0:
             ap.error(f"--part-mib must be > 0, got {a.part_mib}")
         pack(Path(a.bundle), a.max_tokens, a.part_mib, a.limit, a.keep_data)
+    elif a.cmd == "check":
+        return check(Path(a.bundle))
     elif a.cmd == "join":
         join(Path(a.bundle), a.if_complete)
     elif a.cmd == "save-regen":
