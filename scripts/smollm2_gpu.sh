@@ -67,11 +67,13 @@
 # On a machine that takes at most 64 MiB and 10 minutes a call and is held at most 30 minutes (the
 # bundle's MANIFEST.json lists what each call carries), in calls that follow each other on one held
 # machine; the long phases run with --detach (they outlast a call) and `wait` follows them:
+#   0. here, before the machine starts: `python tools/device_bundle.py check .bundle` (the repository
+#      grows between sessions; when a run no longer fits, it prints the re-pack command)
 #   1. carry .bundle/{gguf,verifier,gguf-0.19.0.dist-info,MANIFEST.json,gguf.part00}:
 #      `bash scripts/smollm2_gpu.sh --bundle .bundle setup` (build; the GGUF waits for its part)
-#   2. carry .bundle/gguf.part01: `... setup` (join, convert; beside ShareGPT the part and the
-#      repository pass the 64 MiB). A GGUF cut in more parts (MANIFEST.json's runs) carries the
-#      small last one with step 3, whose `data` joins and converts it
+#   2. carry .bundle/gguf.part01, then each later part (MANIFEST.json's runs) in a call of its own:
+#      `... setup` (the last part joins and converts; beside ShareGPT a part and the repository pass
+#      the 64 MiB). A last part small enough rides with step 3, whose `data` joins and converts it
 #   3. carry .bundle/{sharegpt.jsonl.xz,regen.json,regen.tar.xz.partNN,mtbench.jsonl,humaneval.jsonl}:
 #      `... data` (split, and an earlier session's kept data put back), then either DATAGEN_SECONDS=400
 #      `... datagen keep` in the foreground (the regenerated data comes back with the call, so a
@@ -107,7 +109,8 @@ SEQ=${SEQ:-2048}
 # and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has);
 # both: every original conversation and every regenerated one besides (the most training tokens: with
 # 15,360 regenerated, mix packs 12.0M and overfits after about nine passes; both's states outgrow the H100
-# host's memory, so the trainer keeps what fits and recomputes the rest).
+# host's memory, so the trainer keeps what fits and recomputes the rest: with 34% recomputed a step took
+# 231 ms against 60, mostly cuDNN planning each new attention shape, which the passes now leave out).
 # The default (with K and OPTIMIZER below): the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
 SETTINGS=${SETTINGS:-"4:mix"}
 MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has an answer that ends in a
