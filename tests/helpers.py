@@ -104,6 +104,22 @@ def train_settings(tiny, out, **kw):
     return TrainSettings(**{**base, **kw})
 
 
+def hidden_state_bytes(make_settings, tiny, out, **kw) -> tuple[float, int, int]:
+    """(bytes one row's verifier states take, train rows, validation rows), read from the `hidden`
+    and `data` events of a one-step run without a hidden-state cache made by make_settings(tiny,
+    out, **kw): what a --hidden-cache-gb keeping a chosen number of rows is computed from."""
+    import json
+
+    from peagle_ext.train import train
+
+    train(make_settings(tiny, out, **{**kw, "max_steps": 1, "hidden_cache_gb": 0}))
+    ev = [json.loads(x) for x in (Path(out) / "log.jsonl").read_text().splitlines()]
+    need = next(e for e in ev if e.get("event") == "hidden")["need_bytes"]
+    data = next(e for e in ev if e.get("event") == "data")
+    n_train, n_val = data["train_rows"], data["val_rows"]
+    return need / (n_train + n_val), n_train, n_val
+
+
 def hypothesis_settings(n: int, suppress_health_check):
     """hypothesis settings for one property: n examples (times PEAGLE_HYPOTHESIS_SCALE), no
     deadline, no example database, derandomized so CI sees the same examples every run unless

@@ -10,7 +10,7 @@ from peagle_ext.data import TrainingExample
 from peagle_ext.train import dataset as train_dataset
 from peagle_ext.train.dataset import concat_examples, epoch_order, take_rows
 from peagle_ext.train.prefetch import BatchPrefetcher
-from tests.helpers import requires_cuda, train_settings
+from tests.helpers import hidden_state_bytes, requires_cuda, train_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -219,18 +219,9 @@ def test_cuda_training_matches_without_prefetch(tiny, tmp_path):
 
 
 def _partial_cache_gb(tiny, tmp_path, **kw):
-    """A --hidden-cache-gb that keeps validation's rows and one training row, read from what a
-    one-step run without a cache says every row needs."""
-    import json
-
-    from peagle_ext.train import train
-
-    train(settings(tiny, tmp_path / "probe", **{**kw, "max_steps": 1, "hidden_cache_gb": 0}))
-    ev = [json.loads(x) for x in (tmp_path / "probe" / "log.jsonl").read_text().splitlines()]
-    need = next(e for e in ev if e.get("event") == "hidden")["need_bytes"]
-    data = next(e for e in ev if e.get("event") == "data")
-    per_row = need / (data["train_rows"] + data["val_rows"])
-    return per_row * (data["val_rows"] + 1.5) / 2**30
+    """A --hidden-cache-gb that keeps validation's rows and one training row."""
+    per_row, _, n_val = hidden_state_bytes(settings, tiny, tmp_path / "probe", **kw)
+    return per_row * (n_val + 1.5) / 2**30
 
 
 def test_no_prefetch_for_a_partial_cache_on_cpu(tiny, tmp_path, monkeypatch):

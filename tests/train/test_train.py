@@ -10,7 +10,7 @@ import torch
 
 import peagle_ext.train as T
 from peagle_ext.testing import make_chat_jsonl, make_tiny_verifier
-from tests.helpers import requires_cuda, run_cli, train_settings
+from tests.helpers import hidden_state_bytes, requires_cuda, run_cli, train_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -414,12 +414,8 @@ def test_a_cache_too_small_for_every_row_keeps_what_fits(tiny, tmp_path):
     from peagle_ext.train import train
 
     mem = train(settings(tiny, tmp_path / "mem", max_steps=3, batch_size=3))
-    train(settings(tiny, tmp_path / "rec", max_steps=1, batch_size=3, hidden_cache_gb=0))  # the bytes it needs
-    ev = [json.loads(x) for x in (tmp_path / "rec" / "log.jsonl").read_text().splitlines()]
-    need = next(e for e in ev if e.get("event") == "hidden")["need_bytes"]
-    data = next(e for e in ev if e.get("event") == "data")
-    n_train, n_val = data["train_rows"], data["val_rows"]
-    per_row = need / (n_train + n_val)
+    per_row, n_train, n_val = hidden_state_bytes(settings, tiny, tmp_path / "rec", batch_size=3)
+    need = per_row * (n_train + n_val)
     kept = n_val + 1  # validation's rows and one training row
     part = train(
         settings(tiny, tmp_path / "part", max_steps=3, batch_size=3, hidden_cache_gb=per_row * (kept + 0.5) / 2**30)
