@@ -241,20 +241,22 @@ def test_no_prefetch_for_a_partial_cache_on_cpu(tiny, tmp_path, monkeypatch):
 @requires_cuda
 def test_cuda_prefetch_runs_a_partial_caches_verifier_pass_beside_the_step(tiny, tmp_path, monkeypatch):
     """With some rows' states kept, the worker runs the verifier pass for the others on its side
-    stream: training matches the run with every row cached."""
+    stream: training matches the same partial cache read by the loop itself. (Against every row
+    cached it would not match this closely: the warm-up's passes batch other documents together,
+    so the states differ by float rounding, which a few optimizer steps amplify.)"""
     from safetensors.torch import load_file
 
     from peagle_ext.testing import make_tiny_verifier
     from peagle_ext.train import train
 
-    made = _count_prefetchers(monkeypatch)
     v = make_tiny_verifier(tmp_path / "v128", hidden=128, heads=2)
     kw = dict(max_steps=5, batch_size=2, device="cuda", dtype="float32")
     gb = _partial_cache_gb((v, tiny[1]), tmp_path, **kw)
-    a = train(settings((v, tiny[1]), tmp_path / "a", **kw))
-    made.clear()
-    b = train(settings((v, tiny[1]), tmp_path / "b", hidden_cache_gb=gb, **kw))
+    made = _count_prefetchers(monkeypatch)
+    a = train(settings((v, tiny[1]), tmp_path / "a", hidden_cache_gb=gb, prefetch=False, **kw))
+    assert not made
+    b = train(settings((v, tiny[1]), tmp_path / "b", hidden_cache_gb=gb, prefetch=True, **kw))
     (p,) = made
     assert p.hits == 4
     wa, wb = load_file(str(a.final_dir / "model.safetensors")), load_file(str(b.final_dir / "model.safetensors"))
-    assert all(torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5) for k in wa)
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
