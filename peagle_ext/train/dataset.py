@@ -99,16 +99,47 @@ def prepare_data(s: TrainSettings, tokenizer, vocab_size: int, log: RunLog) -> D
 
 def concat_examples(examples, pin: bool = False):
     """Packed rows side by side as one sequence; document ids offset so rows never mix.
-    pin: the result's tensors in pinned host memory (for asynchronous copies to a GPU)."""
+    The rows are on one device; pin: the result's tensors in pinned host memory (for
+    asynchronous copies to a GPU)."""
     if len(examples) == 1 and not pin:
         return examples[0]
-    docs, off = [], 0
-    for ex in examples:
-        d = ex.document_ids.to(torch.int32)
-        docs.append(torch.where(d >= 0, d + off, d))
-        if bool((d >= 0).any()):
-            off += int(d.max()) + 1
+    return _cat_fields(examples, _offset_documents([ex.document_ids for ex in examples]), pin)
 
+
+def examples_to(examples, device, pin: bool = False):
+    """concat_examples(examples).to(device), value for value, for rows on the host, on `device`,
+    or some on each (a partial cache's rows: kept ones on the host, recomputed ones where the
+    verifier ran). Host rows cross in one copy per field (pin: from pinned memory, asynchronously:
+    the caller orders the streams); rows already on the device stay there instead of a round trip
+    through the host."""
+    device = torch.device(device)
+    on_host = [ex.hidden.device.type == "cpu" for ex in examples]
+    if device.type == "cpu" or all(on_host):
+        pin = pin and device.type != "cpu"
+        return concat_examples(examples, pin=pin).to(device, non_blocking=pin)
+    host = [ex for ex, h in zip(examples, on_host) if h]
+    if host:
+        block = _cat_fields(host, [ex.document_ids.to(torch.int32) for ex in host], pin)
+        moved = iter(_split_rows(block.to(device, non_blocking=pin), [len(ex) for ex in host]))
+        examples = [next(moved) if h else ex for ex, h in zip(examples, on_host)]
+    return concat_examples(examples)
+
+
+def _offset_documents(docs: list) -> list:
+    """Each row's document ids (>= 0; -1 padding) shifted past the rows before it. The running
+    offset is a tensor, so rows on a GPU need no synchronization with the host."""
+    out, off = [], None
+    for d in docs:
+        d = d.to(torch.int32)
+        out.append(d if off is None else torch.where(d >= 0, d + off, d))
+        if d.numel():
+            # a row of padding only (max -1) adds nothing
+            step = d.amax().add(1).clamp_(min=0)
+            off = step if off is None else off + step
+    return out
+
+
+def _cat_fields(examples, docs: list, pin: bool):
     def cat(parts):
         if not pin:
             return torch.cat(parts)
@@ -122,6 +153,11 @@ def concat_examples(examples, pin: bool = False):
         hidden=cat([e.hidden for e in examples]),
         last_hidden=cat([e.last_hidden for e in examples]),
     )
+
+
+def _split_rows(ex, sizes: list[int]) -> list:
+    parts = [getattr(ex, f).split(sizes) for f in ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden")]
+    return [D.TrainingExample(*fields) for fields in zip(*parts)]
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:

@@ -19,8 +19,9 @@ class HiddenStates:
     passes (get_many's recomputed steps, warming the cache on a GPU) agree to float rounding.
 
     `cache`: True keeps every row's states in memory, False none, an int n the first n rows'.
-    With some rows kept and some not, every row comes back on the host in `store_dtype`, so a
-    step's rows look alike whichever way they came."""
+    With some rows kept and some not, every row comes back in `store_dtype`, so a step's rows
+    look alike whichever way they came: kept rows on the host, rows recomputed by get_many where
+    the verifier runs (train.dataset.examples_to puts a step's rows together on its device)."""
 
     ROWS_PER_SHARD = 16
 
@@ -74,10 +75,13 @@ class HiddenStates:
         rows = [self.rows[i] for i in todo]
         budget = max(sum(len(r) for r in rows), 4096)
         states = D.verifier_hidden_states_many(self.verifier, rows, self.aux, token_budget=budget)
-        fresh = [D.eagle_shift(r, aux, last) for r, (aux, last) in zip(rows, states)]
+        got = {i: D.eagle_shift(r, aux, last) for i, r, (aux, last) in zip(todo, rows, states)}
         if self.partial:
-            fresh = D.examples_to_host(fresh, self.store_dtype)
-        got = dict(zip(todo, fresh))
+            # kept rows go to host memory; the others stay where the verifier ran (a GPU: the step
+            # reads them there, examples_to), in the store dtype all rows share
+            keep = [i for i in todo if self.kept(i)]
+            got.update(zip(keep, D.examples_to_host([got[i] for i in keep], self.store_dtype)))
+            got.update((i, got[i].to(dtype=self.store_dtype)) for i in todo if not self.kept(i))
         for i, ex in got.items():
             if self.kept(i):
                 self._mem[i] = ex

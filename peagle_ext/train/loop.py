@@ -39,7 +39,7 @@ from .checkpoint import (
     set_rng_state,
     test_pause,
 )
-from .dataset import cod_seed, concat_examples, epoch_order, take_rows
+from .dataset import cod_seed, epoch_order, examples_to, take_rows
 from .distributed import DistContext
 from .early_stop import StopRule
 from .hidden import HiddenStates
@@ -338,7 +338,7 @@ def _train(
                     ahead = take_rows(order, cursor, epoch, rows_per_step, n_rows, s.seed)[0]
                     prefetcher.schedule(my_units(ahead)[1])
             else:
-                examples = [concat_examples(train_h.get_many(mb)).to(device) for mb in my_rows]
+                examples = [examples_to(train_h.get_many(mb), device) for mb in my_rows]
             profiler.enter("layout")
             layouts = [model.sample_layout(ex, seed=cod_seed(s.seed, step, g)) for g, ex in zip(mine, examples)]
             weights = [
@@ -545,7 +545,7 @@ def evaluate(model: PEagleDraftModel, hs: HiddenStates, s: TrainSettings, autoca
     per_group = {}
     for g in ctx.eval_units(len(groups)) if distributed else range(len(groups)):
         j = g if g >= 0 else next(iter(per_group), 0)  # -1: a padding forward (FSDP), result dropped
-        ex = concat_examples(hs.get_many(groups[j])).to(device)
+        ex = examples_to(hs.get_many(groups[j]), device)
         lay = model.sample_layout(ex, seed=cod_seed(s.seed + 1, 10**9, j))
         with autocast():
             _, met = fwd(ex, lay)

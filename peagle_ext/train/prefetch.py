@@ -5,7 +5,7 @@ of ~150 MB for 16 SmolLM2 rows of 2048) and copied to the device from pageable m
 device then waits for. Here one worker thread does both for step s+1 while step s runs: it
 concatenates into pinned memory and, on CUDA, copies on a side stream; the training stream waits
 on that copy's event, not on the host. The examples are the same tensors, value for value, as
-concat_examples(...).to(device): only when they are made changes.
+dataset.examples_to's without prefetch: only when they are made changes.
 
 Used when every row's states are cached (in memory or on disk), and on CUDA when some are (a partial
 cache): the worker then also runs the verifier pass for the rows not kept, on its side stream, beside
@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .dataset import concat_examples
+from .dataset import examples_to
 
 
 def _fields(ex):
@@ -72,12 +72,11 @@ class BatchPrefetcher:
 
     def _load(self, key):
         with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
-            # a partial cache's verifier pass, if any, is queued on the side stream here, and its
-            # states come back to the host before the step's copy below
-            exs = [concat_examples(self.source.get_many(list(mb)), pin=self._cuda) for mb in key]
+            # a partial cache's verifier pass, if any, is queued on the side stream here; its
+            # states stay on the device beside the kept rows' copy
+            out = [examples_to(self.source.get_many(list(mb)), self.device, pin=self._cuda) for mb in key]
             if not self._cuda:
-                return [ex.to(self.device) for ex in exs], None
-            out = [ex.to(self.device, non_blocking=True) for ex in exs]
+                return out, None
             event = torch.cuda.Event()
             event.record(self._stream)
         return out, event

@@ -509,7 +509,7 @@ def test_recomputed_hidden_states_of_a_step_come_from_one_batched_pass(rng, monk
 def test_a_partial_cache_keeps_its_rows_and_recomputes_the_rest_in_one_pass(rng, monkeypatch):
     """HiddenStates(cache=n) keeps the first n rows' states once computed and recomputes the others
     at every use: a step's rows still take one batched verifier pass (for the rows not in memory),
-    every row comes back on the host in store_dtype whichever way it came, the values are the
+    every row comes back in store_dtype whichever way it came (on the CPU, on the host), the values are the
     row-by-row ones (to float rounding), and a warm-up computes the kept rows only."""
     from peagle_ext.train.hidden import HiddenStates
 
@@ -551,6 +551,28 @@ def test_a_partial_cache_keeps_its_rows_and_recomputes_the_rest_in_one_pass(rng,
     assert not none.cache and not none.partial and none.get(0).hidden.dtype == torch.float64
     with pytest.raises(ValueError, match="row count >= 0"):
         HiddenStates(model, ids, rows, cache=-1, store_dtype=torch.float64, device="cpu")
+
+
+@requires_cuda
+def test_a_partial_caches_recomputed_rows_stay_on_the_gpu(rng):
+    """On a GPU, get_many keeps the rows it recomputes (not kept) on the device, in store_dtype,
+    and the kept ones in host memory; side by side on the device they equal the rows brought to
+    the host and put together there."""
+    from peagle_ext.train.dataset import concat_examples, examples_to
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300).cuda()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(5)]
+    hs = HiddenStates(model, [1, 2, 3], rows, cache=2, store_dtype=torch.bfloat16, device=torch.device("cuda"))
+    idx = [4, 0, 3, 1]
+    got = hs.get_many(idx)
+    for i, ex in zip(idx, got):
+        assert ex.hidden.dtype == ex.last_hidden.dtype == torch.bfloat16
+        assert ex.hidden.device.type == ("cpu" if hs.kept(i) else "cuda")
+    on_host = [ex.to("cpu") for ex in got]
+    want, mine = concat_examples(on_host).to("cuda"), examples_to(got, "cuda")
+    for f in ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden"):
+        assert torch.equal(getattr(mine, f), getattr(want, f)), f
 
 
 def test_cache_warmed_in_batched_passes_equals_row_by_row(rng, monkeypatch):

@@ -190,12 +190,12 @@ def test_nan_step_is_skipped(tiny, tmp_path, monkeypatch):
     import dataclasses
 
     import peagle_ext.train as T
-    from peagle_ext.train.dataset import concat_examples as orig
+    from peagle_ext.train.dataset import examples_to as orig
 
     calls = {"n": 0}
 
-    def poisoned(examples):
-        ex = orig(examples)
+    def poisoned(examples, device, **kw):
+        ex = orig(examples, device, **kw)
         calls["n"] += 1
         if calls["n"] == 2:  # the 2nd training step's micro-batch gets a NaN hidden state
             hidden = ex.hidden.clone()
@@ -203,7 +203,7 @@ def test_nan_step_is_skipped(tiny, tmp_path, monkeypatch):
             ex = dataclasses.replace(ex, hidden=hidden)
         return ex
 
-    monkeypatch.setattr("peagle_ext.train.loop.concat_examples", poisoned)
+    monkeypatch.setattr("peagle_ext.train.loop.examples_to", poisoned)
     out = tmp_path / "nan"
     r = T.train(settings(tiny, out, max_steps=3, checkpoint_every=1, keep_checkpoints=3, val_every=100))
     assert r.skipped_steps == 1
