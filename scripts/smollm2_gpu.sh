@@ -109,8 +109,9 @@ SEQ=${SEQ:-2048}
 # and original elsewhere (the drafter learns the verifier's distribution over more contexts than regen has);
 # both: every original conversation and every regenerated one besides (the most training tokens: with
 # 15,360 regenerated, mix packs 12.0M and overfits after about nine passes; both's states outgrow the H100
-# host's memory, so the trainer keeps what fits and recomputes the rest: with 34% recomputed a step took
-# 231 ms against 60, mostly cuDNN planning each new attention shape, which the passes now leave out).
+# host's memory, so the trainer keeps what fits and recomputes the rest: with 34% recomputed a step takes
+# 250 ms against 60, of which ~120 ms are the step's two eager verifier forwards, bound by the host's
+# kernel launches, and ~40 ms their states' round trip through host memory, which they now skip).
 # The default (with K and OPTIMIZER below): the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
 SETTINGS=${SETTINGS:-"4:mix"}
 MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has an answer that ends in a
