@@ -152,6 +152,9 @@ HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-auto}  # GiB of host memory per training for 
                                    # (cached: no verifier pass per step; past it they are recomputed every
                                    # step). auto: 75% of the memory available at the start (~91 on the
                                    # H200 host), shared by the trainings that run at once
+HIDDEN_CACHE_DTYPE=${HIDDEN_CACHE_DTYPE:-auto}  # train --hidden-cache-dtype: fp8 stores the states in half
+                                   # bf16's bytes (both's 140 GiB of bf16 fit the H100 host's 93 as fp8), and the
+                                   # drafter trains on states rounded to fp8 (not yet measured on a GPU)
 PREFETCH=${PREFETCH:-1}            # train --prefetch: the next step's cached states copied during this one
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
                                    # validation, final save and exit; a training still running then
@@ -411,7 +414,7 @@ train_one() {  # setting: train it (or resume it) until done or TRAIN_MINUTES
     --draft-vocab-size "$DRAFT_VOCAB" --batch-size "$BATCH" --lr "$LR" --optimizer "$OPTIMIZER" --warmup-steps "$WARMUP" \
     --max-steps "$MAX_STEPS" --val-fraction "$VAL_FRACTION" --val-every "$VAL_EVERY" --checkpoint-every "$CHECKPOINT_EVERY" \
     --early-stop-patience "$PATIENCE" --max-minutes "$TRAIN_MINUTES" --time-schedule "$([ "$TIME_SCHEDULE" = 1 ] && echo true || echo false)" \
-    --hidden-cache-gb "$HIDDEN_CACHE_GB" --prefetch "$([ "$PREFETCH" = 1 ] && echo true || echo false)" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
+    --hidden-cache-gb "$HIDDEN_CACHE_GB" --hidden-cache-dtype "$HIDDEN_CACHE_DTYPE" --prefetch "$([ "$PREFETCH" = 1 ] && echo true || echo false)" --profile-steps "$PROFILE_STEPS" --profile-warmup "$PROFILE_WARMUP" \
     --no-progress "${resume[@]}" \
     > "$WORK/logs/train_$name.log" 2>&1 || rc=$?
   tail -12 "$WORK/logs/train_$name.log" | sed "s/^/[$s] /" | tee -a "$SUMMARY"

@@ -219,6 +219,8 @@ CONFIG_CASES = [
     ("grad_clip: .nan", "--grad-clip must be a number, got NaN"),
     ("lr: .inf", "--lr must be finite"),
     ("hidden_cache_gb: -1", "--hidden-cache-gb must be a finite number >= 0"),
+    ("hidden_cache_dtype: fp16", "--hidden-cache-dtype must be auto or fp8"),
+    ("{hidden_cache_dtype: fp8, hidden_cache_dir: c}", "--hidden-cache-dtype fp8 is for states kept in memory"),
     ("output: ''", "--output must name a directory"),
     ("rms_eps: 1", "unknown option 'rms_eps'"),
     ("[1, 2]", "must hold a mapping"),

@@ -188,6 +188,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"for the step's rows. Default {d.hidden_cache_gb}",
     )
     g.add_argument(
+        "--hidden-cache-dtype",
+        choices=("auto", "fp8"),
+        help="how the states kept in memory are stored: auto = the training's dtype (bf16 under autocast); "
+        "fp8 = float8 e4m3 with a scale per position, half the memory of bf16, so twice the rows fit "
+        "(the drafter then trains on states rounded to fp8). Default auto",
+    )
+    g.add_argument(
         "--hidden-cache-dir",
         help="store verifier hidden states here (resumable; reused by later runs on the same data and settings)",
     )

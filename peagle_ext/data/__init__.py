@@ -23,7 +23,7 @@ Conventions (those of vLLM / speculators, so a drafter trained here serves in vL
 - EAGLE shift: see shift.eagle_shift.
 """
 
-from .cache import HiddenStateCache, packed_fingerprint
+from .cache import HiddenStateCache, dequantize_fp8, packed_fingerprint, quantize_fp8
 from .chat import (
     TokenizeStats,
     assistant_char_spans,
@@ -70,6 +70,8 @@ __all__ = [
     "examples_to_host",
     "rows_per_pass",
     "HiddenStateCache",
+    "dequantize_fp8",
+    "quantize_fp8",
     "packed_fingerprint",
     "TokenizeStats",
     "assistant_char_spans",

@@ -200,7 +200,14 @@ def build_hidden_states(
     vcfg, ds, aux_ids = inp.verifier_config, inp.dataset, inp.aux_layer_ids
     feat = (len(aux_ids) + 1) * int(vcfg.hidden_size)
     store_dtype = torch.bfloat16 if amp is not None else torch.float32
-    per_row = s.seq_len * feat * (2 if store_dtype == torch.bfloat16 else 4)
+    fp8 = s.hidden_cache_dtype == "fp8"
+    if fp8 and ctx.world > 1:
+        raise TrainError(
+            "--hidden-cache-dtype fp8 keeps states in one process's memory; under torchrun the ranks share "
+            "an on-disk cache: peagle hidden-states --dtype fp8, then --hidden-cache-dir"
+        )
+    # a position's bytes: fp8 stores one byte a feature plus a float32 scale for each of the two tensors
+    per_row = s.seq_len * (feat + 8 if fp8 else feat * (2 if store_dtype == torch.bfloat16 else 4))
     n_rows = len(ds.train_rows) + len(ds.val_rows)
     cache = per_row * n_rows <= s.hidden_cache_gb * 2**30
     fit = 0 if cache or ctx.world > 1 or s.hidden_cache_dir else min(int(s.hidden_cache_gb * 2**30 // per_row), n_rows)
@@ -208,7 +215,14 @@ def build_hidden_states(
     train_kept = fit - val_kept
     train_h, val_h = (
         HiddenStates(
-            inp.verifier, aux_ids, rows, cache=kept if fit else cache, store_dtype=store_dtype, device=device, disk=disk
+            inp.verifier,
+            aux_ids,
+            rows,
+            cache=kept if fit else cache,
+            store_dtype=store_dtype,
+            device=device,
+            disk=disk,
+            fp8=fp8,
         )
         for rows, kept, disk in zip((ds.train_rows, ds.val_rows), (train_kept, val_kept), inp.disks)
     )
@@ -223,7 +237,7 @@ def build_hidden_states(
         log.event(
             "hidden",
             f"verifier hidden states for {n_rows} rows: computed on a "
-            "background thread while training runs (kept in memory)",
+            f"background thread while training runs (kept in memory{' as fp8' if fp8 else ''})",
         )
     elif cache or device.type == "cuda":
         train_h.warm("verifier hidden states (train)", s.progress)
@@ -241,7 +255,7 @@ def build_hidden_states(
         )
         log.event(
             "hidden",
-            f"verifier hidden states for {n_rows} rows cached in memory "
+            f"verifier hidden states for {n_rows} rows cached in memory{' as fp8' if fp8 else ''} "
             f"({dt_h:.1f}s, {ntok_all / max(dt_h, 1e-9):.0f} tokens/s{parts})",
             seconds=dt_h,
             verifier_s=round(split["verifier"], 3),
@@ -259,7 +273,8 @@ def build_hidden_states(
             f"--hidden-cache-gb {s.hidden_cache_gb:g}: {fit} rows ({val_kept} of them validation's) are kept "
             + (f"in memory ({kept_dt:.1f}s)" if device.type == "cuda" else "in memory from their first use")
             + f", the other {n_rows - fit} recomputed at each use with a verifier pass; a larger "
-            "--hidden-cache-gb or --hidden-cache-dir caches them all",
+            "--hidden-cache-gb or --hidden-cache-dir caches them all"
+            + ("" if fp8 else ", and --hidden-cache-dtype fp8 keeps more of them"),
             need_bytes=per_row * n_rows,
             kept_rows=fit,
             seconds=round(kept_dt, 3),
@@ -270,7 +285,7 @@ def build_hidden_states(
             f"verifier hidden states of {n_rows} rows need {per_row * n_rows / 2**30:.3g} GiB, more than "
             f"--hidden-cache-gb {s.hidden_cache_gb:g}: every step recomputes its rows' states with a verifier "
             "pass (on a GPU several times a cached step's time); a larger --hidden-cache-gb or "
-            "--hidden-cache-dir caches them",
+            "--hidden-cache-dir caches them" + ("" if fp8 else ", and --hidden-cache-dtype fp8 keeps more of them"),
             need_bytes=per_row * n_rows,
         )
     return train_h, val_h

@@ -25,7 +25,7 @@ class HiddenStates:
 
     ROWS_PER_SHARD = 16
 
-    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool | int, store_dtype, device, disk=None):
+    def __init__(self, verifier, aux_layer_ids, rows, *, cache: bool | int, store_dtype, device, disk=None, fp8=False):
         self.verifier = verifier
         self.aux = list(aux_layer_ids)
         self.rows = rows
@@ -40,6 +40,9 @@ class HiddenStates:
         self.partial = not self.cache and self.cached_rows > 0
         self.store_dtype = store_dtype
         self.device = device
+        # rows kept in memory as fp8 with a scale per position (see _pack); they come back dequantized
+        # to store_dtype, on the GPU when the training runs there
+        self.fp8 = bool(fp8)
         self.disk = disk
         self._mem: dict[int, object] = {}
         self._shard: tuple[int, list] | None = None
@@ -80,20 +83,51 @@ class HiddenStates:
             # kept rows go to host memory; the others stay where the verifier ran (a GPU: the step
             # reads them there, examples_to), in the store dtype all rows share
             keep = [i for i in todo if self.kept(i)]
-            got.update(zip(keep, D.examples_to_host([got[i] for i in keep], self.store_dtype)))
+            self._mem.update(zip(keep, self._pack_many([got[i] for i in keep])))
+            got.update((i, self._unpack(self._mem[i])) for i in keep)
             got.update((i, got[i].to(dtype=self.store_dtype)) for i in todo if not self.kept(i))
-        for i, ex in got.items():
-            if self.kept(i):
-                self._mem[i] = ex
-        return [got[i] if i in got else self._mem[i] for i in indices]
+        return [got[i] if i in got else self._unpack(self._mem[i]) for i in indices]
+
+    def _pack_many(self, examples: list) -> list:
+        """Rows (on any device) -> how the cache keeps them in host memory: in store_dtype, or with
+        fp8 a (row with float8_e4m3fn hidden and last_hidden, their float32 scales per position)
+        tuple, quantized where the rows are (a GPU quantizes before the copy, which then moves
+        half the bytes). Each field of all the rows crosses in one copy (examples_to_host)."""
+        if not self.fp8:
+            return D.examples_to_host(examples, self.store_dtype)
+        quantized, scales = [], []
+        for ex in examples:
+            qh, sh = D.quantize_fp8(ex.hidden)
+            ql, sl = D.quantize_fp8(ex.last_hidden)
+            quantized.append(D.TrainingExample(ex.input_ids, ex.document_ids, ex.loss_mask, qh, ql))
+            scales.append(torch.stack([sh, sl], dim=1))
+        on_host = D.examples_to_host(quantized)
+        per_row = torch.cat(scales).cpu().split([len(ex) for ex in examples]) if examples else []
+        return list(zip(on_host, per_row))
+
+    def _unpack(self, kept):
+        """A kept row as training reads it: in store_dtype; fp8 rows are dequantized on the device
+        the training runs on (the fp8 bytes cross, not the wider ones)."""
+        if not self.fp8:
+            return kept
+        ex, scales = kept
+        dev = torch.device(self.device)
+        ex, scales = ex.to(dev), scales.to(dev)
+        return D.TrainingExample(
+            input_ids=ex.input_ids,
+            document_ids=ex.document_ids,
+            loss_mask=ex.loss_mask,
+            hidden=D.dequantize_fp8(ex.hidden, scales[:, 0]).to(self.store_dtype),
+            last_hidden=D.dequantize_fp8(ex.last_hidden, scales[:, 1]).to(self.store_dtype),
+        )
 
     def get(self, i: int):
         if self.kept(i):
             if self._producer is not None:
-                return self._wait_for(i)
+                return self._unpack(self._wait_for(i))
             if i not in self._mem:
-                self._mem[i] = self.compute(i)
-            return self._mem[i]
+                self._mem[i] = self._pack_many([self.compute(i)])[0]
+            return self._unpack(self._mem[i])
         return self.compute(i)
 
     # -- background extraction: the verifier runs on a second thread while training starts --
@@ -127,7 +161,7 @@ class HiddenStates:
                             return
                         if i in hs._mem:
                             continue
-                        ex = hs.compute(i)
+                        ex = hs._pack_many([hs.compute(i)])[0]
                         with cond:
                             hs._mem[i] = ex
                             cond.notify_all()
@@ -232,7 +266,7 @@ class HiddenStates:
             b = time.perf_counter()
             shifted = [D.eagle_shift(r, aux, last) for r, (aux, last) in zip(rows, states)]
             del states
-            for i, ex in zip(idx, D.examples_to_host(shifted, self.store_dtype)):
+            for i, ex in zip(idx, self._pack_many(shifted)):
                 self._mem[i] = ex
             ntok += sum(len(r) for r in rows)
             split["verifier"] += b - a

@@ -89,6 +89,10 @@ class TrainSettings:
     val_every: int = 200
     log_every: int = 10
     hidden_cache_gb: float = 6.0
+    # states kept in memory as: auto, the training's dtype (bf16 under autocast, else fp32); fp8,
+    # float8 e4m3 with one float32 scale per position and tensor (half bf16's bytes; on a GPU the
+    # rows cross to it in fp8 and are dequantized there)
+    hidden_cache_dtype: str = "auto"
     hidden_cache_dir: str | None = None  # on-disk hidden states (resumable, reusable across runs)
     background_hidden: bool = True  # CPU: run the verifier on a 2nd thread while training starts
     # cached states: build the next step's batch (pinned, side-stream copy on CUDA) during this step
@@ -127,6 +131,15 @@ class TrainSettings:
         need(
             0 <= self.hidden_cache_gb and math.isfinite(self.hidden_cache_gb),
             f"--hidden-cache-gb must be a finite number >= 0, got {self.hidden_cache_gb}",
+        )
+        need(
+            self.hidden_cache_dtype in ("auto", "fp8"),
+            f"--hidden-cache-dtype must be auto or fp8, got {self.hidden_cache_dtype!r}",
+        )
+        need(
+            self.hidden_cache_dtype == "auto" or not self.hidden_cache_dir,
+            "--hidden-cache-dtype fp8 is for states kept in memory; an on-disk cache (--hidden-cache-dir) "
+            "stores the dtype it was made with (peagle hidden-states --dtype fp8)",
         )
         need(
             0 <= self.weight_decay and math.isfinite(self.weight_decay),

@@ -553,6 +553,101 @@ def test_a_partial_cache_keeps_its_rows_and_recomputes_the_rest_in_one_pass(rng,
         HiddenStates(model, ids, rows, cache=-1, store_dtype=torch.float64, device="cpu")
 
 
+def _fp8_round_trip(ex, dtype):
+    """An independent restatement of the fp8 cache's rounding: per position, scale = amax / 448,
+    float8 e4m3 of x / scale, times the scale again."""
+
+    def rt(x):
+        x = x.double()
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).float()
+        q = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return (q.float() * scale).to(dtype)
+
+    return rt(ex.hidden), rt(ex.last_hidden)
+
+
+@pytest.mark.parametrize("cache", [True, 2])
+def test_an_fp8_cache_keeps_rows_in_a_byte_a_feature_and_gives_them_back_dequantized(rng, cache):
+    """HiddenStates(fp8=True) keeps each row as float8 e4m3 with a float32 scale per position and
+    tensor, and gives it back in store_dtype: the reference's fp8 rounding of the row, the same
+    rows every time; rows it does not keep (a partial cache) come back unrounded."""
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300)
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(4)]
+    ids = [1, 2, 3]
+    exact = HiddenStates(model, ids, rows, cache=False, store_dtype=torch.float32, device="cpu")
+    want = [exact.get(i) for i in range(len(rows))]
+    hs = HiddenStates(model, ids, rows, cache=cache, store_dtype=torch.float32, device="cpu", fp8=True)
+    for idx in ([3, 0, 2, 1], [1, 3]):
+        for i, ex in zip(idx, hs.get_many(idx)):
+            assert ex.hidden.dtype == ex.last_hidden.dtype == torch.float32
+            assert torch.equal(ex.input_ids, want[i].input_ids) and torch.equal(ex.loss_mask, want[i].loss_mask)
+            if hs.kept(i):
+                h, last = _fp8_round_trip(want[i], torch.float32)
+                torch.testing.assert_close(ex.hidden, h, rtol=0, atol=0)
+                torch.testing.assert_close(ex.last_hidden, last, rtol=0, atol=0)
+                # e4m3 keeps 3 mantissa bits: within 1/16 of each position's largest value
+                amax = want[i].hidden.abs().amax(dim=-1, keepdim=True)
+                assert bool(((ex.hidden - want[i].hidden).abs() <= amax / 16 + 1e-12).all())
+            else:
+                torch.testing.assert_close(ex.hidden, want[i].hidden, rtol=1e-6, atol=1e-6)
+    kept = [i for i in range(len(rows)) if hs.kept(i)]
+    assert sorted(hs._mem) == kept
+    for i in kept:
+        ex, scales = hs._mem[i]
+        assert ex.hidden.dtype == ex.last_hidden.dtype == torch.float8_e4m3fn
+        assert scales.dtype == torch.float32 and scales.shape == (len(rows[i]), 2)
+
+
+def test_an_fp8_cache_fills_the_same_from_batched_passes_and_a_background_thread(rng):
+    """The GPU warm-up's batched passes (run here on the CPU through the same method) and CPU's
+    background thread keep the same fp8 rows as row-by-row use, to the float rounding of the
+    passes, and give them back dequantized."""
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300).double()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(3)]
+    ids = [1, 2, 3]
+    one = HiddenStates(model, ids, rows, cache=True, store_dtype=torch.float64, device="cpu", fp8=True)
+    want = [one.get(i) for i in range(3)]
+    warm = HiddenStates(model, ids, rows, cache=True, store_dtype=torch.float64, device="cpu", fp8=True)
+    warm.device = torch.device("cuda")  # warm() batches for a GPU verifier (none is touched here)
+    warm.warm("test", progress=False)
+    warm.device = torch.device("cpu")
+    bg = HiddenStates(model, ids, rows, cache=True, store_dtype=torch.float64, device="cpu", fp8=True)
+    bg.start_background([2, 0, 1])
+    try:
+        got_bg = [bg.get(i) for i in range(3)]
+    finally:
+        bg.stop_background()
+    for hs_rows in ([warm.get(i) for i in range(3)], got_bg):
+        for ex, w in zip(hs_rows, want):
+            assert ex.hidden.dtype == torch.float64
+            # one fp8 step apart at most where the passes' rounding crosses a rounding boundary
+            amax = w.hidden.abs().amax(dim=-1, keepdim=True)
+            assert bool(((ex.hidden - w.hidden).abs() <= amax / 16 + 1e-9).all())
+    assert all(isinstance(v, tuple) for v in warm._mem.values())
+
+
+@requires_cuda
+def test_an_fp8_caches_rows_are_dequantized_on_the_gpu(rng):
+    """On a GPU the fp8 rows cross in fp8 and are dequantized there: the values the host would give."""
+    from peagle_ext.train.hidden import HiddenStates
+
+    model = _tiny_model("llama", 300).cuda()
+    rows = [D.pack_conversations(_rand_tokenized(rng, 4, 1, 30), 96, pad_token_id=0)[0] for _ in range(3)]
+    hs = HiddenStates(model, [1, 2, 3], rows, cache=True, store_dtype=torch.bfloat16, device="cuda", fp8=True)
+    hs.warm("test", progress=False)
+    got = hs.get_many([2, 0])
+    hs.device = "cpu"
+    on_host = hs.get_many([2, 0])
+    for ex, h in zip(got, on_host):
+        assert ex.hidden.device.type == "cuda" and ex.hidden.dtype == torch.bfloat16
+        assert torch.equal(ex.hidden.cpu(), h.hidden) and torch.equal(ex.last_hidden.cpu(), h.last_hidden)
+
+
 @requires_cuda
 def test_a_partial_caches_recomputed_rows_stay_on_the_gpu(rng):
     """On a GPU, get_many keeps the rows it recomputes (not kept) on the device, in store_dtype,

@@ -431,6 +431,44 @@ def test_a_cache_too_small_for_every_row_keeps_what_fits(tiny, tmp_path):
     assert part.train["loss"] == pytest.approx(mem.train["loss"], rel=1e-5)
 
 
+def test_an_fp8_cache_keeps_every_row_where_the_training_dtype_would_not_fit(tiny, tmp_path):
+    """--hidden-cache-dtype fp8: a row takes a byte a feature plus two float32 scales a position, so
+    a --hidden-cache-gb too small for every row in float32 holds them all in fp8; the drafter
+    trains on the rounded states, close to the unrounded run."""
+    from peagle_ext.train import train
+
+    full = train(settings(tiny, tmp_path / "f32", max_steps=3, batch_size=3))
+    per_row, n_train, n_val = hidden_state_bytes(settings, tiny, tmp_path / "rec", batch_size=3)
+    n, seq = n_train + n_val, settings(tiny, tmp_path / "x").seq_len
+    feat = per_row / 4 / seq  # float32 bytes a row = seq_len x features x 4
+    fp8_need = n * seq * (feat + 8)
+    gb = (fp8_need + 0.5 * per_row) / 2**30
+    assert fp8_need < gb * 2**30 < per_row * n  # fits in fp8, not in float32
+    r = train(settings(tiny, tmp_path / "fp8", max_steps=3, batch_size=3, hidden_cache_gb=gb, hidden_cache_dtype="fp8"))
+    ev = [json.loads(x) for x in (tmp_path / "fp8" / "log.jsonl").read_text().splitlines()]
+    hidden = next(e for e in ev if e.get("event") == "hidden")
+    assert "as fp8" in hidden["message"] and "kept_rows" not in hidden and "need_bytes" not in hidden
+    wf, w8 = _weights(full.final_dir), _weights(r.final_dir)
+    assert any(not torch.equal(wf[k], w8[k]) for k in wf)  # the states were rounded
+    assert r.train["loss"] == pytest.approx(full.train["loss"], rel=0.05)
+
+
+@requires_cuda
+def test_an_fp8_cache_trains_on_cuda(tiny, tmp_path):
+    """fp8 rows cross to the GPU in fp8, are dequantized there and prefetched like any cached row:
+    the same weights with and without prefetch."""
+    from peagle_ext.testing import make_tiny_verifier
+    from peagle_ext.train import train
+
+    v = make_tiny_verifier(tmp_path / "v128", hidden=128, heads=2)
+    kw = dict(device="cuda", dtype="float32", max_steps=4, batch_size=2, hidden_cache_dtype="fp8")
+    a = train(settings((v, tiny[1]), tmp_path / "a", prefetch=False, **kw))
+    b = train(settings((v, tiny[1]), tmp_path / "b", prefetch=True, **kw))
+    wa, wb = _weights(a.final_dir), _weights(b.final_dir)
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
+    assert "as fp8" in (tmp_path / "a" / "log.jsonl").read_text()
+
+
 def test_acceptance_length_formula():
     # tokens per round as `peagle eval` counts them: the bonus token + the accepted drafts
     assert T.acceptance_length([1.0, 1.0, 1.0]) == 4.0
