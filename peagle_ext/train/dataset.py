@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -156,8 +156,8 @@ def _cat_fields(examples, docs: list, pin: bool):
 
 
 def _split_rows(ex, sizes: list[int]) -> list:
-    parts = [getattr(ex, f).split(sizes) for f in ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden")]
-    return [D.TrainingExample(*fields) for fields in zip(*parts)]
+    parts = [getattr(ex, f.name).split(sizes) for f in fields(ex)]
+    return [D.TrainingExample(*row) for row in zip(*parts)]
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
