@@ -75,7 +75,8 @@
 #      `... setup` (the last part joins and converts; beside ShareGPT a part and the repository pass
 #      the 64 MiB). A last part small enough rides with step 3, whose `data` joins and converts it
 #   3. carry .bundle/{sharegpt.jsonl.xz,regen.json,regen.tar.xz.partNN,mtbench.jsonl,humaneval.jsonl}:
-#      `... data` (split, and an earlier session's kept data put back), then either DATAGEN_SECONDS=400
+#      `... data` (split, and an earlier session's kept data put back: the bundle's, else the copy
+#      committed to REGEN_KEPT; commit a later keep's files there), then either DATAGEN_SECONDS=400
 #      `... datagen keep` in the foreground (the regenerated data comes back with the call, so a
 #      machine taken back later loses nothing of it) or, once every conversation is regenerated,
 #      DATAGEN_SECONDS=0 TRAIN_MINUTES=9 EVAL_HE_SWEEP= `... --detach study` (training and
@@ -191,6 +192,8 @@ EVAL_HE_SWEEP=${EVAL_HE_SWEEP-1..$K}  # HumanEval's K sweep for EVAL_FULL; empty
 CUDA_GRAPHS=${CUDA_GRAPHS:-auto}
 EVAL_ATTENTION=${EVAL_ATTENTION:-auto}  # peagle eval --attention (auto: peagle for rounds and drafter rows on CUDA)
 KEEP_REGEN=${KEEP_REGEN:-1}        # study: the keep phase after datagen (its files reach $OUT with `wait`)
+REGEN_KEPT=${REGEN_KEPT:-data/smollm2-regen}  # a keep phase's files committed to the repository, so a
+                                   # session whose bundle is packed anew starts from them too
 WAIT_SECONDS=${WAIT_SECONDS:-540}  # the wait phase's longest wait (under a 10-minute device call)
 DEVICE=${DEVICE:-cuda}             # cpu: a rehearsal of the plumbing (tests/test_gpu_recipe.py)
 # ---------------------------------------------------------------------------------------------
@@ -322,12 +325,15 @@ phase_setup() {
 phase_data() {
   if [ -n "$BUNDLE" ] && [ ! -f "$VERIFIER/model.safetensors" ]; then timed python3 tools/device_bundle.py join "$BUNDLE"; fi
   if [ -f "$DATA/train.jsonl" ]; then note "data: $DATA/train.jsonl exists"; else make_data; fi
-  # regenerated data an earlier session kept (the keep phase), carried into the bundle: datagen
-  # continues it instead of starting again
-  if [ -n "$BUNDLE" ] && [ -f "$BUNDLE/regen.json" ]; then
-    timed python3 tools/device_bundle.py seed-regen "$BUNDLE" "$DATA" "${regen_settings[@]}" | tee -a "$SUMMARY" ||
-      note "data: the carried regenerated data could not be read; datagen starts from nothing"
-  fi
+  # regenerated data an earlier session kept (the keep phase), carried into the bundle or committed
+  # to REGEN_KEPT: datagen continues it instead of starting again (the one with more conversations
+  # wins: seed-regen leaves DATA alone when it already holds as many)
+  local kept
+  for kept in ${BUNDLE:+"$BUNDLE"} "$REGEN_KEPT"; do
+    [ -f "$kept/regen.json" ] || continue
+    timed python3 tools/device_bundle.py seed-regen "$kept" "$DATA" "${regen_settings[@]}" | tee -a "$SUMMARY" ||
+      note "data: the regenerated data in $kept could not be read; datagen does not start from it"
+  done
 }
 
 regen_settings=(--turns "$DATAGEN_TURNS" --loops "$DATAGEN_LOOPS" --max-new-tokens "$DATAGEN_TOKENS" --max-length "$SEQ")

@@ -126,6 +126,10 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     assert "seed-regen: 21 regenerated conversations put back" in r.stdout
     assert "0 conversations written this run (21 were already" in r.stdout
     assert (tmp_path / "work2" / "data" / "regen.jsonl").read_text() == (work / "data" / "regen.jsonl").read_text()
+    # the same files committed to the repository (REGEN_KEPT) instead of carried in the bundle
+    r = _run(bundle, tmp_path / "work4", "data", REGEN_KEPT=str(tmp_path / "kept"))
+    assert r.returncode == 0 and "seed-regen: 21 regenerated conversations put back" in r.stdout, r.stderr[-3000:]
+    assert (tmp_path / "work4" / "data" / "regen.jsonl").read_text() == (work / "data" / "regen.jsonl").read_text()
     # mix: every training conversation, the regenerated one where datagen wrote one, else the original
     mixed = tmp_path / "work_mix"
     shutil.copytree(work / "data", mixed / "data")
