@@ -381,13 +381,30 @@ def test_check_says_which_runs_no_longer_fit_beside_the_repository(tmp_path, cap
     run and the re-pack command, a directory without a manifest exit 2 naming the file."""
     db = _device_bundle()
     mib = 2**20
-    runs = [{"carry": ["gguf.part00"], "mib": 40.0}, {"carry": ["gguf.part01"], "mib": 50.0}]
+    runs = [{"carry": ["verifier", "gguf.part00"], "mib": 40.0}, {"carry": ["gguf.part01"], "mib": 50.0}]
     (tmp_path / "MANIFEST.json").write_text(json.dumps({"runs": runs}))
+    (tmp_path / "verifier").mkdir()
+    for name, size in (("verifier/config.json", mib), ("gguf.part00", 39 * mib), ("gguf.part01", 50 * mib)):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(size)
     assert db.check(tmp_path, repo_bytes=10 * mib) == 0
     assert db.check(tmp_path, repo_bytes=15 * mib) == 1
     out = capsys.readouterr()
     assert "run 2:  65.0 MiB" in out.out
     assert "run(s) [2]" in out.err and "pack" in out.err and "--keep-data" in out.err
+    # what a local `join` leaves in verifier/ counts: the run no longer fits, and check names the file
+    with open(tmp_path / "verifier" / "model.safetensors", "wb") as f:
+        f.truncate(257 * mib)
+    assert db.check(tmp_path, repo_bytes=10 * mib) == 1
+    out = capsys.readouterr()
+    assert "run 1: 307.0 MiB" in out.out
+    assert "model.safetensors (257.0 MiB)" in out.err and "--keep-data" not in out.err
+    (tmp_path / "verifier" / "model.safetensors").unlink()
+    # a carried entry gone from the bundle
+    (tmp_path / "gguf.part01").unlink()
+    assert db.check(tmp_path, repo_bytes=10 * mib) == 1
+    err = capsys.readouterr().err
+    assert "not in" in err and "run 2: gguf.part01" in err
     with pytest.raises(SystemExit) as e:
         db.check(tmp_path / "missing")
     assert e.value.code == 2

@@ -16,9 +16,11 @@ a limit on the files each run may carry: written here, joined there.
         BUNDLE/gguf-*.dist-info/      and its metadata (transformers checks its version)
         BUNDLE/MANIFEST.json          sizes and sha256 of everything, and which files a run carries
     python tools/device_bundle.py check BUNDLE
-        whether each run in BUNDLE/MANIFEST.json still fits the 64 MiB beside the repository as it is
-        now (exit 1 naming the runs that do not: pack again with --keep-data, which cuts the GGUF anew
-        and keeps the data); run it before the first device call of a session
+        whether each run in BUNDLE/MANIFEST.json, with the files its entries hold now, still fits the
+        64 MiB beside the repository as it is now (exit 1 naming the runs that do not: pack again with
+        --keep-data, which cuts the GGUF anew and keeps the data; or naming the largest file of a run
+        that grew since pack, such as a verifier converted here, or an entry gone); run it before the
+        first device call of a session
     python tools/device_bundle.py join BUNDLE [--if-complete]
         joins the parts into BUNDLE/verifier.gguf (checking the sha256) and converts it into the
         transformers directory BUNDLE/verifier/ (peagle_ext.data.convert_gguf_to_hf)
@@ -225,9 +227,20 @@ def pack(bundle: Path, max_tokens: int, part_mib: float | None, limit: int | Non
         )
 
 
+def _entry_files(bundle: Path, name: str) -> list[Path]:
+    """The files a carried entry of the bundle (a file or a directory) sends."""
+    p = bundle / name
+    if p.is_dir():
+        return [f for f in p.rglob("*") if f.is_file()]
+    return [p] if p.is_file() else []
+
+
 def check(bundle: Path, repo_bytes: int | None = None) -> int:
     """0 when every run of the bundle's manifest fits CARRY_LIMIT beside the repository (its size
-    now, or repo_bytes), else 1; one line per run either way."""
+    now, or repo_bytes), else 1; one line per run either way. A run counts the files its entries
+    hold now, not what pack wrote: a local `join` or `data` phase leaves the converted verifier
+    (~260 MiB) in verifier/, which setup's run would carry, and an entry gone from the bundle
+    cannot be carried at all."""
     man_path = bundle / "MANIFEST.json"
     try:
         runs = json.loads(man_path.read_text())["runs"]
@@ -235,20 +248,34 @@ def check(bundle: Path, repo_bytes: int | None = None) -> int:
         print(f"device_bundle check: {man_path} is not a bundle manifest ({e}); pack the bundle first", file=sys.stderr)
         raise SystemExit(2) from None
     repo = repository_bytes(Path(__file__).resolve().parents[1]) if repo_bytes is None else repo_bytes
-    over = []
+    over, missing, grown = [], [], []
     for i, r in enumerate(runs, 1):
-        total = r["mib"] * 2**20 + repo
+        gone = [n for n in r["carry"] if not (bundle / n).exists()]
+        files = [f for n in r["carry"] for f in _entry_files(bundle, n)]
+        now = sum(f.stat().st_size for f in files)
+        total = now + repo
         print(f"run {i}: {total / 2**20:5.1f} MiB with the repository's {repo / 2**20:.1f} ({' '.join(r['carry'])})")
+        if gone:
+            missing.append(f"run {i}: {', '.join(gone)}")
+        if now > r["mib"] * 2**20 + 2**20:
+            big = max(files, key=lambda f: f.stat().st_size)
+            grown.append(
+                f"run {i} holds {now / 2**20:.1f} MiB, packed as {r['mib']:.1f}; its largest file is "
+                f"{big.relative_to(bundle)} ({big.stat().st_size / 2**20:.1f} MiB): remove what was added"
+            )
         if total > CARRY_LIMIT:
             over.append(i)
-    if over:
+    for line in grown:
+        print(f"device_bundle check: {line}", file=sys.stderr)
+    if missing:
+        print(f"device_bundle check: not in {bundle}: {'; '.join(missing)} (pack the bundle again)", file=sys.stderr)
+    if over and not grown:
         print(
             f"device_bundle check: run(s) {over} carry more than {CARRY_LIMIT >> 20} MiB: "
             f"python tools/device_bundle.py pack {bundle} --keep-data",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    return 1 if over or missing else 0
 
 
 def _carried_by_setup(top: str) -> bool:
