@@ -248,7 +248,7 @@ def check(bundle: Path, repo_bytes: int | None = None) -> int:
         print(f"device_bundle check: {man_path} is not a bundle manifest ({e}); pack the bundle first", file=sys.stderr)
         raise SystemExit(2) from None
     repo = repository_bytes(Path(__file__).resolve().parents[1]) if repo_bytes is None else repo_bytes
-    over, missing, grown = [], [], []
+    over, missing, grown, notes = [], [], [], []
     for i, r in enumerate(runs, 1):
         gone = [n for n in r["carry"] if not (bundle / n).exists()]
         files = [f for n in r["carry"] for f in _entry_files(bundle, n)]
@@ -259,19 +259,21 @@ def check(bundle: Path, repo_bytes: int | None = None) -> int:
             missing.append(f"run {i}: {', '.join(gone)}")
         if now > r["mib"] * 2**20 + 2**20:
             big = max(files, key=lambda f: f.stat().st_size)
-            grown.append(
+            grown.append(i)
+            notes.append(
                 f"run {i} holds {now / 2**20:.1f} MiB, packed as {r['mib']:.1f}; its largest file is "
                 f"{big.relative_to(bundle)} ({big.stat().st_size / 2**20:.1f} MiB): remove what was added"
             )
         if total > CARRY_LIMIT:
             over.append(i)
-    for line in grown:
+    for line in notes:
         print(f"device_bundle check: {line}", file=sys.stderr)
     if missing:
         print(f"device_bundle check: not in {bundle}: {'; '.join(missing)} (pack the bundle again)", file=sys.stderr)
-    if over and not grown:
+    repack = [i for i in over if i not in grown]  # a grown run needs the added files gone, not a re-pack
+    if repack:
         print(
-            f"device_bundle check: run(s) {over} carry more than {CARRY_LIMIT >> 20} MiB: "
+            f"device_bundle check: run(s) {repack} carry more than {CARRY_LIMIT >> 20} MiB: "
             f"python tools/device_bundle.py pack {bundle} --keep-data",
             file=sys.stderr,
         )
