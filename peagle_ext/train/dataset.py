@@ -103,7 +103,7 @@ def concat_examples(examples, pin: bool = False):
     asynchronous copies to a GPU)."""
     if len(examples) == 1 and not pin:
         return examples[0]
-    return _cat_fields(examples, _offset_documents([ex.document_ids for ex in examples]), pin)
+    return cat_fields(examples, _offset_documents([ex.document_ids for ex in examples]), pin)
 
 
 def examples_to(examples, device, pin: bool = False):
@@ -119,8 +119,8 @@ def examples_to(examples, device, pin: bool = False):
         return concat_examples(examples, pin=pin).to(device, non_blocking=pin)
     host = [ex for ex, h in zip(examples, on_host) if h]
     if host:
-        block = _cat_fields(host, [ex.document_ids.to(torch.int32) for ex in host], pin)
-        moved = iter(_split_rows(block.to(device, non_blocking=pin), [len(ex) for ex in host]))
+        block = cat_fields(host, [ex.document_ids.to(torch.int32) for ex in host], pin)
+        moved = iter(split_rows(block.to(device, non_blocking=pin), [len(ex) for ex in host]))
         examples = [next(moved) if h else ex for ex, h in zip(examples, on_host)]
     return concat_examples(examples)
 
@@ -139,23 +139,27 @@ def _offset_documents(docs: list) -> list:
     return out
 
 
-def _cat_fields(examples, docs: list, pin: bool):
-    def cat(parts):
-        if not pin:
-            return torch.cat(parts)
-        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-        return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
+def cat_rows(parts: list, pin: bool = False) -> torch.Tensor:
+    """torch.cat(parts) along dim 0; pin: into pinned host memory, so that the copy to a GPU after
+    it is one asynchronous transfer."""
+    if not pin:
+        return torch.cat(parts)
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
 
+
+def cat_fields(examples, docs: list, pin: bool = False):
+    """The rows' fields end to end (cat_rows each), with `docs` as their document ids."""
     return D.TrainingExample(
-        input_ids=cat([e.input_ids for e in examples]),
-        document_ids=cat(docs),
-        loss_mask=cat([e.loss_mask for e in examples]),
-        hidden=cat([e.hidden for e in examples]),
-        last_hidden=cat([e.last_hidden for e in examples]),
+        input_ids=cat_rows([e.input_ids for e in examples], pin),
+        document_ids=cat_rows(docs, pin),
+        loss_mask=cat_rows([e.loss_mask for e in examples], pin),
+        hidden=cat_rows([e.hidden for e in examples], pin),
+        last_hidden=cat_rows([e.last_hidden for e in examples], pin),
     )
 
 
-def _split_rows(ex, sizes: list[int]) -> list:
+def split_rows(ex, sizes: list[int]) -> list:
     parts = [getattr(ex, f.name).split(sizes) for f in fields(ex)]
     return [D.TrainingExample(*row) for row in zip(*parts)]
 

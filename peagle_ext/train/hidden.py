@@ -3,11 +3,13 @@ on-disk cache; on CPU optionally computed on a background thread while training 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from .. import data as D
+from .dataset import cat_fields, cat_rows, split_rows
 from .run_log import progress_bar
 
 
@@ -70,23 +72,27 @@ class HiddenStates:
         (data.verifier_hidden_states_many): a training step's rows cost about one eager verifier
         forward on a GPU, not one or more per row. They agree with row-by-row states to float
         rounding; the kept ones stay in memory from then on."""
-        if self.cache or self.disk is not None:
+        if self.disk is not None or (self.cache and not self.fp8):
             return [self.get(i) for i in indices]
-        todo = list(dict.fromkeys(i for i in indices if i not in self._mem))
-        if len(todo) < 2:
+        todo = [] if self.cache else list(dict.fromkeys(i for i in indices if i not in self._mem))
+        if len(todo) == 1:
             return [self.get(i) for i in indices]
-        rows = [self.rows[i] for i in todo]
-        budget = max(sum(len(r) for r in rows), 4096)
-        states = D.verifier_hidden_states_many(self.verifier, rows, self.aux, token_budget=budget)
-        got = {i: D.eagle_shift(r, aux, last) for i, r, (aux, last) in zip(todo, rows, states)}
+        got = {}
+        if todo:
+            rows = [self.rows[i] for i in todo]
+            budget = max(sum(len(r) for r in rows), 4096)
+            states = D.verifier_hidden_states_many(self.verifier, rows, self.aux, token_budget=budget)
+            got = {i: D.eagle_shift(r, aux, last) for i, r, (aux, last) in zip(todo, rows, states)}
         if self.partial:
-            # kept rows go to host memory; the others stay where the verifier ran (a GPU: the step
-            # reads them there, examples_to), in the store dtype all rows share
+            # kept rows go to host memory and come back from there as every kept row does; the
+            # others stay where the verifier ran (a GPU: the step reads them there, examples_to),
+            # in the store dtype all rows share
             keep = [i for i in todo if self.kept(i)]
-            self._mem.update(zip(keep, self._pack_many([got[i] for i in keep])))
-            got.update((i, self._unpack(self._mem[i])) for i in keep)
+            self._mem.update(zip(keep, self._pack_many([got.pop(i) for i in keep])))
             got.update((i, got[i].to(dtype=self.store_dtype)) for i in todo if not self.kept(i))
-        return [got[i] if i in got else self._unpack(self._mem[i]) for i in indices]
+        kept = list(dict.fromkeys(i for i in indices if i not in got))
+        got.update(zip(kept, self._unpack_many([self._packed(i) for i in kept])))
+        return [got[i] for i in indices]
 
     def _pack_many(self, examples: list) -> list:
         """Rows (on any device) -> how the cache keeps them in host memory: in store_dtype, or with
@@ -105,29 +111,36 @@ class HiddenStates:
         per_row = torch.cat(scales).cpu().split([len(ex) for ex in examples]) if examples else []
         return list(zip(on_host, per_row))
 
-    def _unpack(self, kept):
-        """A kept row as training reads it: in store_dtype; fp8 rows are dequantized on the device
-        the training runs on (the fp8 bytes cross, not the wider ones)."""
-        if not self.fp8:
-            return kept
-        ex, scales = kept
+    def _unpack_many(self, kept: list) -> list:
+        """Kept rows as training reads them: in store_dtype. fp8 rows cross to the device the
+        training runs on together, one copy per field (from pinned memory, asynchronously, to a
+        GPU: a pageable copy per tensor per row holds up the step's kernel launches on the other
+        thread), and are dequantized there, so the fp8 bytes cross, not the wider ones."""
+        if not self.fp8 or not kept:
+            return list(kept)
         dev = torch.device(self.device)
-        ex, scales = ex.to(dev), scales.to(dev)
-        return D.TrainingExample(
-            input_ids=ex.input_ids,
-            document_ids=ex.document_ids,
-            loss_mask=ex.loss_mask,
-            hidden=D.dequantize_fp8(ex.hidden, scales[:, 0]).to(self.store_dtype),
-            last_hidden=D.dequantize_fp8(ex.last_hidden, scales[:, 1]).to(self.store_dtype),
+        pin = dev.type == "cuda"
+        rows = [ex for ex, _ in kept]
+        block = cat_fields(rows, [ex.document_ids for ex in rows], pin).to(dev, non_blocking=pin)
+        scales = cat_rows([s for _, s in kept], pin).to(dev, non_blocking=pin)
+        block = dataclasses.replace(
+            block,
+            hidden=D.dequantize_fp8(block.hidden, scales[:, 0]).to(self.store_dtype),
+            last_hidden=D.dequantize_fp8(block.last_hidden, scales[:, 1]).to(self.store_dtype),
         )
+        return split_rows(block, [len(ex) for ex in rows])
+
+    def _packed(self, i: int):
+        """Kept row i as the cache holds it, computed first if it is not there yet."""
+        if self._producer is not None:
+            return self._wait_for(i)
+        if i not in self._mem:
+            self._mem[i] = self._pack_many([self.compute(i)])[0]
+        return self._mem[i]
 
     def get(self, i: int):
         if self.kept(i):
-            if self._producer is not None:
-                return self._unpack(self._wait_for(i))
-            if i not in self._mem:
-                self._mem[i] = self._pack_many([self.compute(i)])[0]
-            return self._unpack(self._mem[i])
+            return self._unpack_many([self._packed(i)])[0]
         return self.compute(i)
 
     # -- background extraction: the verifier runs on a second thread while training starts --

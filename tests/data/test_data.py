@@ -568,10 +568,12 @@ def _fp8_round_trip(ex, dtype):
 
 
 @pytest.mark.parametrize("cache", [True, 2])
-def test_an_fp8_cache_keeps_rows_in_a_byte_a_feature_and_gives_them_back_dequantized(rng, cache):
+def test_an_fp8_cache_keeps_rows_in_a_byte_a_feature_and_gives_them_back_dequantized(rng, cache, monkeypatch):
     """HiddenStates(fp8=True) keeps each row as float8 e4m3 with a float32 scale per position and
     tensor, and gives it back in store_dtype: the reference's fp8 rounding of the row, the same
-    rows every time; rows it does not keep (a partial cache) come back unrounded."""
+    rows every time, whether asked for together (get_many, which dequantizes a step's kept rows
+    in one pass per tensor) or one by one (get); rows it does not keep (a partial cache) come back
+    unrounded."""
     from peagle_ext.train.hidden import HiddenStates
 
     model = _tiny_model("llama", 300)
@@ -595,6 +597,15 @@ def test_an_fp8_cache_keeps_rows_in_a_byte_a_feature_and_gives_them_back_dequant
                 torch.testing.assert_close(ex.hidden, want[i].hidden, rtol=1e-6, atol=1e-6)
     kept = [i for i in range(len(rows)) if hs.kept(i)]
     assert sorted(hs._mem) == kept
+    passes = []
+    real = D.dequantize_fp8
+    monkeypatch.setattr(D, "dequantize_fp8", lambda *a: passes.append(a[0].shape[0]) or real(*a))
+    together = hs.get_many(kept + kept[:1])
+    assert passes == [sum(len(rows[i]) for i in kept)] * 2  # a row asked for twice crosses once
+    for i, ex in zip(kept + kept[:1], together):
+        alone = hs.get(i)
+        for f in ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden"):
+            assert torch.equal(getattr(ex, f), getattr(alone, f)), f
     for i in kept:
         ex, scales = hs._mem[i]
         assert ex.hidden.dtype == ex.last_hidden.dtype == torch.float8_e4m3fn
@@ -645,7 +656,8 @@ def test_an_fp8_caches_rows_are_dequantized_on_the_gpu(rng):
     on_host = hs.get_many([2, 0])
     for ex, h in zip(got, on_host):
         assert ex.hidden.device.type == "cuda" and ex.hidden.dtype == torch.bfloat16
-        assert torch.equal(ex.hidden.cpu(), h.hidden) and torch.equal(ex.last_hidden.cpu(), h.last_hidden)
+        for f in ("input_ids", "document_ids", "loss_mask", "hidden", "last_hidden"):
+            assert torch.equal(getattr(ex, f).cpu(), getattr(h, f)), f
 
 
 @requires_cuda
