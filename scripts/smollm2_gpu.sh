@@ -266,6 +266,19 @@ for s in $SETTINGS $EVAL_FULL; do
     exit 2
   }
 done
+# the evaluating phases read the bundle's prompt files: a missing one is reported now, not after the
+# minutes of training before them (the bundle travels in parts, and these ride with one of them)
+if [ -n "$BUNDLE" ]; then
+  for ph in "${phases[@]}"; do
+    [[ "$ph" =~ ^(eval|study)$ ]] || continue
+    for f in mtbench.jsonl ${EVAL_FULL:+humaneval.jsonl}; do
+      [ -s "$BUNDLE/$f" ] || {
+        echo "smollm2_gpu.sh: $BUNDLE/$f is missing or empty, and the $ph phase evaluates on it: carry it into the bundle (MANIFEST.json's runs name it)" >&2
+        exit 2
+      }
+    done
+  done
+fi
 if [ "$DETACH" = 1 ]; then
   # the phases go on in their own session after this command returns (and after the device call
   # that ran it); `wait` later follows them and copies their results to that call's $OUT

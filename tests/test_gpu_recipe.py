@@ -198,6 +198,13 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     r = _run(bundle, mixed, "consistency", SETTINGS="1:mix", EVAL_FULL="1:mix", CONSISTENCY_CONVERSATIONS="0")
     assert r.returncode == 0 and "consistency: off" in r.stdout, r.stderr[-3000:]
     assert not (mixed / "eval" / "consistency_L1-mix.json").exists()
+    # a bundle without its eval prompts: exit 2 before the training that the evaluation would follow
+    partial = tmp_path / "partial-bundle"
+    shutil.copytree(bundle, partial)
+    (partial / "humaneval.jsonl").unlink()
+    r = _run(partial, work, "--detach", "study", DATAGEN_SECONDS="0")
+    assert r.returncode == 2 and "humaneval.jsonl is missing" in r.stderr and "study phase" in r.stderr and not r.stdout
+    assert _run(partial, work, "eval", EVAL_FULL="").returncode == 0  # MT-Bench alone needs no HumanEval
     # bad phase: exit 2 and one line
     r = _run(bundle, work, "nope")
     assert r.returncode == 2 and "unknown argument nope" in r.stderr
