@@ -93,6 +93,10 @@ def default_cases():
         # the SmolLM2 study's step: 16 rows x 2048 tokens, draft vocab 32K (scripts/smollm2_gpu.sh)
         case("peagle-smollm2-1L-32K", "peagle", 4 * K8, vocab=K32, est_s=20, profile=True, shape="smollm2"),
         case("spec-smollm2-1L-32K", "spec", 4 * K8, vocab=K32, est_s=60, profile=True, shape="smollm2"),
+        # its four layers, at its batch and at twice it: where the host's launches bound a step,
+        # twice the tokens cost less than twice the time
+        case("peagle-smollm2-4L-32K", "peagle", 4 * K8, layers=4, vocab=K32, est_s=25, profile=True, shape="smollm2"),
+        case("peagle-smollm2-4L-64K", "peagle", 8 * K8, layers=4, vocab=K32, est_s=30, profile=True, shape="smollm2"),
     ]
 
 
@@ -108,6 +112,8 @@ def tiny_cases():
         case("specx-1L-8K", "specx", 512, est_s=5, profile=True),
         case("peagle-smollm2-1L-32K", "peagle", 512, vocab=256, est_s=5, profile=True, shape="smollm2"),
         case("spec-smollm2-1L-32K", "spec", 512, vocab=256, est_s=5, shape="smollm2"),
+        case("peagle-smollm2-4L-32K", "peagle", 512, layers=4, vocab=256, est_s=5, shape="smollm2"),
+        case("peagle-smollm2-4L-64K", "peagle", 1024, layers=4, vocab=256, est_s=5, shape="smollm2"),
     ]
 
 
