@@ -364,7 +364,8 @@ class TrainingForward:
                 terms = self.forward_terms(example, layout, None)
             loss_sum, wsum = terms[0], terms[1]
             if loss_scale is None:  # 1 / weight on the device: the backward is queued before any sync
-                scale = torch.where(wsum > 0, wsum.reciprocal(), torch.zeros_like(wsum)).to(loss_sum.dtype)
+                w = wsum.to(loss_sum.dtype)  # the reciprocal in the loss's precision (float64 on CPU tests)
+                scale = torch.where(w > 0, w.reciprocal(), torch.zeros_like(w))
             else:
                 scale = loss_scale
             (loss_sum * scale).backward()

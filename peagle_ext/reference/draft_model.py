@@ -97,6 +97,19 @@ def _full_logit_loss(model, h, layout: CodLayout, example):
 
 def reference_forward_sum(model, example, layout: CodLayout | None = None, seed: int | None = None):
     """What PEagleDraftModel.forward_sum returns, computed token by token in plain PyTorch."""
+    loss_sum, wsum, correct, total, num_tokens = reference_forward_terms(model, example, layout, seed)
+    return loss_sum, {
+        "weight": float(wsum),
+        "correct": correct,
+        "total": total,
+        "loss_sum": float(loss_sum.detach()),
+        "num_tokens": num_tokens,
+    }
+
+
+def reference_forward_terms(model, example, layout: CodLayout | None = None, seed: int | None = None):
+    """What PEagleDraftModel.forward_terms returns (loss sum, weight sum, correct [K], total [K],
+    draft tokens), computed token by token in plain PyTorch."""
     n = example.input_ids.shape[0]
     layout = model.sample_layout(example, seed=seed) if layout is None else layout
     model.check_layout(layout, n)
@@ -111,13 +124,7 @@ def reference_forward_sum(model, example, layout: CodLayout | None = None, seed:
     l0 = _layer0_inputs(model, example, layout.anchor.long(), layout.depth)
     h, _ = _run_layers(model, layout, l0, contexts)
     loss_sum, wsum, correct, total = _full_logit_loss(model, h, layout, example)
-    return loss_sum, {
-        "weight": float(wsum),
-        "correct": correct,
-        "total": total,
-        "loss_sum": float(loss_sum.detach()),
-        "num_tokens": layout.num_tokens,
-    }
+    return loss_sum, wsum, correct, total, layout.num_tokens
 
 
 def plain_model_class():
@@ -126,8 +133,9 @@ def plain_model_class():
     Modules, COD sampling and the optimizer are shared with the fused model."""
 
     class PlainTorch(PEagleDraftModel):
-        def forward_sum(self, example, layout=None, seed=None):
-            return reference_forward_sum(self, example, layout, seed)
+        # forward_sum, forward and forward_backward all run through forward_terms
+        def forward_terms(self, example, layout=None, seed=None):
+            return reference_forward_terms(self, example, layout, seed)
 
         def forward_backward(self, example, layout=None, *, segments: int = 1, **kw):
             if segments != 1:

@@ -116,9 +116,10 @@ def test_no_loss_tokens_fp64(rng):
     assert_same_step(got, want)
 
 
-def test_plain_model_class_is_the_reference(rng):
-    """The benchmarks' plain-PyTorch drafter computes reference_forward_sum, and refuses a
-    sequence partition it does not implement."""
+def test_plain_model_class_is_the_reference(rng, monkeypatch):
+    """The benchmarks' plain-PyTorch drafter trains through reference_forward_sum, never the fused
+    layers or loss (its step is bitwise the reference's), and refuses a sequence partition it does
+    not implement."""
     cls = plain_model_class()
     m = make_model(rng).double()
     plain = cls(m.config, m.options).double()
@@ -129,8 +130,19 @@ def test_plain_model_class_is_the_reference(rng):
     plain.verifier_lm_head_weight.copy_(m.verifier_lm_head_weight)
     ex = make_example(rng, 64, (40, 20))
     lay = m.sample_layout(ex, seed=3)
+
+    def fused(*a, **k):
+        raise AssertionError("the plain drafter ran a fused path")
+
+    for name in ("run_layers", "loss_terms"):
+        monkeypatch.setattr(plain, name, fused)
     got = plain.forward_backward(ex, lay)
-    want = reference_step(m, ex, lay)[0]
-    assert abs(got["loss_sum"] - want["loss_sum"]) <= 1e-12 * abs(want["loss_sum"])
+    got_grads = {k: p.grad for k, p in plain.named_parameters() if p.grad is not None}
+    want, want_grads = reference_step(plain, ex, lay)
+    assert got["loss_sum"] == want["loss_sum"] and got["weight"] == want["weight"]
+    assert got["correct"].tolist() == want["correct"].tolist()
+    assert set(got_grads) == set(want_grads)
+    for k, w in want_grads.items():
+        assert torch.equal(got_grads[k], w), k
     with pytest.raises(ValueError, match="segments=1"):
         plain.forward_backward(ex, lay, segments=2)
