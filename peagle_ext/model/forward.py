@@ -51,6 +51,17 @@ class PassTokens:
     meta: object = None  # attention metadata, built on first use
 
 
+@dataclass
+class DeviceMetrics:
+    """forward_backward(sync=False)'s metrics, still on the device (forward_terms' results):
+    read() brings them to the host as forward_backward's dict, waiting for the device once."""
+
+    terms: tuple
+
+    def read(self) -> dict:
+        return TrainingForward.host_metrics(*self.terms)
+
+
 class TrainingForward:
     """The training forward of PEagleDraftModel (a mixin: its methods use the model's modules,
     options and verifier buffers)."""
@@ -348,11 +359,14 @@ class TrainingForward:
         segments: int = 1,
         loss_scale: float | None = None,
         autocast_dtype: torch.dtype | None = None,
-    ) -> dict:
+        sync: bool = True,
+    ) -> dict | DeviceMetrics:
         """Forward + backward of `loss_sum * loss_scale` (default 1 / weight, i.e. the mean),
         accumulating into .grad. segments > 1 = sequence partition: the layout runs in that many
         anchor-range segments with exact gradients (module docstring). autocast_dtype: forward
-        passes run under torch.autocast with it (backward outside). Returns the metrics."""
+        passes run under torch.autocast with it (backward outside). Returns the metrics; with
+        sync=False and one segment, as DeviceMetrics, so the caller can queue more work (the
+        optimizer's) before it waits for the device."""
         self._amp_dtype = autocast_dtype
         if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
             raise ValueError(f"segments must be an int >= 1, got {segments!r}")
@@ -369,7 +383,7 @@ class TrainingForward:
             else:
                 scale = loss_scale
             (loss_sum * scale).backward()
-            return self.host_metrics(*terms)
+            return self.host_metrics(*terms) if sync else DeviceMetrics(terms)
         return partitioned_forward_backward(self, example, layout, segments, loss_scale)
 
     def amp(self):

@@ -314,13 +314,14 @@ class DistContext:
         return bool(t.item() > 0)
 
     def forward_backward(
-        self, model, example, layout, *, segments: int, loss_scale: float, autocast_dtype, last: bool
-    ) -> dict:
+        self, model, example, layout, *, segments: int, loss_scale: float, autocast_dtype, last: bool, sync: bool = True
+    ):
         """Forward + backward of one micro-step (loss SUM * loss_scale); gradients are synced
-        across ranks by the backward of the step's last micro-step. Returns the metrics."""
+        across ranks by the backward of the step's last micro-step. Returns the metrics: on one
+        rank with sync=False, as the model's DeviceMetrics where it gives them."""
         if self.world == 1:
             return model.forward_backward(
-                example, layout, segments=segments, loss_scale=loss_scale, autocast_dtype=autocast_dtype
+                example, layout, segments=segments, loss_scale=loss_scale, autocast_dtype=autocast_dtype, sync=sync
             )
         if self._fsdp:
             self.step_module.set_requires_gradient_sync(last)

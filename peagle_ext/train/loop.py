@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..model import PEagleDraftModel
+from ..model.forward import DeviceMetrics
 from .build import build_hidden_states, build_model, load_inputs
 from .checkpoint import (
     CHECKPOINT_PREFIX,
@@ -349,7 +350,7 @@ def _train(
             profiler.enter("forward_backward")
             step_meter = Meter(s.num_depths)
             opt.zero_grad(set_to_none=True)
-            unit_metrics = {}
+            pending = {}
             for j, (g, ex, lay) in enumerate(zip(mine, examples, layouts)):
                 m = ctx.forward_backward(
                     model,
@@ -359,13 +360,20 @@ def _train(
                     loss_scale=1.0 / wtot if wtot > 0 else 0.0,
                     autocast_dtype=amp,
                     last=j == len(mine) - 1,
+                    sync=False,
                 )
-                unit_metrics[g] = {**m, "num_tokens": int((ex.document_ids >= 0).sum())}
+                pending[g] = (m, (ex.document_ids >= 0).sum())
+            profiler.enter("optimizer")
+            gnorm = ctx.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
+            if hasattr(opt, "prepare"):  # Muon's kernels launch while the device still runs the backward,
+                opt.prepare()  # before the metrics below wait for it (whether to step at all needs them)
+            unit_metrics = {
+                g: {**(m.read() if isinstance(m, DeviceMetrics) else m), "num_tokens": int(ntok)}
+                for g, (m, ntok) in pending.items()
+            }
             per_unit = ctx.ordered_metrics(n_units, unit_metrics, s.num_depths)  # all units, in unit order
             for m in per_unit:
                 step_meter.add(m)
-            profiler.enter("optimizer")
-            gnorm = ctx.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
             loss_val = step_meter.loss_sum / step_meter.weight if step_meter.weight > 0 else 0.0
             ok = math.isfinite(loss_val) and bool(torch.isfinite(gnorm))
             if ok and step_meter.weight > 0:

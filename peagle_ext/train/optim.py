@@ -66,31 +66,66 @@ class BatchedMuon(torch.optim.Muon):
     layer's inputs being twice as wide). Here the momentum runs as two foreach ops and
     Newton-Schulz as one batched iteration per shape: the same arithmetic in 152 kernels. Same
     constructor, param_groups and state ("momentum_buffer") as torch.optim.Muon, so either loads
-    the other's state; on the CPU the update is bitwise torch's (tests/train/test_optim.py)."""
+    the other's state; on the CPU the update is bitwise torch's (tests/train/test_optim.py).
+
+    prepare() computes a step's momentum and orthogonalized updates from the gradients as they are,
+    changing nothing; the next step() applies them, and zero_grad() or load_state_dict() drops them.
+    A training loop prepares before it waits for the step's metrics (to decide whether to step at
+    all), so the host launches Newton-Schulz's kernels while the device still runs the backward."""
+
+    _prepared: list | None = None
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        self._prepared = [self._updates(group) for group in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
+        prepared = self._prepared if closure is None and self._prepared is not None else None
+        self._prepared = None
+        if prepared is None:
+            prepared = [self._updates(group) for group in self.param_groups]
+        for group, upd in zip(self.param_groups, prepared):
+            if upd is None:
                 continue
-            for p in params:
-                if p.grad.is_sparse or torch.is_complex(p):
-                    raise RuntimeError("Muon takes dense real gradients")
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            grads = [p.grad for p in params]
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            momentum = group["momentum"]
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-            ortho = self._orthogonalize(updates, group)
+            params, bufs, ortho = upd
+            for p, b in zip(params, bufs):
+                self.state[p]["momentum_buffer"] = b
             lr = group["lr"]
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
             for p, o in zip(params, ortho):
                 p.add_(o, alpha=-_muon_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._prepared = None
+        super().zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict) -> None:
+        self._prepared = None
+        super().load_state_dict(state_dict)
+
+    def _updates(self, group: dict):
+        """(params with a gradient, their next momentum buffers, their orthogonalized updates), or
+        None when no parameter of the group has a gradient. Changes no parameter or state."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return None
+        for p in params:
+            if p.grad.is_sparse or torch.is_complex(p):
+                raise RuntimeError("Muon takes dense real gradients")
+        grads = [p.grad for p in params]
+        # self.state.get, not self.state[p]: the state is a defaultdict, and preparing adds nothing
+        held = [self.state.get(p, {}).get("momentum_buffer") for p in params]
+        bufs = [
+            torch.zeros_like(p.grad, memory_format=torch.preserve_format) if b is None else b
+            for p, b in zip(params, held)
+        ]
+        momentum = group["momentum"]
+        bufs = torch._foreach_lerp(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        return params, bufs, self._orthogonalize(updates, group)
 
     @staticmethod
     def _orthogonalize(updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
@@ -134,6 +169,12 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.muon, self.adamw) if o is not None]
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """BatchedMuon.prepare for the Muon part (AdamW's fused step has nothing to prepare)."""
+        if self.muon is not None:
+            self.muon.prepare()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -85,6 +85,37 @@ def test_batched_muon_is_bitwise_torch_muon_on_the_cpu(kw):
     assert not torch.equal(a[0], _matrices("cpu")[0])
 
 
+def test_a_prepared_muon_step_is_the_plain_step_and_changes_nothing_until_it_is_taken():
+    """prepare() then step() is bitwise torch's step; prepare() alone changes no parameter and no
+    state; zero_grad() and load_state_dict() drop what was prepared, so a step on later gradients
+    (or a loaded state) uses those."""
+    kw = dict(lr=3e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    a, b = _matrices("cpu"), _matrices("cpu")
+    ours, ref = BatchedMuon(a, **kw), torch.optim.Muon(b, **kw)
+    for step in range(4):
+        _set_grads((a, b), step)
+        before = [x.clone() for x in a]
+        state = {i: ours.state[x]["momentum_buffer"].clone() for i, x in enumerate(a) if x in ours.state}
+        ours.prepare()
+        assert all(torch.equal(x, y) for x, y in zip(a, before))
+        assert {i: ours.state[x]["momentum_buffer"] for i, x in enumerate(a) if x in ours.state}.keys() == state.keys()
+        assert all(torch.equal(ours.state[a[i]]["momentum_buffer"], v) for i, v in state.items())
+        if step == 2:  # dropped: the step below runs on fresh gradients
+            ours.zero_grad()
+            _set_grads((a, b), 10)
+        ours.step()
+        ref.step()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        assert torch.equal(ours.state[x]["momentum_buffer"], ref.state[y]["momentum_buffer"])
+    ours.prepare()
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _set_grads((a, b), 5)
+    ours.step()
+    ref.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_batched_muon_and_torch_muon_load_each_others_state():
     kw = dict(lr=3e-2, adjust_lr_fn="match_rms_adamw")
     a, b = _matrices("cpu"), _matrices("cpu")
