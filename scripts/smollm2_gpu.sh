@@ -94,6 +94,13 @@
 #      Where failed machine starts leave about 1,250 s: DATAGEN_SECONDS=250 TRAIN_MINUTES=5 EVAL_SWEEP=3
 #      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=20 CONSISTENCY_PROMPTS=10 KEEP_REGEN=0 (826 s measured
 #      with 2:mix:8; setup, data and two waits took 1,244 s in all)
+#      For the longest training of the most data: steps 1-3 with no datagen, then SETTINGS=4:both
+#      HIDDEN_CACHE_DTYPE=fp8 EVAL_FULL=4:both EVAL_SWEEP=6 EVAL_HE_SWEEP= DATAGEN_SECONDS=0
+#      CONSISTENCY_CONVERSATIONS=0 KEEP_REGEN=0 TRAIN_MINUTES=T `... --detach study`. Measured on an H100
+#      with T=7: TRAIN_MINUTES holds the 110 s warm-up (states as fp8), then 74 ms a step; MT-Bench at one
+#      K and HumanEval took 87 s each, the study T minutes + 200 s, and the calls before it 250 s from the
+#      machine's start. So T is about (device seconds left at the start - 500) / 60, less 1.5 minutes for
+#      each failed start to allow for
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
