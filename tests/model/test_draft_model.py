@@ -281,6 +281,31 @@ def test_vocab_mapping_and_restricted_kl(rng):
         m.set_vocab_mapping(torch.tensor([3, 2, 1, 0, 0, 0]))
 
 
+def test_forward_backward_without_sync_leaves_its_metrics_on_the_device_and_is_the_same_step(rng):
+    """sync=False queues the same backward (bitwise the same gradients) and hands back the metrics as
+    DeviceMetrics, whose read() is the dict sync=True returns; a partitioned step returns its dict."""
+    from peagle_ext.model.forward import DeviceMetrics
+
+    m = make_model(rng, num_layers=2, k=4)
+    ex = make_example(rng, n=112, docs=(60, 40))
+    lay = m.sample_layout(ex, seed=5)
+    m.zero_grad()
+    want = m.forward_backward(ex, lay)
+    g1 = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    pending = m.forward_backward(ex, lay, sync=False)
+    assert isinstance(pending, DeviceMetrics)
+    assert all(isinstance(t, torch.Tensor) for t in pending.terms[:4])
+    got = pending.read()
+    assert got["loss_sum"] == want["loss_sum"] and got["weight"] == want["weight"]
+    assert got["correct"].tolist() == want["correct"].tolist() and got["total"].tolist() == want["total"].tolist()
+    assert got["num_tokens"] == want["num_tokens"]
+    g2 = {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+    assert set(g1) == set(g2) and all(torch.equal(g1[k], g2[k]) for k in g1)
+    m.zero_grad()
+    assert isinstance(m.forward_backward(ex, lay, segments=2, sync=False), dict)
+
+
 @pytest.mark.parametrize(
     "mode,window,layer_type",
     [("symmetric", None, "llama"), ("symmetric", 24, "qwen3"), ("cross", None, "llama"), ("cross", 16, "llama")],
