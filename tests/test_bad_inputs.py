@@ -710,6 +710,21 @@ def test_mask_token_that_the_data_uses(tiny, tmp_path):
         train(train_settings(tiny, tmp_path / "o", mask_token_id=used))
 
 
+@pytest.mark.parametrize("bad", ["missing.jsonl", "notes.txt", "folder"])
+def test_bad_train_data_is_named_before_the_output_directory_exists(tiny, tmp_path, bad):
+    """A missing --data file, one of an unknown format and a directory datasets did not write are
+    named at once: no output directory, lock or log is left, no verifier is loaded."""
+    from peagle_ext.data import DataError
+    from peagle_ext.train import train
+
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "folder").mkdir()
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match=bad):
+        train(train_settings(tiny, out, data=str(tmp_path / bad)))
+    assert not out.exists()
+
+
 def test_train_output_that_is_a_file(tiny, tmp_path):
     from peagle_ext.train import TrainError, train
 

@@ -11,7 +11,7 @@ import os
 import pathlib
 
 from .records import DataError
-from .sources import iter_records, jsonl_objects
+from .sources import check_source, iter_records, jsonl_objects
 
 log = logging.getLogger("peagle_ext.data")
 
@@ -227,6 +227,23 @@ def _source_conversations(source: str, split: str | None):
             yield conv
 
 
+def check_conversation_sources(source) -> None:
+    """Raise now the DataError load_conversations(source) would raise before reading a record (a
+    missing file or package, an unknown format): cheap, so a command checks its data before it
+    creates anything or loads a model."""
+    sources = list(source) if isinstance(source, (list, tuple)) else [source]
+    if not sources:
+        raise DataError("no data source given")
+    for src in sources:
+        if not isinstance(src, (str, os.PathLike)):
+            raise TypeError(f"source must be 'sharegpt', a path or a hub dataset id, got {type(src).__name__}")
+        src = os.fspath(src)
+        if src.lower() == "sharegpt":
+            sharegpt_path()
+        else:
+            check_source(src)
+
+
 def load_conversations(source, *, limit: int | None = None, split: str | None = None) -> list[list[dict]]:
     """Load chat conversations as lists of messages ({"role": user|assistant|system|tool,
     "content": str, ...}; see normalize_messages), each a Conversation (a list) whose `tools`
@@ -244,13 +261,8 @@ def load_conversations(source, *, limit: int | None = None, split: str | None = 
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
-    sources = list(source) if isinstance(source, (list, tuple)) else [source]
-    if not sources:
-        raise DataError("no data source given")
-    for src in sources:
-        if not isinstance(src, (str, os.PathLike)):
-            raise TypeError(f"source must be 'sharegpt', a path or a hub dataset id, got {type(src).__name__}")
-    sources = [os.fspath(x) for x in sources]
+    check_conversation_sources(source)
+    sources = [os.fspath(x) for x in (source if isinstance(source, (list, tuple)) else [source])]
     streams = [_source_conversations(x, split) for x in sources]
     convs: list = []
     live = list(range(len(streams)))

@@ -118,20 +118,18 @@ def _is_saved_dataset(path: pathlib.Path) -> bool:
     return any((path / f).is_file() for f in ("dataset_dict.json", "state.json", "dataset_info.json"))
 
 
-def iter_records(source: str, *, split: str | None = None):
-    """(where, record dict) of one data source, in its order (see the module docstring).
-    `split` picks a split of a DatasetDict or hub dataset (default "train")."""
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz")
+_JSON_SUFFIXES = (".json", ".json.gz", ".json.xz")
+
+
+def check_source(source: str) -> None:
+    """Raise now the DataError that iter_records(source) would raise before reading a record: a
+    path that does not exist (and is no hub dataset id), a file of unknown format, a directory
+    that datasets' save_to_disk did not write. Cheap (no file is read), so a trainer checks its
+    data this way before it creates its output directory or loads the verifier."""
     path = pathlib.Path(source).expanduser()
-    name = path.name.lower()
     if path.is_file():
-        if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.xz")):
-            yield from jsonl_objects(path, "each line must be a JSON object with a 'messages' list")
-        elif name.endswith((".json", ".json.gz", ".json.xz")):
-            yield from _json_objects(path)
-        elif name.endswith(".parquet"):
-            ds = _datasets().load_dataset("parquet", data_files=str(path), split="train")
-            yield from _dataset_records(ds, str(path))
-        else:
+        if not path.name.lower().endswith(_JSONL_SUFFIXES + _JSON_SUFFIXES + (".parquet",)):
             raise DataError(
                 f"data file {source}: unknown format (expected .jsonl[.gz|.xz], .json[.gz|.xz] or .parquet)"
             )
@@ -141,9 +139,31 @@ def iter_records(source: str, *, split: str | None = None):
                 f"data path {source} is a directory but not one written by datasets' save_to_disk "
                 "(no dataset_dict.json / state.json): pass a data file, such a directory or a hub dataset id"
             )
+    elif not looks_like_hub_id(source):
+        raise DataError(
+            f"data {source!r} not found: pass a JSON / JSONL(.gz/.xz) / Parquet file, a save_to_disk "
+            "directory, a hub dataset id (org/name) or 'sharegpt'"
+        )
+
+
+def iter_records(source: str, *, split: str | None = None):
+    """(where, record dict) of one data source, in its order (see the module docstring).
+    `split` picks a split of a DatasetDict or hub dataset (default "train")."""
+    check_source(source)
+    path = pathlib.Path(source).expanduser()
+    name = path.name.lower()
+    if path.is_file():
+        if name.endswith(_JSONL_SUFFIXES):
+            yield from jsonl_objects(path, "each line must be a JSON object with a 'messages' list")
+        elif name.endswith(_JSON_SUFFIXES):
+            yield from _json_objects(path)
+        else:
+            ds = _datasets().load_dataset("parquet", data_files=str(path), split="train")
+            yield from _dataset_records(ds, str(path))
+    elif path.is_dir():
         ds = _pick_split(_datasets().load_from_disk(str(path)), split, str(path))
         yield from _dataset_records(ds, str(path))
-    elif looks_like_hub_id(source):
+    else:  # a hub dataset id (check_source)
         snap = hub_snapshot(source, repo_type="dataset", patterns=_DATASET_PATTERNS)
         try:
             ds = _datasets().load_dataset(str(snap))
@@ -152,8 +172,3 @@ def iter_records(source: str, *, split: str | None = None):
         except Exception as e:
             raise DataError(f"hub dataset {source!r} ({snap}): cannot be read: {type(e).__name__}: {e}") from None
         yield from _dataset_records(_pick_split(ds, split, f"hub dataset {source!r}"), f"hub dataset {source!r}")
-    else:
-        raise DataError(
-            f"data {source!r} not found: pass a JSON / JSONL(.gz/.xz) / Parquet file, a save_to_disk "
-            "directory, a hub dataset id (org/name) or 'sharegpt'"
-        )

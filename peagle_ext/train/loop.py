@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data.conversations import check_conversation_sources
 from ..model import PEagleDraftModel
 from ..model.forward import DeviceMetrics
 from .build import build_hidden_states, build_model, load_inputs
@@ -98,6 +99,7 @@ def train(s: TrainSettings, *, stop_after: int | None = None) -> TrainResult:
 
 def _train_main(s: TrainSettings, ctx, stop_after) -> TrainResult:
     t_start = time.time()
+    check_conversation_sources(s.data)  # bad --data: said before anything is created or loaded
     out = Path(s.output)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out} exists and is not a directory")
