@@ -713,7 +713,7 @@ def test_mask_token_that_the_data_uses(tiny, tmp_path):
 @pytest.mark.parametrize("bad", ["missing.jsonl", "notes.txt", "folder"])
 def test_bad_train_data_is_named_before_the_output_directory_exists(tiny, tmp_path, bad):
     """A missing --data file, one of an unknown format and a directory datasets did not write are
-    named at once: no output directory, lock or log is left, no verifier is loaded."""
+    named before the run makes anything: no output directory, lock or log is left."""
     from peagle_ext.data import DataError
     from peagle_ext.train import train
 
