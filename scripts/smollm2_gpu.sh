@@ -603,8 +603,8 @@ phase_consistency() {
     local name dir
     name=$(setting_name "$s")
     dir=$WORK/train/$name
-    [ -f "$WORK/eval/consistency_$name.json" ] && continue
-    [ -f "$dir/final/config.json" ] || continue
+    [ -f "$WORK/eval/consistency_$name.json" ] && { note "consistency $name: done"; continue; }
+    [ -f "$dir/final/config.json" ] || { note "consistency $name: no trained drafter ($dir/final; EVAL_FULL names the settings measured)"; continue; }
     # the setting's own distribution: a regen drafter on the held-out prompts' regenerated
     # answers, decoding as many tokens as datagen wrote; the others on the original conversations
     local held=$DATA/heldout.jsonl gen=$EVAL_TOKENS

@@ -198,6 +198,10 @@ def test_recipe_rehearsal_on_cpu(bundle, tmp_path):
     r = _run(bundle, mixed, "consistency", SETTINGS="1:mix", EVAL_FULL="1:mix", CONSISTENCY_CONVERSATIONS="0")
     assert r.returncode == 0 and "consistency: off" in r.stdout, r.stderr[-3000:]
     assert not (mixed / "eval" / "consistency_L1-mix.json").exists()
+    # an EVAL_FULL setting that was never trained is named, not passed over in silence
+    r = _run(bundle, mixed, "consistency", SETTINGS="1:mix", EVAL_FULL="2:mix", CONSISTENCY_CONVERSATIONS="2")
+    assert r.returncode == 0 and "consistency L2-mix: no trained drafter" in r.stdout, r.stderr[-3000:]
+    assert not (mixed / "eval" / "consistency_L2-mix.json").exists()
     # a bundle without its eval prompts: exit 2 before the training that the evaluation would follow
     partial = tmp_path / "partial-bundle"
     shutil.copytree(bundle, partial)
