@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2 study on one GPU: P-EAGLE drafters for the bundled SmolLM2-135M-Instruct verifier
-# (seq-len 2048, K=4, 4 layers by default), trained on the verifier's own regenerated answers (`peagle
-# datagen`) and on the original answers to the same prompts (or on every ShareGPT conversation:
-# SETTINGS below), then `peagle eval` on MT-Bench (80) and HumanEval (164) with --k-sweep 1..K,
+# (seq-len 2048, K=6, 4 layers by default), trained on every ShareGPT conversation with its original answers
+# and on the same conversations with the verifier's own answers (`peagle datagen`) beside them (other
+# data: SETTINGS below), then `peagle eval` on MT-Bench (80) and HumanEval (164) with --k-sweep 1..K,
 # bf16, batch 1: one JSON + PNG per setting and bench.
 #
 #   bash scripts/smollm2_gpu.sh [--bundle DIR] [--work DIR] [--detach] PHASE...
@@ -78,37 +78,33 @@
 #      `... data` (split, and an earlier session's kept data put back: the bundle's, else the copy
 #      committed to REGEN_KEPT; commit a later keep's files there), then either DATAGEN_SECONDS=400
 #      `... datagen keep` in the foreground (the regenerated data comes back with the call, so a
-#      machine taken back later loses nothing of it) or, once every conversation is regenerated,
-#      DATAGEN_SECONDS=0 TRAIN_MINUTES=9 EVAL_HE_SWEEP= `... --detach study` (training and
-#      evaluation only: 899 s measured with 1:mix, 9 minutes and EVAL_SWEEP=1..5, 678 s with 6 and
-#      EVAL_SWEEP=1..3) and `... wait`; from the machine's start to the last wait, steps 1-4
-#      took about 20 of the 30 device-minutes
+#      machine taken back later loses nothing of it) or, on the regenerated data there (the repository
+#      holds 14,848 conversations), the default setting's study: DATAGEN_SECONDS=0 EVAL_SWEEP=6
+#      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 KEEP_REGEN=0 `... --detach study`
+#      and `... wait`. Measured on an H100: the fp8 states' warm-up 110 s, then 66 ms a step; early
+#      stopping ended the training at 11,250 steps after 15 minutes; MT-Bench at one K and HumanEval
+#      85 s each, consistency 93 s; steps 1-3 took 270 s from the machine's start. Training that runs
+#      its full 19 minutes still ends inside the 30 device-minutes with no failed start; with one, set
+#      TRAIN_MINUTES to about (device seconds left at the study's start - 400) / 60
 #   4. and later calls, back to back: `... wait` until it says the detached run has ended
 #      With DATAGEN_SECONDS > 0 the study runs datagen itself beside the trainings (KEEP_REGEN=1
 #      keeps its output once it ends; `wait` brings those files back with the results). From nothing
 #      kept, one session: step 3 as DATAGEN_SECONDS=400 TRAIN_MINUTES=9 EVAL_SWEEP=3..4 EVAL_HE_SWEEP=
 #      CONSISTENCY_CONVERSATIONS=30 CONSISTENCY_PROMPTS=15 KEEP_REGEN=0 `... --detach study` (1,373 s
-#      on an H100 with the default 4:mix: datagen 449, training 560, MT-Bench 119, consistency 142,
+#      on an H100 with 4:mix: datagen 449, training 560, MT-Bench 119, consistency 142,
 #      HumanEval 96), then three waits: 1,594 of the 30 device-minutes from the machine's start
 #      (TRAIN_MINUTES=8 leaves a minute more for a failed start; 2:mix took 1,181 s of study).
 #      Where failed machine starts leave about 1,250 s: DATAGEN_SECONDS=250 TRAIN_MINUTES=5 EVAL_SWEEP=3
 #      EVAL_HE_SWEEP= CONSISTENCY_CONVERSATIONS=20 CONSISTENCY_PROMPTS=10 KEEP_REGEN=0 (826 s measured
 #      with 2:mix:8; setup, data and two waits took 1,244 s in all)
-#      For the longest training of the most data: steps 1-3 with no datagen, then SETTINGS=4:both
-#      HIDDEN_CACHE_DTYPE=fp8 EVAL_FULL=4:both EVAL_SWEEP=6 EVAL_HE_SWEEP= DATAGEN_SECONDS=0
-#      CONSISTENCY_CONVERSATIONS=0 KEEP_REGEN=0 TRAIN_MINUTES=T `... --detach study`. Measured on an H100
-#      with T=7: TRAIN_MINUTES holds the 110 s warm-up (states as fp8), then 74 ms a step; MT-Bench at one
-#      K and HumanEval took 87 s each, the study T minutes + 200 s, and the calls before it 250 s from the
-#      machine's start. So T is about (device seconds left at the start - 500) / 60, less 1.5 minutes for
-#      each failed start to allow for
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # ---- settings (one place) ------------------------------------------------------------------
 K=${K:-6}                          # depths trained: 2:mix with K=4 decodes MT-Bench at 2.15, the best K=8
                                    # drafters measured 1.86, 4:mix with K=4 2.31, with Muon and K=6 2.33
-                                   # (2.25 of them at K=4), 4:both (fp8 states) with K=6 2.37 (2.35 at K=5;
-                                   # bench/RESULTS.md)
+                                   # (2.25 of them at K=4), 4:both (fp8 states) with K=6 2.60 (2.56 at K=5,
+                                   # 2.48 at K=4; bench/RESULTS.md)
 SEQ=${SEQ:-2048}
 # layers:data[:k] (k: the depths trained, K by default; 2:mix:8 beside 2:mix compares them);
 # data = orig: every ShareGPT conversation, all turns, the original answers;
@@ -120,11 +116,12 @@ SEQ=${SEQ:-2048}
 # 15,360 regenerated, mix packs 12.0M and overfits after about nine passes; with 14,848, both packs 31.0M).
 # both's states outgrow the H100 host's memory in bf16 (140 GiB): with HIDDEN_CACHE_DTYPE=fp8 (70 GiB) every
 # row stays cached; in bf16 the trainer keeps what fits and recomputes the rest (34% recomputed: 250 ms a
-# step against 60). 4:both with fp8, 8 minutes, its validation loss still falling: MT-Bench 2.37 and
-# HumanEval 2.91 against 4:mix's 2.33 and 2.91, a tie prompt by prompt (+0.01 +- 0.03 and -0.02 +- 0.02),
-# for more host memory (70 GiB against 53) and twice the warm-up; so the default stays mix.
-# The default (with K and OPTIMIZER below): the best drafter measured (bench/RESULTS.md, the SmolLM2 study)
-SETTINGS=${SETTINGS:-"4:mix"}
+# step against 60). 4:both with fp8, trained until its validation loss flattened (11,250 steps, 15 minutes):
+# MT-Bench 2.60 and HumanEval 3.26, against 4:mix's 2.33 and 2.91 (early-stopped at 4,750 steps: mix has
+# fewer tokens to learn from); cut at 8 minutes, both tied mix.
+# The default (with K, OPTIMIZER, HIDDEN_CACHE_DTYPE and TRAIN_MINUTES below): the best drafter measured
+# (bench/RESULTS.md, the SmolLM2 study)
+SETTINGS=${SETTINGS:-"4:both"}
 MIX_LOOPS=${MIX_LOOPS:-original}   # mix, where a regenerated conversation has an answer that ends in a
                                    # repetition loop (peagle_ext.data.loops; 56% of them with every turn
                                    # regenerated): original = take the original answers there; keep = take
@@ -147,7 +144,9 @@ CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-1000}  # steps (about a minute): what a kil
                                    # each save writes the weights and the optimizer state (~0.5 GB
                                    # with 4 layers), the final one comes at the end regardless
 PATIENCE=${PATIENCE:-3}            # validation evaluations without a 0.2% better loss -> stop
-TRAIN_MINUTES=${TRAIN_MINUTES:-7}  # per setting
+TRAIN_MINUTES=${TRAIN_MINUTES:-19}  # per setting, the states' warm-up included (4:both with fp8: 110 s); the
+                                   # learning rate decays over it (TIME_SCHEDULE) and early stopping (PATIENCE)
+                                   # may end it sooner: 4:both stopped after 15 minutes
 TIME_SCHEDULE=${TIME_SCHEDULE:-1}  # 1: the learning rate decays over TRAIN_MINUTES, however fast the steps
                                    # (train --time-schedule) and the run ends there; 0: it decays over
                                    # MAX_STEPS and a later call resumes a run that TRAIN_MINUTES stopped
@@ -163,10 +162,10 @@ HIDDEN_CACHE_GB=${HIDDEN_CACHE_GB:-auto}  # GiB of host memory per training for 
                                    # (cached: no verifier pass per step; past it they are recomputed every
                                    # step). auto: 75% of the memory available at the start (~91 on the
                                    # H200 host), shared by the trainings that run at once
-HIDDEN_CACHE_DTYPE=${HIDDEN_CACHE_DTYPE:-auto}  # train --hidden-cache-dtype: fp8 stores the states in half
+HIDDEN_CACHE_DTYPE=${HIDDEN_CACHE_DTYPE:-fp8}  # train --hidden-cache-dtype: fp8 stores the states in half
                                    # bf16's bytes (both's 140 GiB of bf16 fit the H100 host's 93 as fp8), and the
-                                   # drafter trains on states rounded to fp8 (4:both with it ties 4:mix in bf16;
-                                   # fp8 against bf16 on the same data is not measured)
+                                   # drafter trains on states rounded to fp8 (the best drafter measured did; fp8
+                                   # against bf16 on the same data is not measured); auto: the verifier's dtype
 PREFETCH=${PREFETCH:-1}            # train --prefetch: the next step's cached states copied during this one
 TRAIN_GRACE=${TRAIN_GRACE:-180}    # s past TRAIN_MINUTES (which include the start-up) for the last
                                    # validation, final save and exit; a training still running then
@@ -195,7 +194,7 @@ EVAL_TOKENS=${EVAL_TOKENS:-128}
 CONSISTENCY_CONVERSATIONS=${CONSISTENCY_CONVERSATIONS:-40}  # held-out conversations, teacher-forced (0: the
                                    # consistency phase does not run, ~60-150 s of GPU time saved)
 CONSISTENCY_PROMPTS=${CONSISTENCY_PROMPTS:-30}  # of them decoded (fp32, on the CUDA-graph engines)
-EVAL_FULL=${EVAL_FULL-"4:mix"}     # settings evaluated on both benches with the K sweep (empty: none;
+EVAL_FULL=${EVAL_FULL-"4:both"}    # settings evaluated on both benches with the K sweep (empty: none;
                                    # consistency and HumanEval then do not run)
 EVAL_K=${EVAL_K:-$K}               # K of the other settings (MT-Bench only)
 EVAL_SWEEP=${EVAL_SWEEP:-1..$K}    # MT-Bench K sweep of EVAL_FULL (a K=8 drafter's stopped growing past K=3)
