@@ -52,7 +52,8 @@
 #                        Measured with batch 16 x 2048: alone, 33-39 ms a step with 1 layer and K=8 (6,750
 #                        steps and the cache warm-up in 5.9 minutes on an H100), 48.7 ms with 2 (3,165
 #                        steps in 5 minutes), 43.9 ms with 2 and K=4 (8,250 steps in 8 minutes), 58.7
-#                        ms with 4 and K=4 (6,488 steps in 9 minutes); two
+#                        ms with 4 and K=4 (6,488 steps in 9 minutes), 65.8 ms with 4, K=6 and both's
+#                        states as fp8 (11,250 steps in 15 minutes, ended by early stopping); two
 #                        settings side by side: ~115K tokens/s each where both caches fit, 185 ms a step
 #                        each where they do not (mix data on the H100 host)
 #   eval         measured at 128 new tokens, CUDA graphs: ~35 s for each K of MT-Bench (80 prompts),
