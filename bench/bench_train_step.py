@@ -31,7 +31,8 @@ Time box: the parent (which never imports torch) runs each implementation's case
 process (speculators compiles once for all its cases), each child in its own session with a
 deadline, killed with its process group when it overruns; a child writes each case's result
 file after every milestone, and a crashed child is restarted on the cases it did not reach.
-Outputs in --out: bench_train_step.json, bench_train_step_logs.tgz; the tables are printed last.
+Outputs in --out: bench_train_step.json, bench_train_step_logs.tgz (each case's result and, for a
+profiled case, its step's chrome trace: logs/<case>.trace.json.gz); the tables are printed last.
 
 GPU (one call; speculators and its pure-Python dependencies from wheels in .whl/, installed
 with --no-deps; the CUDA build of peagle_ext):
@@ -389,7 +390,8 @@ def run_case(c, env, path, deadline):
         x_floor=round(med / floor_s, 3),
     )
     if c["with_profile"] and time.time() + 3 * med < deadline:
-        res.set("profiled", profile=profile_step(env, step))
+        trace = os.path.join(os.path.dirname(path), f"{c['name']}.trace.json.gz")
+        res.set("profiled", profile=profile_step(env, step, trace_path=trace))
     res.set(status="ok")
     del model, opt, step
 

@@ -46,3 +46,31 @@ def test_tables_print_a_skipped_case_that_asked_for_a_profile(capsys):
     assert "| peagle-4L-8K | 512 | - |" in out and "skipped: 4s left" in out
     assert "| peagle-1L-8K | 1.0 |" in out  # the profiled case's class row
     assert out.count("| peagle-4L-8K |") == 1  # no class row for the case that never ran
+
+
+def test_a_profiled_case_leaves_its_step_trace_beside_its_result(tmp_path):
+    """--tiny on the CPU, one profiled case: the logs archive holds the case's result and its
+    profiled step as a gzipped chrome trace that names the step's ops."""
+    import gzip
+    import json
+    import subprocess
+    import tarfile
+
+    script = Path(bts.__file__)
+    r = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--tiny", "--cases", "peagle-1L-8K", "--budget-s", "120"]
+        + ["--steps", "2", "--out", str(tmp_path / "out"), "--logdir", str(tmp_path / "logs")],
+        cwd=str(script.parents[1]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "logs" / "peagle-1L-8K.json").read_text())
+    assert res["status"] == "ok" and res["profile"]["kernel_ms"] > 0
+    with tarfile.open(tmp_path / "out" / "bench_train_step_logs.tgz") as t:
+        names = t.getnames()
+        trace = json.loads(gzip.decompress(t.extractfile("logs/peagle-1L-8K.trace.json.gz").read()))
+    assert "logs/peagle-1L-8K.json" in names
+    assert any(e.get("name") == "peagle.step" for e in trace["traceEvents"])
+    assert not list((tmp_path / "logs").glob("*.tmp"))
