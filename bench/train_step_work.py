@@ -44,8 +44,8 @@ def sync(env):
 def profile_step(env, step, trace_path=None):
     """Kernel ms per class of one step (CPU smoke test: self time of the leaf ops); on CUDA also
     where the device waits for the host (host activity is recorded too, which slows the host a
-    little: the idle time is an upper bound). trace_path: the step's chrome trace, gzipped, for
-    attributing a class to its kernels and host ops afterwards."""
+    little: the idle time is an upper bound). trace_path: where the step's chrome trace goes (.json.gz:
+    gzipped), for attributing a class to its kernels and host ops afterwards."""
     dev = env["dev"]
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -68,21 +68,8 @@ def profile_step(env, step, trace_path=None):
         out["device_idle_ms"] = idle["idle_ms"]
         out["idle_by_host_op"] = idle["by_host_op"]
     if trace_path:
-        write_trace(prof, trace_path)
+        prof.export_chrome_trace(trace_path)  # a path ending in .gz is written gzipped
     return out
-
-
-def write_trace(prof, path):
-    """The profiler's chrome trace as gzipped JSON at path (torch writes plain JSON only)."""
-    import gzip
-    import os
-    import shutil
-
-    raw = path + ".tmp"
-    prof.export_chrome_trace(raw)
-    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(raw)
 
 
 def step_flops_floor(layout, weight, cfg, num_layers: int, vocab: int) -> dict:
