@@ -1,0 +1,116 @@
+"""Which host ops launched a profiled step's kernels: device time grouped by kernel class and by
+the op stack around each launch, from a torch.profiler chrome trace.
+
+    python tools/trace_kernels.py TRACE.json[.gz] [--top 40] [--cls copy,elementwise] [--depth 2]
+
+The class is peagle_ext.train.profiling.kernel_class (the classes of bench_train_step's tables).
+Each kernel, copy or memset is matched to its runtime launch by the trace's correlation id, and
+the launch to the host ops (cpu_op events) enclosing it on the same thread; a row names the
+innermost `--depth` of them, outermost first. Times are ms summed over the trace (bench_train_step
+traces hold one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _fail(msg: str):
+    print(f"trace_kernels: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load_events(path: Path) -> list[dict]:
+    if not path.is_file():
+        _fail(f"{path}: no such file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, ValueError, EOFError) as e:
+        _fail(f"{path}: not a chrome trace ({e})")
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        _fail(f"{path}: no traceEvents list")
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+
+
+class HostStacks:
+    """The cpu_op events per thread, to find the ops enclosing a timestamp."""
+
+    def __init__(self, events):
+        by_tid = defaultdict(list)
+        for e in events:
+            if e.get("cat") == "cpu_op" or e.get("cat") == "user_annotation":
+                by_tid[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
+        self.ops = {tid: sorted(v) for tid, v in by_tid.items()}
+        self.starts = {tid: [o[0] for o in v] for tid, v in self.ops.items()}
+
+    def enclosing(self, tid, ts: float) -> list[str]:
+        """Names of the ops open at ts on thread tid, outermost first."""
+        ops = self.ops.get(tid)
+        if not ops:
+            return []
+        hi = bisect.bisect_right(self.starts[tid], ts)
+        # a linear scan back over the ops that started before ts: traces of one step are small
+        return [name for start, end, name in ops[:hi] if end >= ts and not name.startswith("ProfilerStep")]
+
+
+def attribute(events, depth: int):
+    """{(class, stack): [ms, count]} and {class: ms} over the device events."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from peagle_ext.train.profiling import kernel_class
+
+    launches = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = e
+    stacks = HostStacks(events)
+    rows = defaultdict(lambda: [0.0, 0])
+    by_class = defaultdict(float)
+    for e in events:
+        if e.get("cat") not in _DEVICE_CATS:
+            continue
+        ms = float(e.get("dur", 0)) / 1e3
+        cls = kernel_class(e["name"], "cuda")
+        by_class[cls] += ms
+        launch = launches.get((e.get("args") or {}).get("correlation"))
+        stack = stacks.enclosing(launch.get("tid"), float(launch["ts"])) if launch else []
+        key = (cls, " > ".join(stack[-depth:]) if stack else "(no host op)", e["name"][:70])
+        rows[key][0] += ms
+        rows[key][1] += 1
+    return rows, by_class
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--top", type=int, default=40, help="rows to print (default 40)")
+    ap.add_argument("--cls", default="", help="comma-separated kernel classes to keep (default all)")
+    ap.add_argument("--depth", type=int, default=2, help="host ops named per row, innermost (default 2)")
+    a = ap.parse_args(argv)
+    if a.top < 1 or a.depth < 1:
+        ap.error("--top and --depth must be >= 1")
+    keep = {c for c in a.cls.split(",") if c}
+    events = load_events(a.trace)
+    rows, by_class = attribute(events, a.depth)
+    print("class ms: " + ", ".join(f"{c} {ms:.2f}" for c, ms in sorted(by_class.items(), key=lambda kv: -kv[1])))
+    print(f"{'ms':>8} {'n':>5}  class        host ops > kernel")
+    shown = sorted(((k, v) for k, v in rows.items() if not keep or k[0] in keep), key=lambda kv: -kv[1][0])
+    for (cls, stack, kernel), (ms, n) in shown[: a.top]:
+        print(f"{ms:8.3f} {n:5d}  {cls:<12} {stack} > {kernel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
