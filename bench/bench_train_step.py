@@ -23,9 +23,10 @@ Implementations (a case's "impl"; one small builder each, STEP_BUILDERS):
 Per case it reports: step time (median of --steps), peak memory and memory at rest (after a
 step: weights, AdamW state, gradients), kernel time per step by class from torch.profiler
 (cuBLAS GEMMs, index/gather/scatter incl. their sorts, casts/copies/fills, optimizer, other
-elementwise, loss row kernels, attention), and the matmul floor of the work the step cannot
+elementwise, loss row kernels, attention), the matmul floor of the work the step cannot
 avoid (bf16 FLOPs of step_flops_floor at the cuBLAS rates measured in the same run: the head
-GEMM shape and the MLP GEMM shape).
+GEMM shape and the MLP GEMM shape), and the step's bound: that floor plus the bytes AdamW and the
+loss must move (step_bytes_floor) at the memory speed of a plain copy measured in the same run.
 
 Time box: the parent (which never imports torch) runs each implementation's cases in one child
 process (speculators compiles once for all its cases), each child in its own session with a
@@ -52,7 +53,7 @@ import subprocess
 import sys
 import time
 
-from train_step_work import gemm_rates, profile_step, step_flops_floor, sync
+from train_step_work import copy_rate, gemm_rates, profile_step, step_bytes_floor, step_flops_floor, sync
 
 from peagle_ext.train.profiling import KERNEL_CLASSES
 
@@ -344,7 +345,17 @@ def run_case(c, env, path, deadline):
         cublas_tflops=rates,
     )
     model, opt, step = STEP_BUILDERS[c["impl"]](c, env, ex)
-    res.set("built", trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    nbytes = step_bytes_floor(fl, trainable, vocab, logit_bytes=2 if dev.type == "cuda" else 4)  # bf16 / fp32
+    gbps = copy_rate(env)
+    bound_s = floor_s + sum(nbytes.values()) / (gbps * 1e9)
+    res.set(
+        "built",
+        trainable_params=trainable,
+        floor_bytes=nbytes,
+        copy_gbps=round(gbps, 1),
+        bound_ms=round(bound_s * 1e3, 2),
+    )
     warm = []
     for w in range(2):
         t = time.perf_counter()
@@ -388,6 +399,7 @@ def run_case(c, env, path, deadline):
         peak_gb=mem(torch.cuda.max_memory_allocated) if dev.type == "cuda" else None,
         rest_gb=mem(torch.cuda.memory_allocated) if dev.type == "cuda" else None,
         x_floor=round(med / floor_s, 3),
+        x_bound=round(med / bound_s, 3),
     )
     if c["with_profile"] and time.time() + 3 * med < deadline:
         trace = os.path.join(os.path.dirname(path), f"{c['name']}.trace.json.gz")
@@ -533,15 +545,21 @@ def print_tables(meta, res):
     rates = {r["vocab"] or "full": r["cublas_tflops"] for r in res if r.get("cublas_tflops")}
     for v, rt in rates.items():
         print(f"cuBLAS TF/s in this run, vocab {v}: head GEMM {rt['head']:.1f}, MLP GEMM {rt['body']:.1f}")
-    print("| case | N | T | weighted rows | distinct targets | step ms | floor ms | x floor | peak GB | at rest GB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    gbps = next((r["copy_gbps"] for r in res if r.get("copy_gbps")), None)
+    if gbps:
+        print(f"memory speed in this run (a plain copy): {gbps:.0f} GB/s")
+    print(
+        "| case | N | T | weighted rows | distinct targets | step ms | floor ms | x floor | bound ms | x bound "
+        "| peak GB | at rest GB |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in res:
         ms = f"{r['median_s'] * 1e3:.1f}" if r.get("median_s") else "-"
         fl = r.get("floor") or {}
         print(
             f"| {r['name']} | {r['n']} | {r.get('T', '-')} | {fl.get('weighted_rows', '-')} | "
             f"{fl.get('distinct_targets', '-')} | {ms} | {r.get('floor_ms', '-')} | {r.get('x_floor', '-')} | "
-            f"{r.get('peak_gb') or '-'} | {r.get('rest_gb') or '-'} |"
+            f"{r.get('bound_ms', '-')} | {r.get('x_bound', '-')} | {r.get('peak_gb') or '-'} | {r.get('rest_gb') or '-'} |"
             + ("" if r["status"] == "ok" else f" {r['status']}")
         )
     prof = [r for r in res if isinstance(r.get("profile"), dict)]

@@ -1,6 +1,8 @@
 """What one training step has to do and where its GPU time goes: the matmul floor of a layout
-(step_flops_floor), the cuBLAS rates it is priced at (gemm_rates), and the profiled kernel time
-by class (profile_step). Used by bench_train_step.py; importable without a GPU."""
+(step_flops_floor), the cuBLAS rates it is priced at (gemm_rates), the bytes the step's
+bandwidth-bound work must move (step_bytes_floor) and the memory speed they are priced at
+(copy_rate), and the profiled kernel time by class (profile_step). Used by bench_train_step.py;
+importable without a GPU."""
 
 from __future__ import annotations
 
@@ -34,6 +36,40 @@ def gemm_rates(env, vocab):
         del a, b
     env["rates"][key] = out
     return out
+
+
+def copy_rate(env, nbytes: int = 2**30):
+    """Memory speed in GB/s (bytes read plus bytes written per second) of a plain copy of an
+    `nbytes` buffer: what a bandwidth-bound kernel reaches on this device. Measured once per run."""
+    if "copy_gbps" in env:
+        return env["copy_gbps"]
+    torch, dev = env["torch"], env["dev"]
+    if dev.type != "cuda":
+        nbytes = min(nbytes, 2**26)  # the CPU smoke test: a rate, not a benchmark
+    src = torch.empty(nbytes // 4, device=dev, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    reps = 20 if dev.type == "cuda" else 3
+    dst.copy_(src)
+    sync(env)
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(env)
+    env["copy_gbps"] = 2.0 * src.numel() * 4 * reps / (time.perf_counter() - t) / 1e9
+    del src, dst
+    return env["copy_gbps"]
+
+
+def step_bytes_floor(floor: dict, trainable_params: int, vocab: int, logit_bytes: int = 2) -> dict:
+    """Bytes the step's two bandwidth-bound parts must move however they are written (floor:
+    step_flops_floor's result):
+      optimizer  AdamW on fp32 parameters: parameter, gradient and both moments read, parameter
+                 and moments written                                    28 * trainable parameters
+      loss       each weighted draft logit read once and its gradient written once, each distinct
+                 weighted target row's logits read once                 (2 Tw + Mw) * V * logit bytes
+    The GEMMs that write and read the logits are in the matmul floor."""
+    tw, mw = floor["weighted_rows"], floor["distinct_targets"]
+    return {"optimizer": 28.0 * trainable_params, "loss": float((2 * tw + mw) * vocab * logit_bytes)}
 
 
 def sync(env):

@@ -36,6 +36,9 @@ def test_tables_print_a_skipped_case_that_asked_for_a_profile(capsys):
         T=1400,
         floor_ms=10.0,
         x_floor=10.0,
+        bound_ms=12.5,
+        x_bound=8.0,
+        copy_gbps=3000.0,
         peak_gb=None,
         rest_gb=None,
         profile={"classes_ms": {k: 1.0 for k in bts.KERNEL_CLASSES}, "kernel_ms": 7.0, "wall_ms": 9.0},
@@ -44,6 +47,8 @@ def test_tables_print_a_skipped_case_that_asked_for_a_profile(capsys):
     bts.print_tables({"device": "cpu", "tiny": True, "elapsed_s": 1.0}, [ran, skipped])
     out = capsys.readouterr().out
     assert "| peagle-4L-8K | 512 | - |" in out and "skipped: 4s left" in out
+    assert "| 100.0 | 10.0 | 10.0 | 12.5 | 8.0 |" in out  # step, floor, x floor, bound, x bound
+    assert "memory speed in this run (a plain copy): 3000 GB/s" in out
     assert "| peagle-1L-8K | 1.0 |" in out  # the profiled case's class row
     assert out.count("| peagle-4L-8K |") == 1  # no class row for the case that never ran
 
@@ -68,6 +73,15 @@ def test_a_profiled_case_leaves_its_step_trace_beside_its_result(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "logs" / "peagle-1L-8K.json").read_text())
     assert res["status"] == "ok" and res["profile"]["kernel_ms"] > 0
+    # the bound: the matmul floor plus AdamW's 28 bytes per trainable parameter and the loss's
+    # logit bytes at the copy speed measured in the run
+    fl, nb = res["floor"], res["floor_bytes"]
+    assert nb["optimizer"] == 28 * res["trainable_params"]
+    # the tiny verifier's 1,024-token vocab, fp32 logits on the CPU
+    assert nb["loss"] == (2 * fl["weighted_rows"] + fl["distinct_targets"]) * 1024 * 4
+    want = res["floor_ms"] + (nb["optimizer"] + nb["loss"]) / (res["copy_gbps"] * 1e9) * 1e3
+    assert res["bound_ms"] == pytest.approx(want, rel=1e-2) and res["bound_ms"] > res["floor_ms"]
+    assert res["x_bound"] == pytest.approx(res["median_s"] * 1e3 / res["bound_ms"], rel=1e-2)
     with tarfile.open(tmp_path / "out" / "bench_train_step_logs.tgz") as t:
         names = t.getnames()
         trace = json.loads(gzip.decompress(t.extractfile("logs/peagle-1L-8K.trace.json.gz").read()))
