@@ -25,7 +25,7 @@ def _trace(tmp_path, gz=True):
         op("cpu_op", "ProfilerStep#1", 1, 0, 100),
         op("cpu_op", "aten::linear", 1, 10, 20),
         op("cpu_op", "aten::mm", 1, 12, 10),
-        op("cuda_runtime", "cudaLaunchKernel", 1, 14, 2, 7),
+        op("cuda_driver", "cuLaunchKernelEx", 1, 14, 2, 7),  # cuBLAS launches through the driver API
         op("cpu_op", "aten::to", 1, 40, 20),
         op("cpu_op", "aten::copy_", 1, 42, 10),
         op("cuda_runtime", "cudaLaunchKernel", 1, 44, 2, 8),

@@ -71,7 +71,7 @@ def attribute(events, depth: int):
 
     launches = {}
     for e in events:
-        if e.get("cat") == "cuda_runtime":
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):  # cuBLAS and Triton launch through the driver API
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
                 launches[corr] = e
