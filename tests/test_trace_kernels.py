@@ -76,3 +76,10 @@ def test_bad_trace_file_exits_2_naming_it(tmp_path, content):
     p = subprocess.run([sys.executable, tool, str(path)], capture_output=True, text=True)
     assert p.returncode == 2
     assert str(path) in p.stderr and "Traceback" not in p.stderr
+
+
+def test_unknown_class_exits_2_naming_the_classes(tmp_path):
+    tool = str(ROOT / "tools/trace_kernels.py")
+    args = [sys.executable, tool, str(_trace(tmp_path)), "--cls", "copy,copies"]
+    p = subprocess.run(args, capture_output=True, text=True)
+    assert p.returncode == 2 and "--cls" in p.stderr and "copies" in p.stderr and "elementwise" in p.stderr

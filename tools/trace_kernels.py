@@ -4,10 +4,10 @@ the op stack around each launch, from a torch.profiler chrome trace.
     python tools/trace_kernels.py TRACE.json[.gz] [--top 40] [--cls copy,elementwise] [--depth 2]
 
 The class is peagle_ext.train.profiling.kernel_class (the classes of bench_train_step's tables).
-Each kernel, copy or memset is matched to its runtime launch by the trace's correlation id, and
-the launch to the host ops (cpu_op events) enclosing it on the same thread; a row names the
-innermost `--depth` of them, outermost first. Times are ms summed over the trace (bench_train_step
-traces hold one step).
+Each kernel, copy or memset is matched to its launch (runtime or driver API) by the trace's
+correlation id, and the launch to the host ops (cpu_op events) enclosing it on the same thread; a
+row names the innermost `--depth` of them, outermost first. Times are ms summed over the trace
+(bench_train_step traces hold one step).
 """
 
 from __future__ import annotations
@@ -102,6 +102,11 @@ def main(argv=None) -> int:
     if a.top < 1 or a.depth < 1:
         ap.error("--top and --depth must be >= 1")
     keep = {c for c in a.cls.split(",") if c}
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from peagle_ext.train.profiling import KERNEL_CLASSES
+
+    if keep - set(KERNEL_CLASSES):
+        ap.error(f"--cls: unknown class {sorted(keep - set(KERNEL_CLASSES))} (classes: {', '.join(KERNEL_CLASSES)})")
     events = load_events(a.trace)
     rows, by_class = attribute(events, a.depth)
     print("class ms: " + ", ".join(f"{c} {ms:.2f}" for c, ms in sorted(by_class.items(), key=lambda kv: -kv[1])))
