@@ -83,3 +83,16 @@ def test_unknown_class_exits_2_naming_the_classes(tmp_path):
     args = [sys.executable, tool, str(_trace(tmp_path)), "--cls", "copy,copies"]
     p = subprocess.run(args, capture_output=True, text=True)
     assert p.returncode == 2 and "--cls" in p.stderr and "copies" in p.stderr and "elementwise" in p.stderr
+
+
+def test_a_launch_after_a_child_op_ended_belongs_to_the_parent():
+    """aten::to (40-60 us) holds aten::copy_ (42-52); a launch at 55 us is aten::to's alone, and
+    one at 70 us, after both, has no host op."""
+    ev = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::to", "tid": 1, "ts": 40, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 1, "ts": 42, "dur": 10},
+    ]
+    stacks = trace_kernels.HostStacks(ev)
+    assert stacks.enclosing(1, 45) == ["aten::to", "aten::copy_"]
+    assert stacks.enclosing(1, 55) == ["aten::to"]
+    assert stacks.enclosing(1, 70) == [] and stacks.enclosing(2, 45) == []

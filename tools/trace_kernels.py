@@ -44,24 +44,41 @@ def load_events(path: Path) -> list[dict]:
 
 
 class HostStacks:
-    """The cpu_op events per thread, to find the ops enclosing a timestamp."""
+    """The host ops (cpu_op and record_function events) of each thread as a forest: ops on one thread
+    nest, so each op's parent is the innermost op open at its start."""
 
     def __init__(self, events):
         by_tid = defaultdict(list)
         for e in events:
-            if e.get("cat") == "cpu_op" or e.get("cat") == "user_annotation":
-                by_tid[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
-        self.ops = {tid: sorted(v) for tid, v in by_tid.items()}
-        self.starts = {tid: [o[0] for o in v] for tid, v in self.ops.items()}
+            if e.get("cat") in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep"):
+                start = float(e["ts"])
+                by_tid[e.get("tid")].append((start, -(start + float(e.get("dur", 0))), e["name"]))
+        self.threads = {}
+        for tid, ops in by_tid.items():
+            ops.sort()  # by start, the outer of two ops that start together first
+            starts = [s for s, _, _ in ops]
+            ends = [-ne for _, ne, _ in ops]
+            parent, open_ops = [], []
+            for i, start in enumerate(starts):
+                while open_ops and ends[open_ops[-1]] < start:
+                    open_ops.pop()
+                parent.append(open_ops[-1] if open_ops else -1)
+                open_ops.append(i)
+            self.threads[tid] = (starts, ends, [n for _, _, n in ops], parent)
 
     def enclosing(self, tid, ts: float) -> list[str]:
         """Names of the ops open at ts on thread tid, outermost first."""
-        ops = self.ops.get(tid)
-        if not ops:
+        if tid not in self.threads:
             return []
-        hi = bisect.bisect_right(self.starts[tid], ts)
-        # a linear scan back over the ops that started before ts: traces of one step are small
-        return [name for start, end, name in ops[:hi] if end >= ts and not name.startswith("ProfilerStep")]
+        starts, ends, names, parent = self.threads[tid]
+        i = bisect.bisect_right(starts, ts) - 1  # the last op to start by ts; those open at ts are it or its ancestors
+        while i >= 0 and ends[i] < ts:
+            i = parent[i]
+        out = []
+        while i >= 0:
+            out.append(names[i])
+            i = parent[i]
+        return out[::-1]
 
 
 def attribute(events, depth: int):
