@@ -67,7 +67,10 @@ def test_cli_prints_the_heaviest_rows_of_the_chosen_classes(tmp_path):
     assert "Memset" in lines[3] and len(lines) == 4  # the GEMM row is filtered out
 
 
-@pytest.mark.parametrize("content", [None, b"not json", b'{"x": 1}'])
+@pytest.mark.parametrize(
+    "content",
+    [None, b"not json", b'{"x": 1}', b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1}]}'],
+)
 def test_bad_trace_file_exits_2_naming_it(tmp_path, content):
     path = tmp_path / "bad.json"
     if content is not None:

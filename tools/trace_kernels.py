@@ -5,7 +5,7 @@ the op stack around each launch, from a torch.profiler chrome trace.
 
 The class is peagle_ext.train.profiling.kernel_class (the classes of bench_train_step's tables).
 Each kernel, copy or memset is matched to its launch (runtime or driver API) by the trace's
-correlation id, and the launch to the host ops (cpu_op events) enclosing it on the same thread; a
+correlation id, and the launch to the host ops (cpu_op and record_function events) enclosing it on the same thread; a
 row names the innermost `--depth` of them, outermost first. Times are ms summed over the trace
 (bench_train_step traces hold one step).
 """
@@ -19,6 +19,9 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peagle_ext.train.profiling import KERNEL_CLASSES, kernel_class  # noqa: E402
 
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -83,9 +86,6 @@ class HostStacks:
 
 def attribute(events, depth: int):
     """{(class, stack): [ms, count]} and {class: ms} over the device events."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from peagle_ext.train.profiling import kernel_class
-
     launches = {}
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):  # cuBLAS and Triton launch through the driver API
@@ -119,13 +119,13 @@ def main(argv=None) -> int:
     if a.top < 1 or a.depth < 1:
         ap.error("--top and --depth must be >= 1")
     keep = {c for c in a.cls.split(",") if c}
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from peagle_ext.train.profiling import KERNEL_CLASSES
-
     if keep - set(KERNEL_CLASSES):
         ap.error(f"--cls: unknown class {sorted(keep - set(KERNEL_CLASSES))} (classes: {', '.join(KERNEL_CLASSES)})")
     events = load_events(a.trace)
-    rows, by_class = attribute(events, a.depth)
+    try:
+        rows, by_class = attribute(events, a.depth)
+    except (KeyError, TypeError, ValueError) as e:  # an event without its name, ts or dur, or not a number
+        _fail(f"{a.trace}: malformed trace event ({type(e).__name__}: {e})")
     print("class ms: " + ", ".join(f"{c} {ms:.2f}" for c, ms in sorted(by_class.items(), key=lambda kv: -kv[1])))
     print(f"{'ms':>8} {'n':>5}  class        host ops > kernel")
     shown = sorted(((k, v) for k, v in rows.items() if not keep or k[0] in keep), key=lambda kv: -kv[1][0])
